@@ -1,0 +1,9 @@
+"""tensorbend: predict MoE routing before the router runs, and prefetch experts with it.
+
+Example:
+    >>> from tensorbend.models import describe_model        # find MoE layers and routers
+    >>> from tensorbend.collect import collect, CollectConfig # capture exact routing to a trace
+    >>> from tensorbend.trace import Trace                    # read a trace back
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from tensorbend.cli import main
+
+sys.exit(main())

@@ -1,0 +1,262 @@
+"""Find the MoE layers and routers of a loaded HF transformers model, and describe its routing.
+
+Usage:
+    >>> from tensorbend.models import describe_model, router_params, select_experts
+    >>> spec = describe_model(model)            # RoutingSpec: layers, experts, top-k, router kind
+    >>> params = router_params(model, spec)     # {"layers.3.weight": [E, D], ...} for spec_gate
+    >>> ids_TK = select_experts(spec, params, m, gate_input_TD)   # the router's own selection
+
+Shape legend: T tokens, L MoE layers, E routed experts, K top-k, D hidden size.
+
+The MoE layer index `m = 0..L-1` counts MoE layers only; `spec.moe_layer_ids[m]` is the
+decoder-layer id. Dense layers (first_k_dense_replace, mlp_only_layers, decoder_sparse_step,
+moe_layers) are skipped because we detect MoE blocks structurally (a router module inside the
+layer's feed-forward block), and the tests check that against those config fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from tensorbend.errors import UnsupportedModelError
+
+# Router kinds (how the router turns logits into a selection):
+#   softmax       top-k of softmax(logits)              Qwen2/3-MoE, Mixtral, OLMoE
+#   topk_softmax  top-k of logits (+bias), softmax over the k   GPT-OSS, Granite-MoE
+#   sparsemixer   top-k of logits in eval mode           Phi-MoE
+#   sigmoid_topk  top-k of logits, sigmoid weights       Llama-4
+#   sigmoid_bias  top-k of sigmoid(logits) + correction bias            DeepSeek-V3 / Kimi-K2
+#   group_limited sigmoid_bias restricted to the best topk_group of n_group groups  DeepSeek-V3
+ROUTER_KINDS = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_topk", "sigmoid_bias", "group_limited")
+
+
+@dataclass(frozen=True)
+class _Family:
+    moe_attr: str  # feed-forward block attribute on the decoder layer
+    router_attr: str  # router attribute on the MoE block
+    experts_attr: str  # routed experts attribute on the MoE block
+    router_kind: str
+    returns: str = "logits_weights_ids"  # or "scores_logits" (Llama-4)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "deepseek_v3": _Family("mlp", "gate", "experts", "sigmoid_bias"),
+    "qwen3_moe": _Family("mlp", "gate", "experts", "softmax"),
+    "qwen2_moe": _Family("mlp", "gate", "experts", "softmax"),
+    "mixtral": _Family("mlp", "gate", "experts", "softmax"),
+    "olmoe": _Family("mlp", "gate", "experts", "softmax"),
+    "gpt_oss": _Family("mlp", "router", "experts", "topk_softmax"),
+    "phimoe": _Family("mlp", "router", "experts", "sparsemixer"),
+    "granitemoe": _Family("block_sparse_moe", "router", "experts", "topk_softmax"),
+    "llama4_text": _Family("feed_forward", "router", "experts", "sigmoid_topk", "scores_logits"),
+}
+SUPPORTED_FAMILIES = tuple(_FAMILIES)
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """What a predictor and the runtime need to know about a model's routing."""
+
+    family: str  # HF model_type
+    router_kind: str  # one of ROUTER_KINDS
+    num_experts: int  # routed experts per MoE layer (E)
+    top_k: int  # experts selected per token (K)
+    hidden_size: int  # D
+    num_decoder_layers: int
+    moe_layer_ids: tuple[int, ...]  # decoder-layer id of each MoE layer m
+    num_shared_experts: int = 0  # always-on experts (stay resident; not predicted)
+    n_group: int = 1  # group-limited routing: groups of experts
+    topk_group: int = 1  # ... of which this many may be selected
+    norm_topk_prob: bool = False
+    moe_attr: str = "mlp"
+    router_attr: str = "gate"
+    experts_attr: str = "experts"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RoutingSpec:
+        d = dict(d)
+        d["moe_layer_ids"] = tuple(d["moe_layer_ids"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a CausalLM or base model."""
+    for path in ("model.layers", "layers", "model.language_model.layers", "language_model.model.layers"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise UnsupportedModelError(
+        f"cannot find decoder layers in {type(model).__name__}: expected `model.layers` "
+        f"(a transformers CausalLM of one of: {', '.join(SUPPORTED_FAMILIES)})"
+    )
+
+
+def describe_model(model: torch.nn.Module) -> RoutingSpec:
+    """Find MoE layers and routers; raise UnsupportedModelError naming the family otherwise."""
+    config = getattr(model, "config", None)
+    family = _family_name(config)
+    if family not in _FAMILIES:
+        raise UnsupportedModelError(
+            f"model family {family!r} is not supported: expected one of "
+            f"{', '.join(SUPPORTED_FAMILIES)} (open an issue with the model's config.json)"
+        )
+    fam = _FAMILIES[family]
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = decoder_layers(model)
+    moe_ids, routers = [], []
+    for i, layer in enumerate(layers):
+        block = getattr(layer, fam.moe_attr, None)
+        router = getattr(block, fam.router_attr, None) if block is not None else None
+        if router is not None and getattr(router, "weight", None) is not None:
+            moe_ids.append(i)
+            routers.append(router)
+    if not moe_ids:
+        raise UnsupportedModelError(
+            f"{family} model has no MoE layers: expected `{fam.moe_attr}.{fam.router_attr}` in at "
+            f"least one of its {len(layers)} decoder layers (is this a dense checkpoint?)"
+        )
+    router = routers[0]
+    num_experts = int(router.weight.shape[0])
+    top_k = int(getattr(router, "top_k", None) or text_config.num_experts_per_tok)
+    kind = fam.router_kind
+    n_group = int(getattr(router, "num_group", None) or 1)
+    topk_group = int(getattr(router, "topk_group", None) or 1)
+    if kind == "sigmoid_bias" and n_group > 1 and topk_group < n_group:
+        kind = "group_limited"
+    shared = 0
+    if family == "deepseek_v3":
+        shared = int(getattr(text_config, "n_shared_experts", 0) or 0)
+    elif family in ("qwen2_moe", "llama4_text"):
+        shared = 1
+    return RoutingSpec(
+        family=family,
+        router_kind=kind,
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=int(text_config.hidden_size),
+        num_decoder_layers=len(layers),
+        moe_layer_ids=tuple(moe_ids),
+        num_shared_experts=shared,
+        n_group=n_group if kind == "group_limited" else 1,
+        topk_group=topk_group if kind == "group_limited" else 1,
+        norm_topk_prob=bool(getattr(router, "norm_topk_prob", False)),
+        moe_attr=fam.moe_attr,
+        router_attr=fam.router_attr,
+        experts_attr=fam.experts_attr,
+    )
+
+
+def moe_block(model: torch.nn.Module, spec: RoutingSpec, m: int) -> torch.nn.Module:
+    return getattr(decoder_layers(model)[spec.moe_layer_ids[m]], spec.moe_attr)
+
+
+def router_module(model: torch.nn.Module, spec: RoutingSpec, m: int) -> torch.nn.Module:
+    return getattr(moe_block(model, spec, m), spec.router_attr)
+
+
+def router_outputs(spec: RoutingSpec, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalise a router's forward output to (logits_TE, weights_TK, ids_TK)."""
+    if _FAMILIES[spec.family].returns == "scores_logits":
+        scores_TE, logits_TE = output
+        # Same op the router ran on the same logits, so the same ids.
+        ids_TK = torch.topk(logits_TE, spec.top_k, dim=1).indices
+        return logits_TE, scores_TE.gather(1, ids_TK), ids_TK
+    logits_TE, weights_TK, ids_TK = output[0], output[1], output[2]
+    return logits_TE, weights_TK, ids_TK
+
+
+def router_params(model: torch.nn.Module, spec: RoutingSpec) -> dict[str, torch.Tensor]:
+    """Everything needed to rerun each router away from the model (fp32, CPU).
+
+    Keys per MoE layer m: `layers.{m}.weight` [E, D], optional `layers.{m}.bias` [E],
+    `layers.{m}.correction_bias` [E], and the RMSNorm weights that produce the router input
+    from the residual stream: `layers.{m}.gate_norm` (post-attention norm) and
+    `layers.{m}.input_norm` (pre-attention norm) [D], when the layer has them.
+    """
+    out: dict[str, torch.Tensor] = {}
+    layers = decoder_layers(model)
+    for m, lid in enumerate(spec.moe_layer_ids):
+        router = router_module(model, spec, m)
+        out[f"layers.{m}.weight"] = router.weight.detach().float().cpu().clone()
+        if getattr(router, "bias", None) is not None:
+            out[f"layers.{m}.bias"] = router.bias.detach().float().cpu().clone()
+        if getattr(router, "e_score_correction_bias", None) is not None:
+            out[f"layers.{m}.correction_bias"] = router.e_score_correction_bias.detach().float().cpu().clone()
+        for name, attr in (("gate_norm", "post_attention_layernorm"), ("input_norm", "input_layernorm")):
+            norm = getattr(layers[lid], attr, None)
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                out[f"layers.{m}.{name}"] = norm.weight.detach().float().cpu().clone()
+    return out
+
+
+def router_scores(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor) -> torch.Tensor:
+    """Scores whose top-k is exactly the router's selection for router input x_TD; [T, E].
+
+    Beyond the top-k the order is still meaningful (used for over-provisioning): experts of
+    groups excluded by group-limited routing rank after every allowed expert.
+    """
+    x_TD = x_TD.float()
+    logits_TE = x_TD @ params[f"layers.{m}.weight"].T
+    if f"layers.{m}.bias" in params:
+        logits_TE = logits_TE + params[f"layers.{m}.bias"]
+    if spec.router_kind not in ("sigmoid_bias", "group_limited"):
+        return logits_TE  # softmax and sigmoid are monotone: logits rank like probabilities
+    scores_TE = logits_TE.sigmoid()
+    bias = params.get(f"layers.{m}.correction_bias")
+    if bias is not None:
+        scores_TE = scores_TE + bias
+    if spec.router_kind == "group_limited":
+        T, E, G = scores_TE.shape[0], spec.num_experts, spec.n_group
+        group_scores_TG = scores_TE.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_scores_TG.topk(spec.topk_group, dim=-1).indices, True)
+        keep_TE = keep_TG.repeat_interleave(E // G, dim=1)
+        scores_TE = torch.where(keep_TE, scores_TE, scores_TE - 1e4)
+    return scores_TE
+
+
+def select_experts(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor) -> torch.Tensor:
+    """The router's top-k expert ids for router input x_TD; [T, K] (as a set per row)."""
+    return router_scores(spec, params, m, x_TD).topk(spec.top_k, dim=-1).indices
+
+
+def model_fingerprint(model: torch.nn.Module, spec: RoutingSpec) -> str:
+    """sha256 (16 hex) of the config's routing-relevant fields and the router + embedding weights."""
+    h = hashlib.sha256()
+    h.update(json.dumps(spec.to_dict(), sort_keys=True).encode())
+    params = router_params(model, spec)
+    for k in sorted(params):
+        h.update(k.encode())
+        h.update(params[k].numpy().tobytes())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        h.update(emb.weight.detach().float().cpu()[:64].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _family_name(config) -> str:
+    if config is None:
+        return "unknown (no .config)"
+    mt = getattr(config, "model_type", None) or "unknown"
+    if mt == "llama4":
+        return "llama4_text"
+    if mt in ("kimi_k2", "deepseek_v3"):  # Kimi-K2 configs are DeepSeek-V3 models
+        return "deepseek_v3"
+    return mt
