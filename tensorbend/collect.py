@@ -12,6 +12,7 @@ from greedy generation, seeded sampling, or teacher forcing (the prompt's refere
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DECODE_MODES = ("greedy", "sample", "teacher")
+# Test hook: seconds to sleep after each prompt, so a kill -9 test can land mid-collection.
+_SLOW_PROMPT_S = float(os.environ.get("TENSORBEND_TEST_SLOW_PROMPT_S", "0"))
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ def collect(cfg: CollectConfig, progress: bool = True) -> dict:
                 counts["prefill"] += n_pre
                 counts["decode"] += n_dec
                 bar.set_postfix(tokens=counts["prefill"] + counts["decode"])
+                if _SLOW_PROMPT_S:
+                    time.sleep(_SLOW_PROMPT_S)
         finished = True
     finally:
         writer.close(complete=finished)  # whole prompts buffered so far are kept, also on Ctrl-C

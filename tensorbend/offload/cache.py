@@ -1,0 +1,336 @@
+"""A bounded pool of expert slots in fast memory, with eviction policies kept apart from it.
+
+Usage:
+    >>> cache = ExpertCache(CacheConfig(capacity=48), layout, LRU())
+    >>> cache.now = step                          # logical clock: one step per (forward, MoE layer)
+    >>> state = cache.claim((m, e))               # "ready" | "loading" | "absent"; pins if present
+    >>> slot = cache.start_load((m, e), demand=True, block=True)   # I/O thread: reserve a slot
+    >>> cache.finish_load((m, e), nbytes)         # ... after reading into cache.buffer(slot)
+    >>> ready = cache.wait_ready(keys)            # compute thread: blocks (stall) until >= 1 ready
+    >>> cache.release((m, e))                     # unpin after the expert ran
+
+Keys are (MoE layer m, expert e). An entry is LOADING (a read is in flight into its slot) or
+READY; `pins` counts users that must not lose it. Invariant: entries (loading or ready) never
+exceed `capacity`; only READY entries with no pins are evicted. Demand loads block for a slot
+(one frees as soon as the compute thread finishes an expert, so they cannot deadlock);
+prefetches never block: with no evictable slot, or when the policy says the victim is worth more
+than the prefetch, they are dropped.
+
+Policies decide only *which* entry goes: `LRU`, `LFU` (all-time counts per key), and `NextUse`
+(evict the entry whose next use is farthest: predicted use from hints, or exact use from a
+recorded trace, which is Belady's MIN). Counters live in `CacheStats`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from tensorbend.errors import StoreError
+
+Key = tuple[int, int]  # (MoE layer m, expert e)
+LOADING, READY = 0, 1
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    capacity: int
+    """Expert slots in fast memory (all routed experts are the same size)."""
+    keep: bool = True
+    """Keep experts after use; False frees a slot as soon as its expert ran (policy on_demand)."""
+    device: str = "cpu"
+    """Where slots live: cpu, or cuda (copies then go through pinned staging + a copy stream)."""
+    wait_timeout_s: float = 300.0
+    """A wait longer than this means a bug or a dead disk: raise instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise StoreError(f"expert cache capacity: expected >= 1 slot, found {self.capacity} "
+                             f"(raise --cache-frac)")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # needed expert READY when its layer asked
+    late: int = 0  # needed expert still LOADING (prefetched, not in time)
+    misses: int = 0  # needed expert absent: demand load
+    bytes_read: int = 0
+    demand_loads: int = 0
+    prefetch_issued: int = 0  # prefetch requests queued
+    prefetch_loaded: int = 0  # ... that were read
+    prefetch_used: int = 0  # ... read and then needed before eviction
+    prefetch_wasted: int = 0  # ... read and evicted (or left at the end) unused
+    prefetch_wasted_bytes: int = 0
+    prefetch_cancelled: int = 0  # stale before their read started
+    prefetch_dropped: int = 0  # no slot worth taking
+    evictions: int = 0
+    stall_s: float = 0.0  # compute thread waiting for experts
+    peak_entries: int = 0
+
+    @property
+    def demands(self) -> int:
+        return self.hits + self.late + self.misses
+
+    @property
+    def demand_hit_rate(self) -> float:
+        return self.hits / self.demands if self.demands else 1.0
+
+    def copy(self) -> CacheStats:
+        return CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def minus(self, other: CacheStats) -> CacheStats:
+        out = self.copy()
+        for f in fields(self):
+            if f.name != "peak_entries":
+                setattr(out, f.name, getattr(self, f.name) - getattr(other, f.name))
+        return out
+
+
+@dataclass
+class _Entry:
+    slot: int
+    state: int = LOADING
+    pins: int = 0
+    prefetched: bool = False
+    used: bool = False
+    last: tuple[int, int] = (0, 0)  # (clock, sequence) of the last access
+
+
+class LRU:
+    name = "lru"
+
+    def touch(self, key: Key) -> None:
+        pass
+
+    def rank(self, key: Key, entry: _Entry, now: int):  # the highest rank is evicted
+        return (0, _neg(entry.last))
+
+    def hint(self, key: Key, when: int) -> None:
+        pass
+
+
+class LFU(LRU):
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self.counts: dict[Key, int] = {}
+
+    def touch(self, key: Key) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def rank(self, key: Key, entry: _Entry, now: int):
+        return (-self.counts.get(key, 0), _neg(entry.last))
+
+
+@dataclass
+class NextUse(LRU):
+    """Evict the farthest next use; without a known next use, the least recently used.
+
+    next_use(key, now) gives exact future use (oracle / Belady); otherwise hints from
+    predictions (`hint(key, step)`) count while they lie in the future.
+    """
+
+    next_use: Callable[[Key, int], float] | None = None
+    name: str = "next_use"
+    hints: dict[Key, int] = field(default_factory=dict)
+
+    def hint(self, key: Key, when: int) -> None:
+        self.hints[key] = when
+
+    def when(self, key: Key, now: int) -> float:
+        if self.next_use is not None:
+            return self.next_use(key, now)
+        h = self.hints.get(key)
+        return h if h is not None and h >= now else INF
+
+    def rank(self, key: Key, entry: _Entry, now: int):
+        return (self.when(key, now), _neg(entry.last))
+
+
+class ExpertCache:
+    """Slots + entries + counters; every method is thread-safe."""
+
+    def __init__(self, cfg: CacheConfig, numel: int, dtype: torch.dtype, policy: LRU, nbytes: int):
+        self.cfg, self.policy, self.nbytes = cfg, policy, nbytes
+        self.device = torch.device(cfg.device)
+        self.pool_CN = torch.empty(cfg.capacity, numel, dtype=dtype, device=self.device)
+        self.entries: dict[Key, _Entry] = {}
+        self.free = list(range(cfg.capacity - 1, -1, -1))
+        self.stats = CacheStats()
+        self.now = 0
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.pool_CN[slot]
+
+    def weights(self, key: Key) -> torch.Tensor:
+        return self.pool_CN[self.entries[key].slot]
+
+    # ------------------------------------------------------------ compute thread
+
+    def claim(self, key: Key) -> str:
+        """Count a demand for key; pin it if present. Returns ready, loading or absent."""
+        with self._cond:
+            self.policy.touch(key)
+            entry = self.entries.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return "absent"
+            entry.pins += 1
+            self._touch(entry)
+            if entry.prefetched and not entry.used:
+                self.stats.prefetch_used += 1
+            entry.used = True
+            if entry.state == READY:
+                self.stats.hits += 1
+                return "ready"
+            self.stats.late += 1
+            return "loading"
+
+    def wait_ready(self, keys) -> list[Key]:
+        """Block until at least one of `keys` (pinned by the caller) is READY; return those."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                ready = [k for k in keys if k in self.entries and self.entries[k].state == READY]
+                if ready:
+                    self.stats.stall_s += time.perf_counter() - t0
+                    return ready
+                if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
+                    raise StoreError(f"expert loads for {sorted(keys)[:4]} did not finish in "
+                                     f"{self.cfg.wait_timeout_s:.0f} s: the store's disk is stuck")
+                self._cond.wait(timeout=1.0)
+
+    def release(self, key: Key) -> None:
+        with self._cond:
+            entry = self.entries[key]
+            assert entry.pins > 0, f"release of unpinned expert {key}"
+            entry.pins -= 1
+            if entry.pins == 0 and not self.cfg.keep:
+                self._evict(key)
+            self._cond.notify_all()
+
+    def hint(self, key: Key, when: int) -> None:
+        with self._cond:
+            self.policy.hint(key, when)
+
+    def finalize(self) -> None:
+        """End of a run: prefetched experts never used count as wasted."""
+        with self._cond:
+            for entry in self.entries.values():
+                if entry.prefetched and not entry.used and entry.state == READY:
+                    entry.used = True
+                    self.stats.prefetch_wasted += 1
+                    self.stats.prefetch_wasted_bytes += self.nbytes
+
+    # ------------------------------------------------------------ I/O threads
+
+    def start_load(self, key: Key, demand: bool, block: bool, when: float = INF) -> int | None:
+        """Reserve a slot for key (LOADING). None when present already or (prefetch) no slot.
+
+        A demand load pins the entry for the compute thread that asked for it.
+        """
+        with self._cond:
+            while True:
+                entry = self.entries.get(key)
+                if entry is not None:
+                    if demand:
+                        entry.pins += 1
+                        if entry.prefetched and not entry.used:
+                            self.stats.prefetch_used += 1
+                        entry.used = True
+                    return None
+                if self.free:
+                    break
+                victim = self._victim()
+                if victim is not None and (demand or self._worth(victim, when)):
+                    self._evict(victim)
+                    break
+                if not block:
+                    self.stats.prefetch_dropped += 1
+                    return None
+                self._cond.wait(timeout=1.0)
+                if self._error is not None:
+                    raise self._error
+            slot = self.free.pop()
+            entry = _Entry(slot, LOADING, pins=1 if demand else 0, prefetched=not demand, used=demand)
+            self._touch(entry)
+            self.entries[key] = entry
+            self.stats.peak_entries = max(self.stats.peak_entries, len(self.entries))
+            assert len(self.entries) <= self.cfg.capacity
+            return slot
+
+    def finish_load(self, key: Key, nbytes: int) -> None:
+        with self._cond:
+            entry = self.entries[key]
+            entry.state = READY
+            self.stats.bytes_read += nbytes
+            if entry.prefetched:
+                self.stats.prefetch_loaded += 1
+            else:
+                self.stats.demand_loads += 1
+            if entry.pins == 0 and not self.cfg.keep and not entry.prefetched:
+                self._evict(key)
+            self._cond.notify_all()
+
+    def fail_load(self, key: Key, error: BaseException) -> None:
+        """A read failed: drop the entry and hand the error to the compute thread."""
+        with self._cond:
+            entry = self.entries.pop(key, None)
+            if entry is not None:
+                self.free.append(entry.slot)
+            self._error = self._error or error
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ helpers (lock held)
+
+    def _touch(self, entry: _Entry) -> None:
+        self._seq += 1
+        entry.last = (self.now, self._seq)
+
+    def _victim(self) -> Key | None:
+        cands = [(k, e) for k, e in self.entries.items() if e.state == READY and e.pins == 0]
+        if not cands:
+            return None
+        return max(cands, key=lambda ke: self.policy.rank(ke[0], ke[1], self.now))[0]
+
+    def _worth(self, victim: Key, when: float) -> bool:
+        """Evict victim for a prefetch needed at `when` only if victim is needed later."""
+        if not isinstance(self.policy, NextUse):
+            return True
+        return self.policy.when(victim, self.now) > when
+
+    def _evict(self, key: Key) -> None:
+        entry = self.entries.pop(key)
+        self.free.append(entry.slot)
+        self.stats.evictions += 1
+        if entry.prefetched and not entry.used:
+            self.stats.prefetch_wasted += 1
+            self.stats.prefetch_wasted_bytes += self.nbytes
+
+
+def trace_next_use(steps_by_key: dict[Key, list[int]]) -> Callable[[Key, int], float]:
+    """Exact next use after `now` from sorted access steps per key (Belady's MIN)."""
+
+    def next_use(key: Key, now: int) -> float:
+        steps = steps_by_key.get(key)
+        if not steps:
+            return INF
+        i = bisect.bisect_right(steps, now)
+        return steps[i] if i < len(steps) else INF
+
+    return next_use
+
+
+def _neg(last: tuple[int, int]) -> tuple[int, int]:
+    return (-last[0], -last[1])

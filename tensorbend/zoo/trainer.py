@@ -1,0 +1,371 @@
+"""Train a small MoE causal LM from scratch with the real transformers architectures.
+
+Usage:
+    tensorbend zoo train --arch deepseek_v3 --corpus corpus/ --out runs/zoo/dsv3 --minutes 50
+    >>> from tensorbend.zoo.trainer import ZooTrainConfig, train_zoo_model
+    >>> train_zoo_model(ZooTrainConfig("qwen3_moe", Path("corpus"), Path("out"), tokens=10**6))
+
+What it does, in order: trains a byte-level BPE tokenizer on the corpus train split, caches
+train/held-out token ids (uint16), builds the model from a size preset (`recipes.SIZES`), trains
+with AdamW and a warmup + cosine schedule in fp32 (GPU when present), balancing experts the
+way the architecture does (DeepSeek-V3: the trainer nudges `e_score_correction_bias` by
+`bias_gamma * sign(mean_load - load)` after every step, since transformers does not;
+Qwen3-MoE/Mixtral: the model's own aux loss, `output_router_logits=True`), and finally writes a
+standard HF checkpoint directory plus `model_card.json`/`model_card.md` (see `card.py`).
+
+Checkpoints (`OUT/train_state/checkpoint.safetensors`: weights, AdamW state, RNG; scalars and
+the producing config in the safetensors metadata) are written atomically every
+`checkpoint_minutes`, at the end, and on Ctrl-C / SIGTERM; `--resume` continues from them.
+Batches are a pure function of (seed, step), so an interrupted and resumed run sees the same
+data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+from tensorbend.errors import ZooError
+from tensorbend.zoo import card as zoo_card
+from tensorbend.zoo import textdata
+from tensorbend.zoo.recipes import ARCHS, SIZES, build_config, register_sorted_experts
+
+STATE_DIR = "train_state"
+CHECKPOINT = "checkpoint.safetensors"
+FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ZooTrainConfig:
+    """One training run. At least one of `minutes` and `tokens` bounds it; the first reached wins."""
+
+    arch: str
+    """Architecture: deepseek_v3, qwen3_moe or mixtral."""
+    corpus: Path
+    """Corpus directory written by `tensorbend zoo corpus` (train/ and heldout/)."""
+    out: Path
+    """Output directory: the HF checkpoint, model cards, and `train_state/`."""
+    minutes: float | None = None
+    """Wall-clock budget of the training loop (tokenizer and evaluation not included)."""
+    tokens: int | None = None
+    """Budget in training tokens (steps * batch_size * seq_len)."""
+    size: str = "small"
+    """Size preset, a key of `recipes.SIZES`."""
+    seed: int = 0
+    """Seed of the weight init and of the data order."""
+    resume: bool = False
+    """Continue from `out/train_state/checkpoint.safetensors` when it exists."""
+    bias_gamma: float = 1e-2
+    """DeepSeek-V3 bias update speed per step (aux-loss-free balancing)."""
+    aux_loss_coef: float = 0.01
+    """Qwen3-MoE / Mixtral router aux loss coefficient."""
+    checkpoint_minutes: float = 5.0
+    """Minutes between periodic checkpoints."""
+    eval_tokens: int = 131_072
+    """Held-out tokens evaluated for the model card."""
+    threads: int | None = None
+    """torch CPU threads (default: all cores)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ZooError(f"unknown arch {self.arch!r}: expected one of {', '.join(ARCHS)}")
+        if self.size not in SIZES:
+            raise ZooError(
+                f"unknown size preset {self.size!r}: expected one of {', '.join(SIZES)} "
+                "(see tensorbend.zoo.recipes.SIZES)"
+            )
+        if self.minutes is None and self.tokens is None:
+            raise ZooError(
+                "zoo train: expected a budget, found neither --minutes nor --tokens (pass one)"
+            )
+        if (self.minutes is not None and self.minutes <= 0) or (
+            self.tokens is not None and self.tokens <= 0
+        ):
+            raise ZooError(
+                f"zoo train: expected a positive budget, found minutes={self.minutes}, "
+                f"tokens={self.tokens}"
+            )
+
+
+def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
+    """Train (or resume) and write the HF checkpoint + model cards to `cfg.out`; returns it."""
+    size = SIZES[cfg.size]
+    out = Path(cfg.out)
+    state_dir = out / STATE_DIR
+    ckpt_path = state_dir / CHECKPOINT
+    if ckpt_path.exists() and not cfg.resume:
+        raise ZooError(
+            f"zoo train: expected an empty --out, found a training checkpoint in {out} "
+            "(pass --resume to continue it, or choose another --out)"
+        )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tok, train_ids_N, heldout_ids_N = _prepare_data(cfg, size.vocab_size, state_dir, progress)
+    torch.manual_seed(cfg.seed)
+    hf_config = build_config(
+        cfg.arch, size, len(tok), tok.eos_token_id, aux_loss_coef=cfg.aux_loss_coef
+    )
+    model = AutoModelForCausalLM.from_config(hf_config).to(device)
+    model.set_experts_implementation(register_sorted_experts())
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "gate.weight" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=size.lr,
+        betas=(0.9, 0.95),
+    )
+    run = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "last_loss": None}
+    if cfg.resume and ckpt_path.exists():
+        run = _load_checkpoint(ckpt_path, cfg, model, opt)
+
+    routers = _MoeRouters(model)
+    tokens_per_step = size.batch_size * size.seq_len
+    total_steps = math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None
+    budget_s = cfg.minutes * 60 if cfg.minutes else None
+    log = open(state_dir / "train_log.jsonl", "a")
+    bar = tqdm(total=total_steps, initial=run["step"], desc=f"train {cfg.arch}", unit="step",
+               disable=not progress, file=sys.stderr)  # fmt: skip
+    stop = _StopFlag()
+    t_start, t_ckpt = time.monotonic() - run["train_seconds"], time.monotonic()
+    model.train()
+    try:
+        while True:
+            run["train_seconds"] = time.monotonic() - t_start
+            done = [run["step"] / total_steps if total_steps else 0.0,
+                    run["train_seconds"] / budget_s if budget_s else 0.0]  # fmt: skip
+            if max(done) >= 1.0:
+                break
+            lr = size.lr * _lr_factor(run["step"], max(done))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batch_BS = textdata.sample_batch(
+                train_ids_N, size.batch_size, size.seq_len, cfg.seed, run["step"]
+            ).to(device)
+            lm_loss, load_LE = _train_step(model, opt, routers, batch_BS)
+            if cfg.arch == "deepseek_v3":
+                routers.update_bias(load_LE, cfg.bias_gamma)
+            run["step"] += 1
+            run["tokens_seen"] += tokens_per_step
+            run["last_loss"] = lm_loss
+            imbalance = float((load_LE.max(1).values / load_LE.mean(1)).max())
+            bar.update(1)
+            bar.set_postfix(loss=f"{lm_loss:.3f}", lr=f"{lr:.1e}", max_over_mean=f"{imbalance:.2f}")
+            if run["step"] % 25 == 0:
+                log.write(json.dumps({"step": run["step"], "tokens": run["tokens_seen"],
+                                      "seconds": round(time.monotonic() - t_start, 1),
+                                      "loss": round(lm_loss, 4), "lr": lr,
+                                      "max_over_mean_load": round(imbalance, 3)}) + "\n")  # fmt: skip
+                log.flush()
+            if stop.requested:
+                raise KeyboardInterrupt
+            if time.monotonic() - t_ckpt > cfg.checkpoint_minutes * 60:
+                _save_checkpoint(ckpt_path, cfg, model, opt, run)
+                t_ckpt = time.monotonic()
+    except KeyboardInterrupt:
+        run["train_seconds"] = time.monotonic() - t_start
+        _save_checkpoint(ckpt_path, cfg, model, opt, run)
+        raise
+    finally:
+        stop.restore()
+        bar.close()
+        log.close()
+        routers.remove()
+    _save_checkpoint(ckpt_path, cfg, model, opt, run)
+
+    model.eval()
+    stats = zoo_card.evaluate(model, tok, train_ids_N, heldout_ids_N, size.seq_len,
+                              cfg.eval_tokens, progress=progress)  # fmt: skip
+    _save_hf(model, tok, out)
+    zoo_card.write_cards(out, model, cfg, run, stats)
+    return out
+
+
+# ---------------------------------------------------------------- one step
+
+
+def _train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, routers: _MoeRouters, batch_BS: torch.Tensor
+) -> tuple[float, torch.Tensor]:
+    """Forward, backward, clip, AdamW step; returns the LM loss and the step's load [L, E]."""
+    routers.clear()
+    out = model(input_ids=batch_BS, labels=batch_BS)
+    loss = out.loss
+    lm_loss = loss
+    if getattr(out, "aux_loss", None) is not None:
+        lm_loss = loss - model.config.router_aux_loss_coef * out.aux_loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(lm_loss.detach()), routers.load_LE()
+
+
+def _lr_factor(step: int, done: float, warmup_steps: int = 100) -> float:
+    """Linear warmup over the first steps, then cosine from 1 to 0.1 over the budget."""
+    warm = min(1.0, (step + 1) / warmup_steps)
+    return warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
+
+
+class _MoeRouters:
+    """Forward hooks on every MoE router (`layers[i].mlp.gate`) that count selected experts."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.gates = [
+            layer.mlp.gate
+            for layer in model.model.layers
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+        ]
+        self.num_experts = self.gates[0].weight.shape[0]
+        self._ids: list[torch.Tensor | None] = [None] * len(self.gates)
+        self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
+
+    def _hook(self, i: int):
+        def hook(module, args, output):
+            self._ids[i] = output[2].detach()  # [T, K] expert ids the experts module consumes
+
+        return hook
+
+    def clear(self) -> None:
+        self._ids = [None] * len(self.gates)
+
+    def load_LE(self) -> torch.Tensor:
+        return torch.stack(
+            [torch.bincount(ids.reshape(-1), minlength=self.num_experts).float() for ids in self._ids]
+        )
+
+    @torch.no_grad()
+    def update_bias(self, load_LE: torch.Tensor, gamma: float) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+        for gate, load_E in zip(self.gates, load_LE, strict=True):
+            gate.e_score_correction_bias += gamma * torch.sign(load_E.mean() - load_E).to(
+                gate.e_score_correction_bias.device
+            )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and stops."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+        if hasattr(signal, "SIGTERM") and _in_main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+# ---------------------------------------------------------------- data and files
+
+
+def _prepare_data(cfg: ZooTrainConfig, vocab_size: int, state_dir: Path, progress: bool):
+    """Tokenizer and token caches, reused from `state_dir` when they exist (resume)."""
+    tok_dir = state_dir / "tokenizer"
+    if (tok_dir / "tokenizer.json").exists():
+        tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    else:
+        if progress:
+            tqdm.write(f"training a byte-level BPE tokenizer (vocab {vocab_size})", file=sys.stderr)
+        tok = textdata.train_tokenizer(cfg.corpus, vocab_size)
+        tok.save_pretrained(tok_dir)
+    ids = {}
+    for split in ("train", "heldout"):
+        path = state_dir / f"tokens_{split}.npy"
+        if not path.exists():
+            arr = textdata.tokenize_split(tok, cfg.corpus, split, progress=progress)
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, arr)
+            os.replace(tmp, path)
+        ids[split] = np.load(path, mmap_mode="r")
+    return tok, ids["train"], ids["heldout"]
+
+
+def _save_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt, run: dict) -> None:
+    """Weights + AdamW state + RNG in one safetensors file, replaced atomically."""
+    tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    tensors.update({f"model.{n}": b.cpu().contiguous() for n, b in model.named_buffers()
+                    if "correction_bias" in n})  # fmt: skip
+    opt_sd = opt.state_dict()
+    for idx, st in opt_sd["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{idx}.{k}"] = v.detach().cpu().reshape(v.shape).contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "run": json.dumps(run),
+        "config": json.dumps({**asdict(cfg), "corpus": str(cfg.corpus), "out": str(cfg.out)}),
+        "param_groups": json.dumps(opt_sd["param_groups"]),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    saved = json.loads(meta["config"])
+    for key in ("arch", "size", "seed"):
+        if saved[key] != getattr(cfg, key):
+            raise ZooError(
+                f"zoo train --resume: expected {key}={getattr(cfg, key)!r} as in the checkpoint "
+                f"{path}, found {key}={saved[key]!r} there (resume with the same --{key})"
+            )
+    tensors = load_file(str(path))
+    model_sd = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(model_sd, strict=False)
+    assert not unexpected, unexpected
+    opt_state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, idx, name = k.split(".", 2)
+            opt_state.setdefault(int(idx), {})[name] = v
+    opt.load_state_dict({"state": opt_state, "param_groups": json.loads(meta["param_groups"])})
+    torch.set_rng_state(tensors["rng.torch"])
+    return json.loads(meta["run"])
+
+
+def _save_hf(model, tok: PreTrainedTokenizerFast, out: Path) -> None:
+    """Standard HF directory: loads with AutoModelForCausalLM/AutoTokenizer.from_pretrained."""
+    model.set_experts_implementation("eager")
+    model.config._experts_implementation = None  # let loaders pick their default
+    model.config.use_cache = True
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        max_new_tokens=64,
+    ).save_pretrained(out)

@@ -1,0 +1,190 @@
+"""Collect + trace on a real HF checkpoint directory saved by save_pretrained (tiny DeepSeek-V3)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tiny_models import save_checkpoint, write_prompts
+
+from tensorbend.cli import main
+from tensorbend.collect import CollectConfig, collect, load_model
+from tensorbend.errors import PromptFileError, TraceError
+from tensorbend.models import describe_model
+from tensorbend.prompts import load_prompts, split_of
+from tensorbend.trace import Trace
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint("deepseek_v3", d / "model")
+    write_prompts(d / "prompts.jsonl", n=12)
+    return d
+
+
+def _collect(ckpt, out, **kw):
+    cfg = dict(model=str(ckpt / "model"), out=out, prompts=ckpt / "prompts.jsonl", max_new_tokens=4)
+    cfg.update(kw)
+    return collect(CollectConfig(**cfg), progress=False)
+
+
+def test_collect_and_trace_info_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "trace"
+    rc = main(["collect", "--model", str(ckpt / "model"), "--out", str(out), "--prompts",
+               str(ckpt / "prompts.jsonl"), "--max-new-tokens", "4", "--quiet"])
+    assert rc == 0
+    capsys.readouterr()
+    assert main(["trace", "info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    prompts = load_prompts(ckpt / "prompts.jsonl")
+    assert info["format_version"] == 1
+    assert (info["num_moe_layers"], info["num_experts"], info["top_k"], info["hidden_size"]) == (3, 16, 4, 32)
+    assert info["prompts"] == len(prompts)
+    assert info["tokens"]["decode"] == 4 * len(prompts)  # the char tokenizer's eos is never argmax here
+    assert info["features"] == ["ids", "weights", "gate_input"]
+    assert info["decode_mode"] == "greedy"
+
+
+def test_decode_rows_equal_full_sequence_routing(ckpt, tmp_path):
+    """KV-cache decode steps route exactly like a full forward over the generated sequence."""
+    _collect(ckpt, tmp_path / "t", max_new_tokens=6, dtype="float32")
+    rows = Trace.open(tmp_path / "t").load(("ids",))
+    model, _ = load_model(str(ckpt / "model"))
+    spec = describe_model(model)
+    from tensorbend.capture import RoutingCapture
+
+    for pi in range(3):
+        sel = rows["prompt_index_T"] == pi
+        with RoutingCapture(model, spec) as cap, torch.no_grad():
+            model(rows["token_ids_T"][sel].long()[None])
+            full = cap.pop()["expert_ids_TLK"]
+        got = rows["expert_ids_TLK"][sel]
+        assert got.shape == full.shape
+        assert torch.equal(got.sort(-1).values, full.sort(-1).values)
+
+
+def test_teacher_forcing_feeds_the_continuation(ckpt, tmp_path):
+    s = _collect(ckpt, tmp_path / "t", decode="teacher", max_new_tokens=8)
+    prompts = load_prompts(ckpt / "prompts.jsonl")
+    assert s["prompts_without_continuation"] == sum(p.continuation is None for p in prompts)
+    tr = Trace.open(tmp_path / "t")
+    rows = tr.load(("ids",), phase="decode")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt / "model")
+    for i, p in enumerate(prompts):
+        dec = rows["token_ids_T"][rows["prompt_index_T"] == i].tolist()
+        want = tok(p.continuation, add_special_tokens=False).input_ids[:8] if p.continuation else []
+        assert dec == want
+    assert tr.info()["decode_mode"] == "teacher"
+
+
+def test_sampling_is_seeded(ckpt, tmp_path):
+    _collect(ckpt, tmp_path / "a", decode="sample", seed=3, max_prompts=3)
+    _collect(ckpt, tmp_path / "b", decode="sample", seed=3, max_prompts=3)
+    _collect(ckpt, tmp_path / "c", decode="sample", seed=4, max_prompts=3)
+    a, b, c = (Trace.open(tmp_path / x).load(("ids",))["token_ids_T"] for x in "abc")
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_split_filter_and_deterministic_split(ckpt, tmp_path):
+    _collect(ckpt, tmp_path / "t")
+    tr = Trace.open(tmp_path / "t")
+    for split in ("train", "val", "test"):
+        rows = tr.load(("ids",), split=split)
+        idx = set(rows["prompt_index_T"].tolist())
+        assert {tr.prompts[i]["id"] for i in idx} == {p["id"] for p in tr.prompts if p["split"] == split}
+    assert split_of("p0001") == split_of("p0001")
+    counts = {s: sum(split_of(f"x{i}") == s for i in range(2000)) for s in ("train", "val", "test")}
+    assert 1300 < counts["train"] < 1500 and 130 < counts["val"] < 270 and 330 < counts["test"] < 470
+
+
+def test_existing_trace_refused_without_resume_or_overwrite(ckpt, tmp_path):
+    _collect(ckpt, tmp_path / "t", max_prompts=2)
+    with pytest.raises(TraceError, match="pass --resume to continue it or --overwrite"):
+        _collect(ckpt, tmp_path / "t", max_prompts=2)
+    s = _collect(ckpt, tmp_path / "t", resume=True)
+    assert s["prompts_skipped_done"] == 2 and s["prompts_total"] == 12
+    with pytest.raises(TraceError, match="resume .*features"):
+        _collect(ckpt, tmp_path / "t", resume=True, features=("ids",))
+
+
+def test_trace_of_another_model_refused(ckpt, tmp_path):
+    _collect(ckpt, tmp_path / "t", max_prompts=1)
+    other = tmp_path / "other"
+    save_checkpoint("deepseek_v3", other, seed=7)
+    with pytest.raises(TraceError, match="holds a trace of another model"):
+        collect(CollectConfig(model=str(other), out=tmp_path / "t", prompts=ckpt / "prompts.jsonl",
+                              max_new_tokens=2, resume=True), progress=False)
+    assert Trace.open(tmp_path / "t").info()["prompts"] == 1  # untouched
+
+
+def test_truncated_shard_names_the_file_and_others_stay_readable(ckpt, tmp_path):
+    _collect(ckpt, tmp_path / "t", shard_tokens=30)
+    tr = Trace.open(tmp_path / "t")
+    assert len(tr.manifest["shards"]) >= 3
+    victim = tmp_path / "t" / tr.manifest["shards"][1]["file"]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match=f"shard .*{victim.name}: expected {len(data)} bytes"):
+        Trace.open(tmp_path / "t")
+    assert main(["trace", "info", str(tmp_path / "t")]) == 2
+    victim.write_bytes(data[:8] + b"\xff" * (len(data) - 8))  # right size, corrupt header
+    tr = Trace.open(tmp_path / "t")
+    with pytest.raises(TraceError, match=victim.name):
+        tr.load(("ids",))
+    rows = tr.load(("ids",), skip_bad=True)
+    assert rows["expert_ids_TLK"].shape[0] == sum(s["tokens"] for s in tr.manifest["shards"]) - tr.manifest["shards"][1]["tokens"]
+
+
+def test_malformed_prompt_file_names_the_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "text": "hello"}\n\n{"id": "b", "text": }\n')
+    with pytest.raises(PromptFileError, match=r"line 3: not valid JSON"):
+        load_prompts(p)
+    p.write_text('{"id": "a", "text": "hello"}\n{"id": "a", "text": "again"}\n')
+    with pytest.raises(PromptFileError, match=r"line 2: duplicate prompt id 'a'"):
+        load_prompts(p)
+    p.write_text('{"id": "a"}\n')
+    with pytest.raises(PromptFileError, match=r"line 1: expected a non-empty string field 'text'"):
+        load_prompts(p)
+
+
+def test_cli_user_error_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["collect", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model") and "never downloads" in err and "Traceback" not in err
+
+
+def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
+    """kill -9 in the middle of a collection, then --resume: every prompt exactly once, same rows."""
+    ref = tmp_path / "ref"
+    _collect(ckpt, ref, max_new_tokens=6, shard_tokens=1)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "tensorbend", "collect", "--model", str(ckpt / "model"), "--out", str(out),
+           "--prompts", str(ckpt / "prompts.jsonl"), "--max-new-tokens", "6", "--shard-tokens", "1", "--quiet"]
+    env = {**os.environ, "TENSORBEND_TEST_SLOW_PROMPT_S": "0.3"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = out / "manifest.json"
+        if m.is_file() and len(json.loads(m.read_text())["prompts"]) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(json.loads((out / "manifest.json").read_text())["prompts"])
+    assert 3 <= done_before < 12, "the kill should land mid-collection"
+    rc = subprocess.run([*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert rc.returncode == 0, rc.stderr
+    a, b = Trace.open(ref), Trace.open(out)
+    assert [p["id"] for p in b.prompts] == [p["id"] for p in a.prompts]
+    ra, rb = a.load(("ids", "gate_input")), b.load(("ids", "gate_input"))
+    for k in ra:
+        assert torch.equal(ra[k], rb[k]), k
+    assert b.info()["complete"]
