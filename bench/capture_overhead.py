@@ -40,17 +40,36 @@ def build_model(spec: str | None):
         try:
             return load_model(spec)[0], spec
         except Exception as e:  # noqa: BLE001 - fall back to a config-built model, and say so
-            print(f"note: {spec} not loadable ({e}); using a config-built DeepSeek-V3", file=sys.stderr)
+            print(
+                f"note: {spec} not loadable ({e}); using a config-built DeepSeek-V3",
+                file=sys.stderr,
+            )
     import transformers
 
     cfg = transformers.DeepseekV3Config(
-        vocab_size=8192, hidden_size=128, intermediate_size=384, moe_intermediate_size=64,
-        num_hidden_layers=7, first_k_dense_replace=1, n_routed_experts=32, num_experts_per_tok=4,
-        n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+        vocab_size=8192,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        num_hidden_layers=7,
+        first_k_dense_replace=1,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=32,
     )
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval(), "config:deepseek_v3-h128-L7-E32"
+    return transformers.AutoModelForCausalLM.from_config(
+        cfg
+    ).eval(), "config:deepseek_v3-h128-L7-E32"
 
 
 def run_once(model, spec, features, ids, n_decode) -> float:
@@ -95,14 +114,20 @@ def main(argv=None) -> int:
         run_once(model, spec, f, ids, 2)
     for r in range(args.rounds):
         order = list(SETTINGS.items())
-        order = order[r % len(order):] + order[: r % len(order)]  # rotate to spread drift
+        order = order[r % len(order) :] + order[: r % len(order)]  # rotate to spread drift
         for k, f in order:
             times[k].append(run_once(model, spec, f, ids, args.decode))
     base = statistics.median(times["none"])
     rows = []
     for k in SETTINGS:
         ratios = [t / b for t, b in zip(times[k], times["none"], strict=True)]
-        rows.append({"capture": k, "median_s": statistics.median(times[k]), "ratio_vs_none": statistics.median(ratios)})
+        rows.append(
+            {
+                "capture": k,
+                "median_s": statistics.median(times[k]),
+                "ratio_vs_none": statistics.median(ratios),
+            }
+        )
     result = {
         "bench": "capture_overhead",
         "model": name,
@@ -116,7 +141,10 @@ def main(argv=None) -> int:
         "targets": {"ids": 1.10, "ids+gate_input": 1.25},
     }
     for r in rows:
-        print(f"{r['capture']:<28} {r['median_s'] * 1e3:8.1f} ms  x{r['ratio_vs_none']:.3f}", file=sys.stderr)
+        print(
+            f"{r['capture']:<28} {r['median_s'] * 1e3:8.1f} ms  x{r['ratio_vs_none']:.3f}",
+            file=sys.stderr,
+        )
     text = json.dumps(result, indent=2)
     if args.json:
         from pathlib import Path

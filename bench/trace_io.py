@@ -46,13 +46,22 @@ def main(argv=None) -> int:
     model, name = build_model(args.model)
     spec = describe_model(model)
     L, K, E, D = spec.num_moe_layers, spec.top_k, spec.num_experts, spec.hidden_size
-    shapes = {"ids": (L, K), "weights": (L, K), "logits": (L, E), "gate_input": (L, D), "layer_input": (L, D)}
+    shapes = {
+        "ids": (L, K),
+        "weights": (L, K),
+        "logits": (L, E),
+        "gate_input": (L, D),
+        "layer_input": (L, D),
+    }
     results = []
     for label, feats in FEATURE_SETS.items():
         with tempfile.TemporaryDirectory() as tmp:
             w = TraceWriter(
-                Path(tmp) / "t", model_meta={"name": name, "fingerprint": model_fingerprint(model, spec)},
-                spec=spec, features={f: "float16" for f in feats}, collection={},
+                Path(tmp) / "t",
+                model_meta={"name": name, "fingerprint": model_fingerprint(model, spec)},
+                spec=spec,
+                features={f: "float16" for f in feats},
+                collection={},
                 router_params=router_params(model, spec),
             )
             n_prompts = args.tokens // args.prompt_tokens
@@ -62,23 +71,45 @@ def main(argv=None) -> int:
                 rows = {}
                 for f in feats:
                     if f == "ids":
-                        rows[FEATURE_TENSORS[f]] = torch.randint(0, E, (T, *shapes[f]), dtype=torch.int16)
+                        rows[FEATURE_TENSORS[f]] = torch.randint(
+                            0, E, (T, *shapes[f]), dtype=torch.int16
+                        )
                     else:
                         rows[FEATURE_TENSORS[f]] = torch.randn(T, *shapes[f]).half()
                 rows["token_ids_T"] = torch.zeros(T, dtype=torch.int32)
                 rows["positions_T"] = torch.arange(T, dtype=torch.int32)
                 rows["phase_T"] = torch.zeros(T, dtype=torch.int8)
-                w.add_prompt({"id": f"p{i}", "split": "train", "topic": None, "prefill": T, "decode": 0}, rows)
+                w.add_prompt(
+                    {"id": f"p{i}", "split": "train", "topic": None, "prefill": T, "decode": 0},
+                    rows,
+                )
             w.close()
             dt = time.perf_counter() - t0
             shard_bytes = sum(s["bytes"] for s in w.manifest["shards"])
             tokens = n_prompts * T
-            results.append({
-                "features": label, "tokens": tokens, "bytes_per_token": shard_bytes / tokens,
-                "write_mb_s": shard_bytes / dt / 1e6, "tokens_per_s": tokens / dt,
-            })
-            print(f"{label:<24} {shard_bytes / tokens:9.1f} B/token  {shard_bytes / dt / 1e6:7.1f} MB/s", file=sys.stderr)
-    out = {"bench": "trace_io", "model": name, "L": L, "K": K, "E": E, "D": D, "storage_dtype": "float16", "results": results}
+            results.append(
+                {
+                    "features": label,
+                    "tokens": tokens,
+                    "bytes_per_token": shard_bytes / tokens,
+                    "write_mb_s": shard_bytes / dt / 1e6,
+                    "tokens_per_s": tokens / dt,
+                }
+            )
+            print(
+                f"{label:<24} {shard_bytes / tokens:9.1f} B/token  {shard_bytes / dt / 1e6:7.1f} MB/s",
+                file=sys.stderr,
+            )
+    out = {
+        "bench": "trace_io",
+        "model": name,
+        "L": L,
+        "K": K,
+        "E": E,
+        "D": D,
+        "storage_dtype": "float16",
+        "results": results,
+    }
     text = json.dumps(out, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -7,3 +7,11 @@ Example:
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "ExpertPredictorSet":  # the seed's API, imported lazily (pulls in torch)
+        from tensorbend.compat import ExpertPredictorSet
+
+        return ExpertPredictorSet
+    raise AttributeError(f"module 'tensorbend' has no attribute {name!r}")

@@ -31,12 +31,20 @@ FEATURES = tuple(FEATURE_TENSORS)
 class RoutingCapture:
     """Context manager installing forward hooks on every router (and decoder layer if needed)."""
 
-    def __init__(self, model: torch.nn.Module, spec: RoutingSpec, features=("ids",), store_dtype=torch.float16):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: RoutingSpec,
+        features=("ids",),
+        store_dtype=torch.float16,
+    ):
         unknown = set(features) - set(FEATURES)
         if unknown:
             from tensorbend.errors import TensorbendError
 
-            raise TensorbendError(f"unknown capture features {sorted(unknown)}: expected some of {list(FEATURES)}")
+            raise TensorbendError(
+                f"unknown capture features {sorted(unknown)}: expected some of {list(FEATURES)}"
+            )
         self.model, self.spec = model, spec
         self.features = tuple(dict.fromkeys(("ids", *features)))  # ids always
         self.store_dtype = store_dtype
@@ -47,7 +55,9 @@ class RoutingCapture:
     def __enter__(self) -> RoutingCapture:
         layers = decoder_layers(self.model)
         for m, lid in enumerate(self.spec.moe_layer_ids):
-            self._handles.append(router_module(self.model, self.spec, m).register_forward_hook(self._router_hook(m)))
+            self._handles.append(
+                router_module(self.model, self.spec, m).register_forward_hook(self._router_hook(m))
+            )
             if "layer_input" in self.features:
                 self._handles.append(
                     layers[lid].register_forward_pre_hook(self._layer_hook(m), with_kwargs=True)
@@ -67,7 +77,9 @@ class RoutingCapture:
                 continue
             counts = {sum(t.shape[0] for t in chunks) for chunks in per_layer}
             assert len(counts) == 1, f"{feat}: MoE layers saw different token counts {counts}"
-            out[FEATURE_TENSORS[feat]] = torch.stack([torch.cat(chunks) for chunks in per_layer], dim=1)
+            out[FEATURE_TENSORS[feat]] = torch.stack(
+                [torch.cat(chunks) for chunks in per_layer], dim=1
+            )
         self._reset()
         return out
 
@@ -87,9 +99,15 @@ class RoutingCapture:
             if "weights" in buf:
                 buf["weights"][m].append(weights_TK.detach().to("cpu", self.store_dtype, copy=True))
             if "logits" in buf:
-                buf["logits"][m].append(logits_TE.detach().reshape(-1, logits_TE.shape[-1]).to("cpu", self.store_dtype, copy=True))
+                buf["logits"][m].append(
+                    logits_TE.detach()
+                    .reshape(-1, logits_TE.shape[-1])
+                    .to("cpu", self.store_dtype, copy=True)
+                )
             if "gate_input" in buf:
-                buf["gate_input"][m].append(args[0].detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True))
+                buf["gate_input"][m].append(
+                    args[0].detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True)
+                )
 
         return hook
 
@@ -98,6 +116,8 @@ class RoutingCapture:
 
         def hook(module, args, kwargs):
             h = args[0] if args else kwargs["hidden_states"]
-            self._buf["layer_input"][m].append(h.detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True))
+            self._buf["layer_input"][m].append(
+                h.detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True)
+            )
 
         return hook

@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted (finished work on disk is kept; rerun with --resume)", file=sys.stderr)
+        print(
+            "error: interrupted (finished work on disk is kept; rerun with --resume)",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -67,6 +70,48 @@ def _cmd_trace_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from tensorbend.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        trace=Path(args.trace),
+        out=Path(args.out),
+        predictor=args.predictor,
+        lookahead=args.lookahead,
+        seed=args.seed,
+        loss=args.loss,
+        width=args.width,
+        use_prev=not args.no_prev,
+        epochs=args.epochs,
+    )
+    print(_format_summary(train(cfg, progress=not args.quiet)))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from tensorbend.evaluate import EvalConfig, evaluate, format_table
+
+    baselines = () if args.baselines in ("none", "") else tuple(args.baselines.split(","))
+    cfg = EvalConfig(
+        trace=Path(args.trace),
+        predictors=tuple(Path(p) for p in args.predictor),
+        baselines=baselines,
+        lookaheads=tuple(args.lookahead),
+        split=args.split,
+    )
+    report = evaluate(cfg)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.plots:
+        from tensorbend.plots import plot_eval
+
+        for p in plot_eval(report, Path(args.plots)):
+            print(f"plot: {p}")
+    return 0
+
+
 def _cmd_zoo_list(args: argparse.Namespace) -> int:
     from tensorbend.zoo import list_models
 
@@ -74,7 +119,9 @@ def _cmd_zoo_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'name':<18} {'arch':<12} {'params':>10} {'experts':>7} {'top_k':>5} {'moe_layers':>10} {'heldout_loss':>12}")
+    print(
+        f"{'name':<18} {'arch':<12} {'params':>10} {'experts':>7} {'top_k':>5} {'moe_layers':>10} {'heldout_loss':>12}"
+    )
     for r in rows:
         mark = " (default)" if r["default"] else ""
         loss = f"{r['heldout_loss']:.3f}" if r["heldout_loss"] is not None else "-"
@@ -131,23 +178,45 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tensorbend {__version__}")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
 
-    c = sub.add_parser("collect", help="run prompts through a model and record exact routing to a trace")
+    c = sub.add_parser(
+        "collect", help="run prompts through a model and record exact routing to a trace"
+    )
     c.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
     c.add_argument("--out", required=True, help="trace directory to write")
     c.add_argument("--prompts", help="prompts JSONL (default: the shipped calibration prompts)")
-    c.add_argument("--split", default="all", choices=["train", "val", "test", "all"],
-                   help="which prompts of the file to run (default: all)")
-    c.add_argument("--max-new-tokens", type=int, default=32, help="decode steps per prompt (default: 32)")
-    c.add_argument("--features", nargs="+", default=["ids", "weights", "gate_input"],
-                   choices=["ids", "weights", "logits", "gate_input", "layer_input"],
-                   help="what to record per token and MoE layer (default: ids weights gate_input)")
-    c.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"],
-                   help="storage dtype of hidden states and logits in the trace (default: float16)")
-    c.add_argument("--decode", default="greedy", choices=["greedy", "sample", "teacher"],
-                   help="how decode tokens are produced (teacher: feed the prompt's continuation)")
+    c.add_argument(
+        "--split",
+        default="all",
+        choices=["train", "val", "test", "all"],
+        help="which prompts of the file to run (default: all)",
+    )
+    c.add_argument(
+        "--max-new-tokens", type=int, default=32, help="decode steps per prompt (default: 32)"
+    )
+    c.add_argument(
+        "--features",
+        nargs="+",
+        default=["ids", "weights", "gate_input"],
+        choices=["ids", "weights", "logits", "gate_input", "layer_input"],
+        help="what to record per token and MoE layer (default: ids weights gate_input)",
+    )
+    c.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float32", "float16", "bfloat16"],
+        help="storage dtype of hidden states and logits in the trace (default: float16)",
+    )
+    c.add_argument(
+        "--decode",
+        default="greedy",
+        choices=["greedy", "sample", "teacher"],
+        help="how decode tokens are produced (teacher: feed the prompt's continuation)",
+    )
     c.add_argument("--seed", type=int, default=0, help="seed for --decode sample (default: 0)")
     c.add_argument("--max-prompts", type=int, default=None, help="stop after this many prompts")
-    c.add_argument("--shard-tokens", type=int, default=4096, help="tokens per shard (default: 4096)")
+    c.add_argument(
+        "--shard-tokens", type=int, default=4096, help="tokens per shard (default: 4096)"
+    )
     c.add_argument("--resume", action="store_true", help="continue an interrupted collection")
     c.add_argument("--overwrite", action="store_true", help="replace an existing trace in --out")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -159,6 +228,54 @@ def _build_parser() -> argparse.ArgumentParser:
     ti.add_argument("trace_dir")
     ti.add_argument("--json", action="store_true", help="print JSON (keys in DESIGN.md)")
     ti.set_defaults(func=_cmd_trace_info)
+
+    from tensorbend.predictors import BASELINES, LOOKAHEADS, TRAINABLE
+
+    tr = sub.add_parser("train", help="train a predictor on a trace's train split")
+    tr.add_argument("--trace", required=True, help="trace directory (from `collect`)")
+    tr.add_argument("--out", required=True, help="predictor checkpoint to write (.safetensors)")
+    tr.add_argument(
+        "--predictor", default="tensorbend", choices=TRAINABLE, help="kind (default: tensorbend)"
+    )
+    tr.add_argument(
+        "--lookahead", default="d1", choices=list(LOOKAHEADS), help="source point (default: d1)"
+    )
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--loss", default=None, help="tensorbend: listwise|bce; seed_mlp: bce|ranking")
+    tr.add_argument(
+        "--width", type=int, default=None, help="tensorbend: correction width; seed_mlp: p"
+    )
+    tr.add_argument("--no-prev", action="store_true", help="do not feed previous routing")
+    tr.add_argument("--epochs", type=int, default=None, help="override the kind's epoch budget")
+    tr.add_argument("--quiet", action="store_true")
+    tr.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="score predictors and peers on held-out prompts")
+    ev.add_argument("--trace", required=True)
+    ev.add_argument(
+        "--predictor", action="append", default=[], help="trained checkpoint (repeatable)"
+    )
+    ev.add_argument(
+        "--baselines",
+        default="all",
+        help=f"'all', 'none' or comma-separated from: {','.join(BASELINES)} (default: all)",
+    )
+    ev.add_argument(
+        "--lookahead",
+        action="append",
+        default=[],
+        choices=list(LOOKAHEADS),
+        help="lookahead(s) for the baselines (repeatable; default: every one the trace supports)",
+    )
+    ev.add_argument(
+        "--split",
+        default="test",
+        choices=["test", "val", "train", "all"],
+        help="prompts to score (default: test; 'all' for a trace never used in training)",
+    )
+    ev.add_argument("--json", default=None, help="write the report as JSON (keys in DESIGN.md)")
+    ev.add_argument("--plots", default=None, help="directory for PNG plots")
+    ev.set_defaults(func=_cmd_eval)
 
     z = sub.add_parser("zoo", help="small real MoE models trained here")
     zsub = z.add_subparsers(dest="zoo_verb", metavar="SUBVERB")
@@ -178,9 +295,13 @@ def _build_parser() -> argparse.ArgumentParser:
     zt.add_argument("--out", required=True, help="output checkpoint directory")
     zt.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
     zt.add_argument("--tokens", type=int, default=None, help="token budget")
-    zt.add_argument("--size", default="small", help="size preset (see tensorbend.zoo.trainer.SIZES)")
+    zt.add_argument(
+        "--size", default="small", help="size preset (see tensorbend.zoo.trainer.SIZES)"
+    )
     zt.add_argument("--seed", type=int, default=0)
-    zt.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    zt.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --out"
+    )
     zt.add_argument("--quiet", action="store_true")
     zt.set_defaults(func=_cmd_zoo_train)
     return p

@@ -55,12 +55,16 @@ class CollectConfig:
 
     def __post_init__(self):
         if self.decode not in DECODE_MODES:
-            raise TensorbendError(f"--decode {self.decode!r}: expected one of {', '.join(DECODE_MODES)}")
+            raise TensorbendError(
+                f"--decode {self.decode!r}: expected one of {', '.join(DECODE_MODES)}"
+            )
         if self.dtype not in DTYPES or self.model_dtype not in DTYPES:
             raise TensorbendError(f"dtype: expected one of {', '.join(DTYPES)}")
         bad = set(self.features) - set(FEATURES)
         if bad:
-            raise TensorbendError(f"--features {sorted(bad)}: expected some of {', '.join(FEATURES)}")
+            raise TensorbendError(
+                f"--features {sorted(bad)}: expected some of {', '.join(FEATURES)}"
+            )
         if self.max_new_tokens < 0 or self.shard_tokens < 1:
             raise TensorbendError("--max-new-tokens must be >= 0 and --shard-tokens >= 1")
         if self.resume and self.overwrite:
@@ -127,13 +131,23 @@ def collect(cfg: CollectConfig, progress: bool = True) -> dict:
     bar = tqdm(todo, desc="collect", unit="prompt", disable=not progress, file=sys.stderr)
     finished = False
     try:
-        with RoutingCapture(model, spec, features, store_dtype=store) as cap, torch.inference_mode():
+        with (
+            RoutingCapture(model, spec, features, store_dtype=store) as cap,
+            torch.inference_mode(),
+        ):
             for i, p in bar:
                 if cfg.decode == "teacher" and not p.continuation:
                     no_continuation.append(p.id)
                 rows, n_pre, n_dec = _run_prompt(model, tok, cap, p, i, cfg)
                 writer.add_prompt(
-                    {"id": p.id, "split": p.split, "topic": p.topic, "prefill": n_pre, "decode": n_dec}, rows
+                    {
+                        "id": p.id,
+                        "split": p.split,
+                        "topic": p.topic,
+                        "prefill": n_pre,
+                        "decode": n_dec,
+                    },
+                    rows,
                 )
                 counts["prefill"] += n_pre
                 counts["decode"] += n_dec
@@ -164,7 +178,9 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, cfg: Collec
     """Prefill + decode one prompt; returns (rows {name: [T, ...]}, n_prefill, n_decode)."""
     ids = tok(prompt.text, return_tensors="pt").input_ids[:, : cfg.max_prompt_tokens]
     if ids.shape[1] == 0:
-        raise TensorbendError(f"prompt {prompt.id!r} tokenizes to nothing; remove it or give it text")
+        raise TensorbendError(
+            f"prompt {prompt.id!r} tokenizes to nothing; remove it or give it text"
+        )
     forced: list[int] = []
     if cfg.decode == "teacher" and prompt.continuation:
         forced = tok(prompt.continuation, add_special_tokens=False).input_ids[: cfg.max_new_tokens]
@@ -199,10 +215,10 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, cfg: Collec
     n_dec = T - n_pre
     rows["token_ids_T"] = torch.cat(tokens).to(torch.int32)
     rows["positions_T"] = torch.arange(T, dtype=torch.int32)
-    rows["phase_T"] = torch.cat([torch.zeros(n_pre, dtype=torch.int8), torch.ones(n_dec, dtype=torch.int8)])
+    rows["phase_T"] = torch.cat(
+        [torch.zeros(n_pre, dtype=torch.int8), torch.ones(n_dec, dtype=torch.int8)]
+    )
     return rows, n_pre, n_dec
-
-
 
 
 def _cache_of(out):

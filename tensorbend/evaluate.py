@@ -22,7 +22,13 @@ import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.metrics import mean_over_layers, set_metrics
-from tensorbend.predictors import BASELINES, build_baseline, get_lookahead, load_predictor, sources_from_rows
+from tensorbend.predictors import (
+    BASELINES,
+    build_baseline,
+    get_lookahead,
+    load_predictor,
+    sources_from_rows,
+)
 from tensorbend.predictors.base import HEADLINE_LOOKAHEADS
 from tensorbend.predictors.baselines import NEEDS_TRAIN
 from tensorbend.trace import PHASES, Trace
@@ -33,7 +39,9 @@ class EvalConfig:
     trace: Path
     predictors: tuple[Path, ...] = ()  # trained checkpoints (each at its own lookahead)
     baselines: tuple[str, ...] = ("all",)  # names from BASELINES, or "all", or () for none
-    lookaheads: tuple[str, ...] = ()  # for baselines; () = every headline lookahead the trace supports
+    lookaheads: tuple[
+        str, ...
+    ] = ()  # for baselines; () = every headline lookahead the trace supports
     split: str = "test"  # test | val | train | all (all: a trace never used in training)
     timing_rows: int = 50  # batch-1 calls per layer for us_per_token
     overprovision: tuple[int, ...] = field(default=(0, 2, 4))  # plus K, always
@@ -41,7 +49,9 @@ class EvalConfig:
     def __post_init__(self):
         bad = [b for b in self.baselines if b != "all" and b not in BASELINES]
         if bad:
-            raise TensorbendError(f"--baselines {bad}: expected 'all' or names from {', '.join(BASELINES)}")
+            raise TensorbendError(
+                f"--baselines {bad}: expected 'all' or names from {', '.join(BASELINES)}"
+            )
         for la in self.lookaheads:
             get_lookahead(la)
 
@@ -74,15 +84,23 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> dict:
     results = []
     train_ids = tr.load(("ids",), split="train") if any(n in NEEDS_TRAIN for n in names) else None
     router = tr.router_params()
-    loaded = [load_predictor(p, spec=spec, fingerprint=tr.manifest["model"]["fingerprint"]) for p in cfg.predictors]
-    jobs = [(build_baseline(n, spec, la, router_params=router, train_rows=train_ids), None)
-            for la in lookaheads for n in names]
+    loaded = [
+        load_predictor(p, spec=spec, fingerprint=tr.manifest["model"]["fingerprint"])
+        for p in cfg.predictors
+    ]
+    jobs = [
+        (build_baseline(n, spec, la, router_params=router, train_rows=train_ids), None)
+        for la in lookaheads
+        for n in names
+    ]
     jobs += [(p, p.checkpoint) for p in loaded]
     rows_cache: dict[str, dict] = {}
     for pred, ckpt in jobs:
         la = pred.lookahead
         if la.hidden not in rows_cache:
-            rows_cache[la.hidden] = tr.load(("ids", la.hidden), split=None if cfg.split == "all" else cfg.split)
+            rows_cache[la.hidden] = tr.load(
+                ("ids", la.hidden), split=None if cfg.split == "all" else cfg.split
+            )
         rows = rows_cache[la.hidden]
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
@@ -92,21 +110,40 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> dict:
             r = by_phase[phase]
             if not r["tokens"]:
                 continue
-            results.append({
-                "predictor": pred.kind, "checkpoint": ckpt, "lookahead": la.name, "phase": phase,
-                "recall_at_k": r["recall_at_k"], "hit_at_k_plus_p": _rename_k(r["hit_at_k_plus_p"], K),
-                "exact_match": r["exact_match"], "miss_rate": r["miss_rate"], "tokens": r["tokens"],
-                "params": pred.num_params(), "us_per_token": us, "us_per_token_all_layers": us * len(r["per_layer"]),
-                "target_layers": [x["layer"] for x in r["per_layer"]], "per_layer": r["per_layer"],
-            })
+            results.append(
+                {
+                    "predictor": pred.kind,
+                    "checkpoint": ckpt,
+                    "lookahead": la.name,
+                    "phase": phase,
+                    "recall_at_k": r["recall_at_k"],
+                    "hit_at_k_plus_p": _rename_k(r["hit_at_k_plus_p"], K),
+                    "exact_match": r["exact_match"],
+                    "miss_rate": r["miss_rate"],
+                    "tokens": r["tokens"],
+                    "params": pred.num_params(),
+                    "us_per_token": us,
+                    "us_per_token_all_layers": us * len(r["per_layer"]),
+                    "target_layers": [x["layer"] for x in r["per_layer"]],
+                    "per_layer": r["per_layer"],
+                }
+            )
     info = tr.info()
     return {
-        "model": info["model"], "trace": str(cfg.trace), "split": cfg.split, "top_k": K,
-        "num_experts": spec.num_experts, "num_moe_layers": spec.num_moe_layers,
-        "decode_mode": info["decode_mode"], "lookaheads": {n: get_lookahead(n).lead_time for n in
-                                                           dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])},
+        "model": info["model"],
+        "trace": str(cfg.trace),
+        "split": cfg.split,
+        "top_k": K,
+        "num_experts": spec.num_experts,
+        "num_moe_layers": spec.num_moe_layers,
+        "decode_mode": info["decode_mode"],
+        "lookaheads": {
+            n: get_lookahead(n).lead_time
+            for n in dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])
+        },
         "prompts": {s: info["splits"][s] for s in ("train", "val", "test")},
-        "notes": notes, "results": results,
+        "notes": notes,
+        "results": results,
     }
 
 
@@ -150,8 +187,13 @@ def _us_per_token(pred, rows, n: int) -> float:
 def _row(src, i: int):
     from tensorbend.predictors.base import SourceBatch
 
-    return SourceBatch(src.hidden_TD[i : i + 1], None if src.src_ids_TK is None else src.src_ids_TK[i : i + 1],
-                       src.prev_ids_TK[i : i + 1], src.has_prev_T[i : i + 1], src.src_layer)
+    return SourceBatch(
+        src.hidden_TD[i : i + 1],
+        None if src.src_ids_TK is None else src.src_ids_TK[i : i + 1],
+        src.prev_ids_TK[i : i + 1],
+        src.has_prev_T[i : i + 1],
+        src.src_layer,
+    )
 
 
 def _rename_k(hits: dict, K: int) -> dict:
@@ -162,11 +204,19 @@ def _rename_k(hits: dict, K: int) -> dict:
 def format_table(report: dict) -> str:
     """Terminal table: one line per predictor x lookahead x phase."""
     K = report["top_k"]
-    head = (f"{'predictor':<12} {'lookahead':<10} {'phase':<8} {'recall@' + str(K):>9} {'hit@k+2':>8} "
-            f"{'hit@k+4':>8} {'hit@2k':>7} {'exact':>6} {'params':>9} {'us/tok/layer':>12}")
-    lines = [f"model {report['model']}  split {report['split']}  decode rows: {report['decode_mode']}  "
-             f"top-k {K} of {report['num_experts']}  prompts {report['prompts']}", head, "-" * len(head)]
-    for r in sorted(report["results"], key=lambda r: (r["phase"], r["lookahead"], -r["recall_at_k"])):
+    head = (
+        f"{'predictor':<12} {'lookahead':<10} {'phase':<8} {'recall@' + str(K):>9} {'hit@k+2':>8} "
+        f"{'hit@k+4':>8} {'hit@2k':>7} {'exact':>6} {'params':>9} {'us/tok/layer':>12}"
+    )
+    lines = [
+        f"model {report['model']}  split {report['split']}  decode rows: {report['decode_mode']}  "
+        f"top-k {K} of {report['num_experts']}  prompts {report['prompts']}",
+        head,
+        "-" * len(head),
+    ]
+    for r in sorted(
+        report["results"], key=lambda r: (r["phase"], r["lookahead"], -r["recall_at_k"])
+    ):
         h = r["hit_at_k_plus_p"]
         lines.append(
             f"{r['predictor']:<12} {r['lookahead']:<10} {r['phase']:<8} {r['recall_at_k']:>9.4f} "

@@ -32,7 +32,14 @@ from tensorbend.errors import UnsupportedModelError
 #   sigmoid_topk  top-k of logits, sigmoid weights       Llama-4
 #   sigmoid_bias  top-k of sigmoid(logits) + correction bias            DeepSeek-V3 / Kimi-K2
 #   group_limited sigmoid_bias restricted to the best topk_group of n_group groups  DeepSeek-V3
-ROUTER_KINDS = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_topk", "sigmoid_bias", "group_limited")
+ROUTER_KINDS = (
+    "softmax",
+    "topk_softmax",
+    "sparsemixer",
+    "sigmoid_topk",
+    "sigmoid_bias",
+    "group_limited",
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,12 @@ class RoutingSpec:
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a CausalLM or base model."""
-    for path in ("model.layers", "layers", "model.language_model.layers", "language_model.model.layers"):
+    for path in (
+        "model.layers",
+        "layers",
+        "model.language_model.layers",
+        "language_model.model.layers",
+    ):
         obj = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -198,15 +210,22 @@ def router_params(model: torch.nn.Module, spec: RoutingSpec) -> dict[str, torch.
         if getattr(router, "bias", None) is not None:
             out[f"layers.{m}.bias"] = router.bias.detach().float().cpu().clone()
         if getattr(router, "e_score_correction_bias", None) is not None:
-            out[f"layers.{m}.correction_bias"] = router.e_score_correction_bias.detach().float().cpu().clone()
-        for name, attr in (("gate_norm", "post_attention_layernorm"), ("input_norm", "input_layernorm")):
+            out[f"layers.{m}.correction_bias"] = (
+                router.e_score_correction_bias.detach().float().cpu().clone()
+            )
+        for name, attr in (
+            ("gate_norm", "post_attention_layernorm"),
+            ("input_norm", "input_layernorm"),
+        ):
             norm = getattr(layers[lid], attr, None)
             if norm is not None and getattr(norm, "weight", None) is not None:
                 out[f"layers.{m}.{name}"] = norm.weight.detach().float().cpu().clone()
     return out
 
 
-def router_scores(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor) -> torch.Tensor:
+def router_scores(
+    spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor
+) -> torch.Tensor:
     """Scores whose top-k is exactly the router's selection for router input x_TD; [T, E].
 
     Beyond the top-k the order is still meaningful (used for over-provisioning): experts of
@@ -232,7 +251,9 @@ def router_scores(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_
     return scores_TE
 
 
-def select_experts(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor) -> torch.Tensor:
+def select_experts(
+    spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, x_TD: torch.Tensor
+) -> torch.Tensor:
     """The router's top-k expert ids for router input x_TD; [T, K] (as a set per row)."""
     return router_scores(spec, params, m, x_TD).topk(spec.top_k, dim=-1).indices
 

@@ -61,15 +61,21 @@ def load_prompts(path: Path | None = None, split: str = "all") -> list[Prompt]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptFileError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from e
+            raise PromptFileError(
+                f"{where}: not valid JSON ({e.msg}); expected one object per line"
+            ) from e
         if not isinstance(obj, dict):
             raise PromptFileError(f"{where}: expected a JSON object, found {type(obj).__name__}")
         for key in ("id", "text"):
             if not isinstance(obj.get(key), str) or not obj[key]:
-                raise PromptFileError(f"{where}: expected a non-empty string field {key!r}, found {obj.get(key)!r}")
+                raise PromptFileError(
+                    f"{where}: expected a non-empty string field {key!r}, found {obj.get(key)!r}"
+                )
         for key in ("topic", "continuation"):
             if key in obj and obj[key] is not None and not isinstance(obj[key], str):
-                raise PromptFileError(f"{where}: field {key!r} must be a string, found {type(obj[key]).__name__}")
+                raise PromptFileError(
+                    f"{where}: field {key!r} must be a string, found {type(obj[key]).__name__}"
+                )
         if obj["id"] in seen:
             raise PromptFileError(f"{where}: duplicate prompt id {obj['id']!r}; ids must be unique")
         seen.add(obj["id"])
@@ -77,7 +83,9 @@ def load_prompts(path: Path | None = None, split: str = "all") -> list[Prompt]:
         if split == "all" or p.split == split:
             prompts.append(p)
     if not prompts:
-        raise PromptFileError(f"{path}: no prompts{'' if split == 'all' else f' in split {split!r}'}")
+        raise PromptFileError(
+            f"{path}: no prompts{'' if split == 'all' else f' in split {split!r}'}"
+        )
     return prompts
 
 

@@ -55,7 +55,9 @@ class Trace:
         for sh in manifest["shards"]:
             path = root / sh["file"]
             if not path.is_file():
-                raise TraceError(f"trace {root}: shard {path.name} listed in the manifest is missing")
+                raise TraceError(
+                    f"trace {root}: shard {path.name} listed in the manifest is missing"
+                )
             size = path.stat().st_size
             if size != sh["bytes"]:
                 raise TraceError(
@@ -96,7 +98,9 @@ class Trace:
             "family": spec.family,
             "router_kind": spec.router_kind,
             "decode_mode": m["collection"]["decode"],
-            "splits": {s: sum(p["split"] == s for p in m["prompts"]) for s in ("train", "val", "test")},
+            "splits": {
+                s: sum(p["split"] == s for p in m["prompts"]) for s in ("train", "val", "test")
+            },
             "fingerprint": m["model"]["fingerprint"],
             "complete": m.get("complete", False),
         }
@@ -131,7 +135,11 @@ class Trace:
                     f"recollect with `tensorbend collect --features {' '.join(sorted({*self.features, f}))}`"
                 )
             names.append(FEATURE_TENSORS[f])
-        split_ok = None if split in (None, "all") else torch.tensor([p["split"] == split for p in self.prompts])
+        split_ok = (
+            None
+            if split in (None, "all")
+            else torch.tensor([p["split"] == split for p in self.prompts])
+        )
         parts: dict[str, list[torch.Tensor]] = {n: [] for n in (*names, *ROW_TENSORS, "row_T")}
         offset = 0
         for i in range(len(self.manifest["shards"])):
@@ -214,7 +222,9 @@ class TraceWriter:
                 "complete": False,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
-            _atomic_save(router_params, self.root / ROUTER_FILE, {"format_version": str(FORMAT_VERSION)})
+            _atomic_save(
+                router_params, self.root / ROUTER_FILE, {"format_version": str(FORMAT_VERSION)}
+            )
             self._write_manifest()
 
     @property
@@ -245,7 +255,10 @@ class TraceWriter:
                 tensors.setdefault(k, []).append(v)
         cat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
         name = f"shard-{shard_idx:05d}.safetensors"
-        meta = {"format_version": str(FORMAT_VERSION), "fingerprint": self.manifest["model"]["fingerprint"]}
+        meta = {
+            "format_version": str(FORMAT_VERSION),
+            "fingerprint": self.manifest["model"]["fingerprint"],
+        }
         _atomic_save(cat, self.root / name, meta)
         self.manifest["shards"].append(
             {
@@ -294,7 +307,9 @@ def _load_checked(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise TraceError(f"{path}: unreadable safetensors file ({e}); it is truncated or corrupt") from e
+        raise TraceError(
+            f"{path}: unreadable safetensors file ({e}); it is truncated or corrupt"
+        ) from e
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -317,7 +332,9 @@ def _fsync_replace(tmp: Path, path: Path) -> None:
 
 def _remove_trace_files(root: Path) -> None:
     for p in root.iterdir():
-        if p.name in (MANIFEST, ROUTER_FILE) or (p.name.startswith("shard-") and ".safetensors" in p.name):
+        if p.name in (MANIFEST, ROUTER_FILE) or (
+            p.name.startswith("shard-") and ".safetensors" in p.name
+        ):
             p.unlink()
 
 

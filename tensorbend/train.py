@@ -28,7 +28,9 @@ class TrainConfig:
     predictor: str = "tensorbend"  # tensorbend | seed_mlp | frequency | transition
     lookahead: str = "d1"  # pre_attn | d1 | d2 | d3 | same_layer
     seed: int = 0
-    loss: str | None = None  # override the kind's default loss (tensorbend: listwise|bce; seed_mlp: bce|ranking)
+    loss: str | None = (
+        None  # override the kind's default loss (tensorbend: listwise|bce; seed_mlp: bce|ranking)
+    )
     width: int | None = None  # tensorbend: correction width H; seed_mlp: p
     use_prev: bool = True  # feed previous-token (tensorbend) / previous-layer (seed_mlp) routing
     epochs: int | None = None  # override the kind's default epoch budget
@@ -37,7 +39,9 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.predictor not in TRAINABLE:
-            raise TensorbendError(f"--predictor {self.predictor!r}: expected one of {', '.join(TRAINABLE)}")
+            raise TensorbendError(
+                f"--predictor {self.predictor!r}: expected one of {', '.join(TRAINABLE)}"
+            )
         get_lookahead(self.lookahead)
 
 
@@ -54,7 +58,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     tr = Trace.open(cfg.trace)
     la = get_lookahead(cfg.lookahead)
-    feats = ("ids",) if cfg.predictor in ("frequency", "transition") else la.features
+    feats = la.features
     train_rows = _rows(tr, feats, "train", cfg.max_train_prompts)
     val_rows = _rows(tr, feats, "val", None)
     for name, rows in (("train", train_rows), ("val", val_rows)):
@@ -65,38 +69,74 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             )
     spec = tr.spec
     if cfg.predictor == "tensorbend":
-        fit = replace(ResidualGateConfig().fit, seed=cfg.seed, epochs=cfg.epochs or FitConfig.epochs)
-        rc = ResidualGateConfig(fit=fit, use_prev=cfg.use_prev, loss=cfg.loss or "listwise",
-                                hidden=cfg.width or ResidualGateConfig.hidden)
-        p = ResidualGatePredictor.fit(spec, la, tr.router_params(), train_rows, val_rows, rc, progress)
+        fit = replace(
+            ResidualGateConfig().fit, seed=cfg.seed, epochs=cfg.epochs or FitConfig.epochs
+        )
+        rc = ResidualGateConfig(
+            fit=fit,
+            use_prev=cfg.use_prev,
+            loss=cfg.loss or "listwise",
+            hidden=cfg.width or ResidualGateConfig.hidden,
+        )
+        p = ResidualGatePredictor.fit(
+            spec, la, tr.router_params(), train_rows, val_rows, rc, progress
+        )
     elif cfg.predictor == "seed_mlp":
         fit = replace(SEED_FIT, seed=cfg.seed, epochs=cfg.epochs or SEED_FIT.epochs)
-        sc = SeedMLPConfig(fit=fit, use_prev_routing=cfg.use_prev, loss=cfg.loss or "bce",
-                           width=cfg.width or SeedMLPConfig.width)
+        sc = SeedMLPConfig(
+            fit=fit,
+            use_prev_routing=cfg.use_prev,
+            loss=cfg.loss or "bce",
+            width=cfg.width or SeedMLPConfig.width,
+        )
         p = SeedMLPPredictor.fit(spec, la, train_rows, val_rows, sc, progress)
     else:
         freq = FrequencyPredictor.from_rows(spec, la, train_rows)
-        p = freq if cfg.predictor == "frequency" else TransitionPredictor.from_rows(spec, la, train_rows, freq)
-    val = {ph: {k: v for k, v in r.items() if k != "per_layer"} for ph, r in score_predictor(p, val_rows).items()}
+        p = (
+            freq
+            if cfg.predictor == "frequency"
+            else TransitionPredictor.from_rows(spec, la, train_rows, freq)
+        )
+    val = {
+        ph: {k: v for k, v in r.items() if k != "per_layer"}
+        for ph, r in score_predictor(p, val_rows).items()
+    }
     seconds = time.perf_counter() - t0
-    extra = {"train_seconds": seconds, "train_prompts": int(train_rows["prompt_index_T"].unique().numel()),
-             "trace": str(cfg.trace)}
+    # No timings in the checkpoint: the same seed gives the same bytes.
+    extra = {
+        "train_prompts": int(train_rows["prompt_index_T"].unique().numel()),
+        "trace": str(cfg.trace),
+    }
     if hasattr(p, "train_rows_recall"):
         extra["train_rows_recall"] = p.train_rows_recall
-    save_predictor(p, cfg.out, fingerprint=tr.manifest["model"]["fingerprint"], val_metrics=val, extra=extra)
-    return {"predictor": p.kind, "lookahead": la.name, "out": str(cfg.out), "params": p.num_params(),
-            "val": {ph: round(v["recall_at_k"], 4) if v["recall_at_k"] is not None else None
-                    for ph, v in val.items()},
-            "seconds": round(seconds, 1), **{k: v for k, v in extra.items() if k != "trace"}}
+    save_predictor(
+        p, cfg.out, fingerprint=tr.manifest["model"]["fingerprint"], val_metrics=val, extra=extra
+    )
+    return {
+        "predictor": p.kind,
+        "lookahead": la.name,
+        "out": str(cfg.out),
+        "params": p.num_params(),
+        "val": {
+            ph: round(v["recall_at_k"], 4) if v["recall_at_k"] is not None else None
+            for ph, v in val.items()
+        },
+        "seconds": round(seconds, 1),
+        **{k: v for k, v in extra.items() if k != "trace"},
+    }
 
 
 def _rows(tr: Trace, feats, split: str, max_prompts: int | None) -> dict:
     rows = tr.load(feats, split=split)
     if max_prompts is not None:
         keep_idx = sorted(set(rows["prompt_index_T"].tolist()))[:max_prompts]
-        keep = torch.isin(rows["prompt_index_T"], torch.tensor(keep_idx, dtype=rows["prompt_index_T"].dtype))
+        keep = torch.isin(
+            rows["prompt_index_T"], torch.tensor(keep_idx, dtype=rows["prompt_index_T"].dtype)
+        )
         new_index = torch.cumsum(keep.long(), 0) - 1
         prev = rows["prev_row_T"]
         rows = {k: v[keep] for k, v in rows.items()}
-        rows["prev_row_T"] = torch.where(prev[keep] >= 0, new_index[prev[keep].clamp(min=0)], prev[keep])
+        rows["prev_row_T"] = torch.where(
+            prev[keep] >= 0, new_index[prev[keep].clamp(min=0)], prev[keep]
+        )
     return rows

@@ -16,13 +16,26 @@ from tensorbend.trace import TraceWriter
 
 def permutation_trace(root, *, L=4, E=16, K=2, D=16, prompts=40, tokens=24, decode=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    spec = RoutingSpec(family="qwen3_moe", router_kind="softmax", num_experts=E, top_k=K, hidden_size=D,
-                       num_decoder_layers=L, moe_layer_ids=tuple(range(L)))
+    spec = RoutingSpec(
+        family="qwen3_moe",
+        router_kind="softmax",
+        num_experts=E,
+        top_k=K,
+        hidden_size=D,
+        num_decoder_layers=L,
+        moe_layer_ids=tuple(range(L)),
+    )
     perms = [torch.randperm(E, generator=g) for _ in range(L)]
     router = {f"layers.{m}.weight": torch.randn(E, D, generator=g) for m in range(L)}
-    w = TraceWriter(root, model_meta={"name": "planted", "fingerprint": f"planted{seed}"}, spec=spec,
-                    features={"ids": "int16", "gate_input": "float16", "layer_input": "float16"},
-                    collection={"decode": "teacher"}, router_params=router, shard_tokens=200)
+    w = TraceWriter(
+        root,
+        model_meta={"name": "planted", "fingerprint": f"planted{seed}"},
+        spec=spec,
+        features={"ids": "int16", "gate_input": "float16", "layer_input": "float16"},
+        collection={"decode": "teacher"},
+        router_params=router,
+        shard_tokens=200,
+    )
     for i in range(prompts):
         T = tokens + decode
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K] distinct
@@ -40,6 +53,9 @@ def permutation_trace(root, *, L=4, E=16, K=2, D=16, prompts=40, tokens=24, deco
         from tensorbend.prompts import split_of
 
         pid = f"q{i:03d}"
-        w.add_prompt({"id": pid, "split": split_of(pid), "topic": None, "prefill": tokens, "decode": decode}, rows)
+        w.add_prompt(
+            {"id": pid, "split": split_of(pid), "topic": None, "prefill": tokens, "decode": decode},
+            rows,
+        )
     w.close()
     return spec, perms

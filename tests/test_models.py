@@ -19,8 +19,13 @@ def _consumed_ids(model, spec):
         def pre(mod, args, kwargs, m=m):
             if spec.family == "llama4_text":
                 # Llama-4 experts take the input pre-scaled by router scores [E*T, D]: nonzero = used.
-                routed_ET = args[0].reshape(spec.num_experts, -1, spec.hidden_size).abs().sum(-1) > 0
-                seen[m] = [set(routed_ET[:, t].nonzero().flatten().tolist()) for t in range(routed_ET.shape[1])]
+                routed_ET = (
+                    args[0].reshape(spec.num_experts, -1, spec.hidden_size).abs().sum(-1) > 0
+                )
+                seen[m] = [
+                    set(routed_ET[:, t].nonzero().flatten().tolist())
+                    for t in range(routed_ET.shape[1])
+                ]
             else:
                 ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
                 seen[m] = [set(r) for r in ids.tolist()]
@@ -43,7 +48,9 @@ def test_capture_equals_consumed_ids(family):
     input_ids = torch.randint(0, 97, (2, 9))
     seen, handles = _consumed_ids(model, spec)
     try:
-        with RoutingCapture(model, spec, features=("ids", "weights", "gate_input", "layer_input")) as cap:
+        with RoutingCapture(
+            model, spec, features=("ids", "weights", "gate_input", "layer_input")
+        ) as cap:
             with torch.no_grad():
                 model(input_ids)
             rows = cap.pop()
@@ -62,7 +69,9 @@ def test_capture_equals_consumed_ids(family):
     params = router_params(model, spec)
     for m in range(L):
         again = select_experts(spec, params, m, rows["gate_input_TLD"][:, m].float())
-        same = [set(a) == set(b) for a, b in zip(again.tolist(), ids_TLK[:, m].tolist(), strict=True)]
+        same = [
+            set(a) == set(b) for a, b in zip(again.tolist(), ids_TLK[:, m].tolist(), strict=True)
+        ]
         assert sum(same) >= T - 1, f"{family} layer {m}: {sum(same)}/{T} rows agree"  # fp16 storage
 
 
@@ -88,10 +97,17 @@ def test_hooks_removed_after_exception():
 
 
 def test_unknown_family_is_a_clear_error():
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedModelError, match=r"'llama' is not supported: expected one of .*deepseek_v3"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'llama' is not supported: expected one of .*deepseek_v3"
+    ):
         describe_model(model)
 
 

@@ -35,17 +35,36 @@ def _collect(ckpt, out, **kw):
 
 def test_collect_and_trace_info_json(ckpt, tmp_path, capsys):
     out = tmp_path / "trace"
-    rc = main(["collect", "--model", str(ckpt / "model"), "--out", str(out), "--prompts",
-               str(ckpt / "prompts.jsonl"), "--max-new-tokens", "4", "--quiet"])
+    rc = main(
+        [
+            "collect",
+            "--model",
+            str(ckpt / "model"),
+            "--out",
+            str(out),
+            "--prompts",
+            str(ckpt / "prompts.jsonl"),
+            "--max-new-tokens",
+            "4",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     capsys.readouterr()
     assert main(["trace", "info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     prompts = load_prompts(ckpt / "prompts.jsonl")
     assert info["format_version"] == 1
-    assert (info["num_moe_layers"], info["num_experts"], info["top_k"], info["hidden_size"]) == (3, 16, 4, 32)
+    assert (info["num_moe_layers"], info["num_experts"], info["top_k"], info["hidden_size"]) == (
+        3,
+        16,
+        4,
+        32,
+    )
     assert info["prompts"] == len(prompts)
-    assert info["tokens"]["decode"] == 4 * len(prompts)  # the char tokenizer's eos is never argmax here
+    assert info["tokens"]["decode"] == 4 * len(
+        prompts
+    )  # the char tokenizer's eos is never argmax here
     assert info["features"] == ["ids", "weights", "gate_input"]
     assert info["decode_mode"] == "greedy"
 
@@ -98,10 +117,14 @@ def test_split_filter_and_deterministic_split(ckpt, tmp_path):
     for split in ("train", "val", "test"):
         rows = tr.load(("ids",), split=split)
         idx = set(rows["prompt_index_T"].tolist())
-        assert {tr.prompts[i]["id"] for i in idx} == {p["id"] for p in tr.prompts if p["split"] == split}
+        assert {tr.prompts[i]["id"] for i in idx} == {
+            p["id"] for p in tr.prompts if p["split"] == split
+        }
     assert split_of("p0001") == split_of("p0001")
     counts = {s: sum(split_of(f"x{i}") == s for i in range(2000)) for s in ("train", "val", "test")}
-    assert 1300 < counts["train"] < 1500 and 130 < counts["val"] < 270 and 330 < counts["test"] < 470
+    assert (
+        1300 < counts["train"] < 1500 and 130 < counts["val"] < 270 and 330 < counts["test"] < 470
+    )
 
 
 def test_existing_trace_refused_without_resume_or_overwrite(ckpt, tmp_path):
@@ -119,8 +142,16 @@ def test_trace_of_another_model_refused(ckpt, tmp_path):
     other = tmp_path / "other"
     save_checkpoint("deepseek_v3", other, seed=7)
     with pytest.raises(TraceError, match="holds a trace of another model"):
-        collect(CollectConfig(model=str(other), out=tmp_path / "t", prompts=ckpt / "prompts.jsonl",
-                              max_new_tokens=2, resume=True), progress=False)
+        collect(
+            CollectConfig(
+                model=str(other),
+                out=tmp_path / "t",
+                prompts=ckpt / "prompts.jsonl",
+                max_new_tokens=2,
+                resume=True,
+            ),
+            progress=False,
+        )
     assert Trace.open(tmp_path / "t").info()["prompts"] == 1  # untouched
 
 
@@ -139,7 +170,10 @@ def test_truncated_shard_names_the_file_and_others_stay_readable(ckpt, tmp_path)
     with pytest.raises(TraceError, match=victim.name):
         tr.load(("ids",))
     rows = tr.load(("ids",), skip_bad=True)
-    assert rows["expert_ids_TLK"].shape[0] == sum(s["tokens"] for s in tr.manifest["shards"]) - tr.manifest["shards"][1]["tokens"]
+    assert (
+        rows["expert_ids_TLK"].shape[0]
+        == sum(s["tokens"] for s in tr.manifest["shards"]) - tr.manifest["shards"][1]["tokens"]
+    )
 
 
 def test_malformed_prompt_file_names_the_line(tmp_path):
@@ -166,8 +200,23 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
     ref = tmp_path / "ref"
     _collect(ckpt, ref, max_new_tokens=6, shard_tokens=1)
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "tensorbend", "collect", "--model", str(ckpt / "model"), "--out", str(out),
-           "--prompts", str(ckpt / "prompts.jsonl"), "--max-new-tokens", "6", "--shard-tokens", "1", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorbend",
+        "collect",
+        "--model",
+        str(ckpt / "model"),
+        "--out",
+        str(out),
+        "--prompts",
+        str(ckpt / "prompts.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--shard-tokens",
+        "1",
+        "--quiet",
+    ]
     env = {**os.environ, "TENSORBEND_TEST_SLOW_PROMPT_S": "0.3"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -180,7 +229,9 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
     proc.wait()
     done_before = len(json.loads((out / "manifest.json").read_text())["prompts"])
     assert 3 <= done_before < 12, "the kill should land mid-collection"
-    rc = subprocess.run([*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rc = subprocess.run(
+        [*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     assert rc.returncode == 0, rc.stderr
     a, b = Trace.open(ref), Trace.open(out)
     assert [p["id"] for p in b.prompts] == [p["id"] for p in a.prompts]

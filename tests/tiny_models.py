@@ -9,46 +9,108 @@ from __future__ import annotations
 import torch
 import transformers
 
-COMMON = dict(vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128, head_dim=8)
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    head_dim=8,
+)
 
 
 def _deepseek_v3(**kw):
     return transformers.DeepseekV3Config(
         **{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
-        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-        first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
-        n_group=4, topk_group=2, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, norm_topk_prob=True, **kw)
+        num_key_value_heads=4,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        norm_topk_prob=True,
+        **kw,
+    )
 
 
 CONFIGS = {
     "deepseek_v3": _deepseek_v3,
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], decoder_sparse_step=1),
+        **COMMON,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+    ),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, intermediate_size=48,
-        moe_intermediate_size=16, shared_expert_intermediate_size=24, num_hidden_layers=4,
-        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2),
+        **{k: v for k, v in COMMON.items() if k != "head_dim"},
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+    ),
     "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, intermediate_size=32, num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2),
+        **COMMON,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+    ),
     "olmoe": lambda: transformers.OlmoeConfig(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, intermediate_size=16,
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2),
+        **{k: v for k, v in COMMON.items() if k != "head_dim"},
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
-        **COMMON, intermediate_size=16, num_hidden_layers=2, num_local_experts=8,
-        num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"]),
+        **COMMON,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "phimoe": lambda: transformers.PhimoeConfig(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, intermediate_size=16,
-        num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2),
+        **{k: v for k, v in COMMON.items() if k != "head_dim"},
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+    ),
     "granitemoe": lambda: transformers.GraniteMoeConfig(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, intermediate_size=16,
-        num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2),
+        **{k: v for k, v in COMMON.items() if k != "head_dim"},
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+    ),
     "llama4_text": lambda: transformers.Llama4TextConfig(
-        **COMMON, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=4,
-        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=64,
-        no_rope_layers=[1, 1, 1, 1]),
+        **COMMON,
+        intermediate_size=16,
+        intermediate_size_mlp=48,
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=64,
+        no_rope_layers=[1, 1, 1, 1],
+    ),
 }
 
 # Decoder-layer ids that must be MoE, from each config's own dense-layer fields.

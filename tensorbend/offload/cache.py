@@ -51,8 +51,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
-            raise StoreError(f"expert cache capacity: expected >= 1 slot, found {self.capacity} "
-                             f"(raise --cache-frac)")
+            raise StoreError(
+                f"expert cache capacity: expected >= 1 slot, found {self.capacity} "
+                f"(raise --cache-frac)"
+            )
 
 
 @dataclass
@@ -207,8 +209,10 @@ class ExpertCache:
                     self.stats.stall_s += time.perf_counter() - t0
                     return ready
                 if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
-                    raise StoreError(f"expert loads for {sorted(keys)[:4]} did not finish in "
-                                     f"{self.cfg.wait_timeout_s:.0f} s: the store's disk is stuck")
+                    raise StoreError(
+                        f"expert loads for {sorted(keys)[:4]} did not finish in "
+                        f"{self.cfg.wait_timeout_s:.0f} s: the store's disk is stuck"
+                    )
                 self._cond.wait(timeout=1.0)
 
     def release(self, key: Key) -> None:
@@ -263,7 +267,9 @@ class ExpertCache:
                 if self._error is not None:
                     raise self._error
             slot = self.free.pop()
-            entry = _Entry(slot, LOADING, pins=1 if demand else 0, prefetched=not demand, used=demand)
+            entry = _Entry(
+                slot, LOADING, pins=1 if demand else 0, prefetched=not demand, used=demand
+            )
             self._touch(entry)
             self.entries[key] = entry
             self.stats.peak_entries = max(self.stats.peak_entries, len(self.entries))

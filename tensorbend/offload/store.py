@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -37,6 +38,7 @@ FORMAT_VERSION = "1"
 IO_MODES = ("buffered", "fadvise", "direct")
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,12 @@ class Link:
 
     def to_dict(self) -> dict:
         mbps = None if self.bandwidth_Bps is None else round(self.bandwidth_Bps / 1e6, 3)
-        return {"name": self.name, "bandwidth_MBps": mbps, "latency_us": round(self.latency_s * 1e6, 2),
-                "note": self.note}
+        return {
+            "name": self.name,
+            "bandwidth_MBps": mbps,
+            "latency_us": round(self.latency_s * 1e6, 2),
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,9 @@ class ExpertLayout:
             p = getattr(experts_module, n, None)
             if isinstance(p, torch.Tensor):
                 parts.append((n, tuple(p.shape[1:])))
-        if not any(n == "gate_up_proj" for n, _ in parts) or not any(n == "down_proj" for n, _ in parts):
+        if not any(n == "gate_up_proj" for n, _ in parts) or not any(
+            n == "down_proj" for n, _ in parts
+        ):
             raise StoreError(
                 f"experts module {type(experts_module).__name__}: expected fused `gate_up_proj` and "
                 f"`down_proj` parameters [E, ...], found {[n for n, _ in parts]}"
@@ -114,8 +122,9 @@ class ExpertLayout:
         return out
 
 
-def write_store(experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path,
-                meta: dict[str, str]) -> Path:
+def write_store(
+    experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
+) -> Path:
     """Stream every expert to `path` (written to a temp file, then renamed: never half-written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,11 +132,19 @@ def write_store(experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, p
     header, at = {}, 0
     for m in range(len(experts_by_layer)):
         for e in range(E):
-            header[_name(m, e)] = {"dtype": _DTYPES[layout.dtype], "shape": [layout.numel],
-                                   "data_offsets": [at, at + layout.nbytes]}
+            header[_name(m, e)] = {
+                "dtype": _DTYPES[layout.dtype],
+                "shape": [layout.numel],
+                "data_offsets": [at, at + layout.nbytes],
+            }
             at += layout.nbytes
-    header["__metadata__"] = {**meta, "format_version": FORMAT_VERSION, "num_layers": str(len(experts_by_layer)),
-                              "num_experts": str(E), "layout": json.dumps(layout.parts)}
+    header["__metadata__"] = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "num_layers": str(len(experts_by_layer)),
+        "num_experts": str(E),
+        "layout": json.dumps(layout.parts),
+    }
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = path.with_suffix(".tmp")
@@ -155,14 +172,18 @@ class ExpertStore:
         try:
             self._fd = os.open(self.path, flags)
         except OSError as e:
-            raise StoreError(f"expert store {self.path}: cannot open ({e}); for io=direct the "
-                             f"filesystem must support O_DIRECT (try --io fadvise)") from e
+            raise StoreError(
+                f"expert store {self.path}: cannot open ({e}); for io=direct the "
+                f"filesystem must support O_DIRECT (try --io fadvise)"
+            ) from e
         self._wire = threading.Lock()
         self._wire_free_at = 0.0
         self._local = threading.local()
 
     @classmethod
-    def open(cls, path: Path, cfg: StoreConfig | None = None, link: Link | None = None) -> ExpertStore:
+    def open(
+        cls, path: Path, cfg: StoreConfig | None = None, link: Link | None = None
+    ) -> ExpertStore:
         path = Path(path)
         try:
             size = path.stat().st_size
@@ -170,15 +191,23 @@ class ExpertStore:
                 (hlen,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(hlen)) if hlen <= size - 8 else None
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise StoreError(f"expert store {path}: unreadable header ({e}); rebuild it (delete the "
-                             f"file and rerun)") from e
+            raise StoreError(
+                f"expert store {path}: unreadable header ({e}); rebuild it (delete the "
+                f"file and rerun)"
+            ) from e
         if header is None or header.get("__metadata__", {}).get("format_version") != FORMAT_VERSION:
-            raise StoreError(f"expert store {path}: expected a tensorbend store (format_version "
-                             f"{FORMAT_VERSION}), found another file; delete it and rerun")
-        need = 8 + hlen + max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+            raise StoreError(
+                f"expert store {path}: expected a tensorbend store (format_version "
+                f"{FORMAT_VERSION}), found another file; delete it and rerun"
+            )
+        need = (
+            8 + hlen + max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        )
         if size < need:
-            raise StoreError(f"expert store {path} is truncated: expected {need} bytes, found {size}; "
-                             f"delete it and rerun to rebuild it from the model")
+            raise StoreError(
+                f"expert store {path} is truncated: expected {need} bytes, found {size}; "
+                f"delete it and rerun to rebuild it from the model"
+            )
         return cls(path, header, 8 + hlen, cfg or StoreConfig(), link or Link())
 
     def close(self) -> None:
@@ -202,12 +231,16 @@ class ExpertStore:
                 if self.cfg.io == "fadvise":
                     os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as e:
-            raise StoreError(f"expert store {self.path}: read of layer {m} expert {e} failed ({e}); "
-                             f"check the disk, or delete the store and rerun") from e
+            raise StoreError(
+                f"expert store {self.path}: read of layer {m} expert {e} failed ({e}); "
+                f"check the disk, or delete the store and rerun"
+            ) from e
         if got != nbytes:
-            raise StoreError(f"expert store {self.path}: short read of layer {m} expert {e} "
-                             f"(expected {nbytes} bytes, got {got}): the file is truncated or "
-                             f"changed; delete it and rerun")
+            raise StoreError(
+                f"expert store {self.path}: short read of layer {m} expert {e} "
+                f"(expected {nbytes} bytes, got {got}): the file is truncated or "
+                f"changed; delete it and rerun"
+            )
         wait = done_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)  # the emulated link is still busy with these bytes
@@ -220,7 +253,9 @@ class ExpertStore:
             return 0.0
         with self._wire:
             start = max(time.perf_counter(), self._wire_free_at)
-            self._wire_free_at = start + (nbytes / link.bandwidth_Bps if link.bandwidth_Bps else 0.0)
+            self._wire_free_at = start + (
+                nbytes / link.bandwidth_Bps if link.bandwidth_Bps else 0.0
+            )
             return self._wire_free_at + link.latency_s
 
     def _read_direct(self, buf: memoryview, offset: int, nbytes: int) -> int:
@@ -251,9 +286,30 @@ def real_link(layer_s: float, expert_bytes: int) -> Link:
     ratio = (real_expert_bytes / real_bw) / real_layer_s
     bw = expert_bytes / (ratio * layer_s)
     lat = real_lat / real_layer_s * layer_s
-    return Link(bw, lat, "h100-pcie5-kimi",
-                f"expert transfer = {ratio:.2f} x resident MoE-layer compute "
-                f"({layer_s * 1e3:.3f} ms here), latency = {real_lat / real_layer_s:.3f} x")
+    return Link(
+        bw,
+        lat,
+        "h100-pcie5-kimi",
+        f"expert transfer = {ratio:.2f} x resident MoE-layer compute "
+        f"({layer_s * 1e3:.3f} ms here), latency = {real_lat / real_layer_s:.3f} x",
+    )
+
+
+def parse_link(text: str, layer_s: float, expert_bytes: int) -> Link:
+    """`none`, `h100-pcie5-kimi` (scaled to this machine), or `BW[,LAT]` like `40MB/s,20us`."""
+    text = text.strip().lower()
+    if text in ("none", ""):
+        return Link()
+    if text == "h100-pcie5-kimi":
+        return real_link(layer_s, expert_bytes)
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", text)
+    if not m:
+        raise StoreError(
+            f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] "
+            f"like 40MB/s,20us"
+        )
+    lat = float(m.group(3) or 0) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 0}[m.group(4)]
+    return Link(float(m.group(1)) * _UNITS[m.group(2)], lat, text)
 
 
 def _name(m: int, e: int) -> str:

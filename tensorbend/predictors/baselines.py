@@ -48,7 +48,9 @@ def build_baseline(
         return OraclePredictor(spec, la)
     if name == "spec_gate":
         if router_params is None:
-            raise TensorbendError("spec_gate needs the model's router weights (a trace's router.safetensors)")
+            raise TensorbendError(
+                "spec_gate needs the model's router weights (a trace's router.safetensors)"
+            )
         return SpecGatePredictor(spec, la, router_params)
     if train_rows is None or train_rows["expert_ids_TLK"].shape[0] == 0:
         raise TensorbendError(f"{name} learns tables from data: expected train rows, found none")
@@ -98,7 +100,9 @@ class OraclePredictor(_Base):
         self._truth_TLK = ids_TLK.long()
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        assert self._truth_TLK is not None and self._truth_TLK.shape[0] == len(src), "set_truth first"
+        assert self._truth_TLK is not None and self._truth_TLK.shape[0] == len(src), (
+            "set_truth first"
+        )
         return multi_hot(self._truth_TLK[:, m], self.spec.num_experts)
 
 
@@ -115,7 +119,9 @@ class FrequencyPredictor(_Base):
         L = ids_TLK.shape[1]
         counts_LE = torch.zeros(L, spec.num_experts)
         for m in range(L):
-            counts_LE[m] = torch.bincount(ids_TLK[:, m].flatten(), minlength=spec.num_experts).float()
+            counts_LE[m] = torch.bincount(
+                ids_TLK[:, m].flatten(), minlength=spec.num_experts
+            ).float()
         return cls(spec, la, counts_LE / counts_LE.sum(-1, keepdim=True).clamp(min=1))
 
     def num_params(self) -> int:

@@ -5,15 +5,16 @@ Usage:
     ...                val_metrics={"recall_at_k": 0.9})
     >>> p = load_predictor("pred.safetensors", spec=trace.spec, fingerprint=fp)   # checks the match
 
-Metadata (all strings): format_version, kind, lookahead, config (JSON), routing (JSON spec),
-fingerprint (model), features (JSON), val_metrics (JSON), tensorbend_version.
+Metadata: one key, `tensorbend_predictor`, holding sorted JSON with format_version, kind,
+lookahead, config, routing (spec), fingerprint (model), features, val_metrics, params,
+tensorbend_version. (One key because safetensors writes several keys in hash order, and the
+same training run must give the same bytes.)
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -23,6 +24,7 @@ from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import get_lookahead
 
 FORMAT_VERSION = 1
+META_KEY = "tensorbend_predictor"
 
 
 def _classes() -> dict:
@@ -38,27 +40,37 @@ def _classes() -> dict:
     }
 
 
-def save_predictor(p, path: str | Path, *, fingerprint: str, val_metrics: dict | None = None,
-                   extra: dict | None = None) -> Path:
+def save_predictor(
+    p,
+    path: str | Path,
+    *,
+    fingerprint: str,
+    val_metrics: dict | None = None,
+    extra: dict | None = None,
+) -> Path:
     from tensorbend import __version__
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "format_version": str(FORMAT_VERSION),
+        "format_version": FORMAT_VERSION,
         "kind": p.kind,
         "lookahead": p.lookahead.name,
-        "config": json.dumps(p.config_dict()),
-        "routing": json.dumps(p.spec.to_dict()),
+        "config": p.config_dict(),
+        "routing": p.spec.to_dict(),
         "fingerprint": fingerprint,
-        "features": json.dumps(list(p.lookahead.features)),
-        "val_metrics": json.dumps(val_metrics or {}),
-        "params": str(p.num_params()),
+        "features": list(p.lookahead.features),
+        "val_metrics": val_metrics or {},
+        "params": p.num_params(),
         "tensorbend_version": __version__,
-        **({k: json.dumps(v) for k, v in extra.items()} if extra else {}),
+        **(extra or {}),
     }
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in p.state_tensors().items()}, str(tmp), metadata=meta)
+    save_file(
+        {k: v.contiguous() for k, v in p.state_tensors().items()},
+        str(tmp),
+        metadata={META_KEY: json.dumps(meta, sort_keys=True)},
+    )
     tmp.replace(path)
     return path
 
@@ -69,22 +81,25 @@ def read_metadata(path: str | Path) -> dict:
         raise CheckpointError(f"predictor {path}: no such file (train one with `tensorbend train`)")
     try:
         with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+            raw = f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"predictor {path}: not a readable safetensors file ({e})") from e
-    if meta.get("format_version") != str(FORMAT_VERSION) or "kind" not in meta:
+    meta = json.loads(raw[META_KEY]) if META_KEY in raw else {}
+    if meta.get("format_version") != FORMAT_VERSION or "kind" not in meta:
         raise CheckpointError(
             f"predictor {path}: expected a tensorbend predictor (format_version {FORMAT_VERSION}), found "
-            f"metadata {sorted(meta)}; a seed checkpoint (.pt) loads with ExpertPredictorSet.load"
+            f"metadata keys {sorted(raw)}; a seed checkpoint loads with ExpertPredictorSet.load"
         )
     return meta
 
 
-def load_predictor(path: str | Path, spec: RoutingSpec | None = None, fingerprint: str | None = None):
+def load_predictor(
+    path: str | Path, spec: RoutingSpec | None = None, fingerprint: str | None = None
+):
     """Load a predictor; with spec/fingerprint given, refuse one trained for another model."""
     path = Path(path)
     meta = read_metadata(path)
-    saved_spec = RoutingSpec.from_dict(json.loads(meta["routing"]))
+    saved_spec = RoutingSpec.from_dict(meta["routing"])
     if fingerprint is not None and meta["fingerprint"] != fingerprint:
         raise CheckpointError(
             f"predictor {path} was trained for model fingerprint {meta['fingerprint']}, found "
@@ -99,13 +114,14 @@ def load_predictor(path: str | Path, spec: RoutingSpec | None = None, fingerprin
                 )
     kinds = _classes()
     if meta["kind"] not in kinds:
-        raise CheckpointError(f"predictor {path}: unknown kind {meta['kind']!r}, expected one of {sorted(kinds)}")
+        raise CheckpointError(
+            f"predictor {path}: unknown kind {meta['kind']!r}, expected one of {sorted(kinds)}"
+        )
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    p = kinds[meta["kind"]].from_state(saved_spec, get_lookahead(meta["lookahead"]),
-                                       json.loads(meta["config"]), tensors)
+    p = kinds[meta["kind"]].from_state(
+        saved_spec, get_lookahead(meta["lookahead"]), meta["config"], tensors
+    )
     p.checkpoint = str(path)
     p.metadata = meta
     return p
-
-

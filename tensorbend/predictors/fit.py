@@ -37,8 +37,15 @@ class FitConfig:
         assert self.epochs >= 1 and self.batch_rows >= 0 and self.lr > 0
 
 
-def fit(module: torch.nn.Module, data: dict[str, torch.Tensor], loss_fn, val_fn, cfg: FitConfig,
-        progress: bool = False, desc: str = "train"):
+def fit(
+    module: torch.nn.Module,
+    data: dict[str, torch.Tensor],
+    loss_fn,
+    val_fn,
+    cfg: FitConfig,
+    progress: bool = False,
+    desc: str = "train",
+):
     """Train `module`; loss_fn(module, batch) -> scalar, val_fn(module) -> float (higher is better)."""
     N = next(iter(data.values())).shape[1]
     bs = N if cfg.batch_rows == 0 else min(cfg.batch_rows, N)
@@ -47,10 +54,14 @@ def fit(module: torch.nn.Module, data: dict[str, torch.Tensor], loss_fn, val_fn,
     total = epochs * steps_per_epoch
     opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     opt = opt_cls(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(total, 1), eta_min=cfg.lr * cfg.cosine_to)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=max(total, 1), eta_min=cfg.lr * cfg.cosine_to
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     best, best_state, stale, history = -math.inf, None, 0, []
-    bar = tqdm(range(epochs), desc=desc, unit="epoch", disable=not progress, file=sys.stderr, leave=False)
+    bar = tqdm(
+        range(epochs), desc=desc, unit="epoch", disable=not progress, file=sys.stderr, leave=False
+    )
     for epoch in bar:
         module.train()
         perm = torch.randperm(N, generator=gen)

@@ -74,7 +74,9 @@ class _Net(torch.nn.Module):
 class ResidualGatePredictor:
     kind = "tensorbend"
 
-    def __init__(self, spec: RoutingSpec, la: Lookahead, router_params: dict, cfg: ResidualGateConfig, H: int):
+    def __init__(
+        self, spec: RoutingSpec, la: Lookahead, router_params: dict, cfg: ResidualGateConfig, H: int
+    ):
         self.spec, self.lookahead, self.cfg, self.H = spec, la, cfg, H
         self.router_params = router_params
         self.gate = SpecGatePredictor(spec, la, router_params)
@@ -85,8 +87,16 @@ class ResidualGatePredictor:
     # ------------------------------------------------------------ API
 
     @classmethod
-    def fit(cls, spec, lookahead, router_params, train_rows, val_rows, cfg: ResidualGateConfig | None = None,
-            progress: bool = False):
+    def fit(
+        cls,
+        spec,
+        lookahead,
+        router_params,
+        train_rows,
+        val_rows,
+        cfg: ResidualGateConfig | None = None,
+        progress: bool = False,
+    ):
         cfg = cfg or ResidualGateConfig()
         la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
         torch.manual_seed(cfg.fit.seed)
@@ -104,15 +114,23 @@ class ResidualGatePredictor:
 
         def val_fn(net):
             s = net(val["g"], val["u"])
-            return sum(float(topk_hits(s[i], val["truth"][i], K).mean()) for i in range(s.shape[0])) / (K * s.shape[0])
+            return sum(
+                float(topk_hits(s[i], val["truth"][i], K).mean()) for i in range(s.shape[0])
+            ) / (K * s.shape[0])
 
-        _, p.history = fit(p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"tensorbend {la.name}")
+        _, p.history = fit(
+            p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"tensorbend {la.name}"
+        )
         p.val_recall = max(h["val"] for h in p.history)
         return p
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         li = m - self.lookahead.distance
-        g = self._gate_scores(m, src) if self.cfg.use_gate else torch.zeros(len(src), self.spec.num_experts)
+        g = (
+            self._gate_scores(m, src)
+            if self.cfg.use_gate
+            else torch.zeros(len(src), self.spec.num_experts)
+        )
         u = self._features(src)
         net = self.net
         with torch.no_grad():
@@ -126,7 +144,9 @@ class ResidualGatePredictor:
         return {**asdict(self.cfg), "H": self.H}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"net.{k}": v.detach().clone().contiguous() for k, v in self.net.state_dict().items()}
+        out = {
+            f"net.{k}": v.detach().clone().contiguous() for k, v in self.net.state_dict().items()
+        }
         out.update({f"router.{k}": v for k, v in self.router_params.items()})
         return out
 
@@ -136,9 +156,11 @@ class ResidualGatePredictor:
         H = config.pop("H")
         fit_cfg = FitConfig(**config.pop("fit"))
         cfg = ResidualGateConfig(**config, fit=fit_cfg)
-        router = {k[len("router."):]: v for k, v in tensors.items() if k.startswith("router.")}
+        router = {k[len("router.") :]: v for k, v in tensors.items() if k.startswith("router.")}
         p = cls(spec, la, router, cfg, H)
-        p.net.load_state_dict({k[len("net."):]: v for k, v in tensors.items() if k.startswith("net.")})
+        p.net.load_state_dict(
+            {k[len("net.") :]: v for k, v in tensors.items() if k.startswith("net.")}
+        )
         return p
 
     # ------------------------------------------------------------ features
@@ -151,7 +173,9 @@ class ResidualGatePredictor:
         E = self.spec.num_experts
         x = src.hidden_TD.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        srcmh = multi_hot(src.src_ids_TK, E) if src.src_ids_TK is not None else torch.zeros(len(src), E)
+        srcmh = (
+            multi_hot(src.src_ids_TK, E) if src.src_ids_TK is not None else torch.zeros(len(src), E)
+        )
         has_prev = src.has_prev_T & torch.tensor(self.cfg.use_prev)
         prev = multi_hot(src.prev_ids_TK, E, has_prev)
         return torch.cat([x, srcmh, prev, has_prev.float()[:, None]], dim=-1)
@@ -162,7 +186,11 @@ class ResidualGatePredictor:
         g, u, truth = [], [], []
         for m in self.targets:
             src = sources_from_rows(rows, self.lookahead, m)
-            g.append(self._gate_scores(m, src) if self.cfg.use_gate else torch.zeros(len(src), self.spec.num_experts))
+            g.append(
+                self._gate_scores(m, src)
+                if self.cfg.use_gate
+                else torch.zeros(len(src), self.spec.num_experts)
+            )
             u.append(self._features(src))
             truth.append(rows["expert_ids_TLK"][:, m].long())
         return {"g": torch.stack(g), "u": torch.stack(u), "truth": torch.stack(truth)}

@@ -22,11 +22,25 @@ import torch.nn.functional as F
 
 from tensorbend.metrics import topk_hits
 from tensorbend.models import RoutingSpec
-from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot, sources_from_rows
+from tensorbend.predictors.base import (
+    Lookahead,
+    SourceBatch,
+    get_lookahead,
+    multi_hot,
+    sources_from_rows,
+)
 from tensorbend.predictors.fit import FitConfig, fit
 
-SEED_FIT = FitConfig(epochs=200, batch_rows=0, lr=1e-3, weight_decay=0.01, cosine_to=0.01,
-                     grad_clip=1.0, patience=0, optimizer="adamw")
+SEED_FIT = FitConfig(
+    epochs=200,
+    batch_rows=0,
+    lr=1e-3,
+    weight_decay=0.01,
+    cosine_to=0.01,
+    grad_clip=1.0,
+    patience=0,
+    optimizer="adamw",
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +48,9 @@ class SeedMLPConfig:
     width: int = 256  # p: 256 in the seed's code, 2048 in its report for 288 experts
     dropout: float = 0.1
     use_prev_routing: bool = True  # the seed's "previous routing" input
-    loss: str = "bce"  # bce (the seed) | ranking (the seed's variant: margin ranking + importance weights)
+    loss: str = (
+        "bce"  # bce (the seed) | ranking (the seed's variant: margin ranking + importance weights)
+    )
     fit: FitConfig = SEED_FIT
 
 
@@ -44,12 +60,20 @@ class SeedMLPNet(torch.nn.Module):
     def __init__(self, L: int, Din: int, p: int, E: int, dropout: float = 0.1):
         super().__init__()
         # PyTorch's default Linear init per layer, as the seed's nn.Linear modules get.
-        self.fc1_w = torch.nn.Parameter(torch.stack([torch.nn.Linear(Din, p).weight.detach() for _ in range(L)]))
-        self.fc1_b = torch.nn.Parameter(torch.stack([torch.nn.Linear(Din, p).bias.detach() for _ in range(L)]))
+        self.fc1_w = torch.nn.Parameter(
+            torch.stack([torch.nn.Linear(Din, p).weight.detach() for _ in range(L)])
+        )
+        self.fc1_b = torch.nn.Parameter(
+            torch.stack([torch.nn.Linear(Din, p).bias.detach() for _ in range(L)])
+        )
         self.bn_w = torch.nn.Parameter(torch.ones(L, p))
         self.bn_b = torch.nn.Parameter(torch.zeros(L, p))
-        self.fc2_w = torch.nn.Parameter(torch.stack([torch.nn.Linear(p, E).weight.detach() for _ in range(L)]))
-        self.fc2_b = torch.nn.Parameter(torch.stack([torch.nn.Linear(p, E).bias.detach() for _ in range(L)]))
+        self.fc2_w = torch.nn.Parameter(
+            torch.stack([torch.nn.Linear(p, E).weight.detach() for _ in range(L)])
+        )
+        self.fc2_b = torch.nn.Parameter(
+            torch.stack([torch.nn.Linear(p, E).bias.detach() for _ in range(L)])
+        )
         self.register_buffer("bn_mean", torch.zeros(L, p))
         self.register_buffer("bn_var", torch.ones(L, p))
         self.register_buffer("bn_count", torch.zeros(L, dtype=torch.long))
@@ -67,7 +91,9 @@ class SeedMLPNet(torch.nn.Module):
                 self.bn_count[sl] += 1
         else:
             mean, var = self.bn_mean[sl], self.bn_var[sl]
-        h = (h - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5) * self.bn_w[sl, None] + self.bn_b[sl, None]
+        h = (h - mean[:, None]) * torch.rsqrt(var[:, None] + 1e-5) * self.bn_w[
+            sl, None
+        ] + self.bn_b[sl, None]
         h = F.dropout(F.gelu(h), self.dropout, self.training)
         return torch.baddbmm(self.fc2_b[sl, None], h, self.fc2_w[sl].transpose(1, 2))
 
@@ -78,11 +104,18 @@ class SeedMLPPredictor:
     def __init__(self, spec: RoutingSpec, la: Lookahead, cfg: SeedMLPConfig):
         self.spec, self.lookahead, self.cfg = spec, la, cfg
         self.targets = list(la.targets(spec.num_moe_layers))
-        self.net = SeedMLPNet(len(self.targets), spec.hidden_size + spec.num_experts, cfg.width,
-                              spec.num_experts, cfg.dropout).eval()
+        self.net = SeedMLPNet(
+            len(self.targets),
+            spec.hidden_size + spec.num_experts,
+            cfg.width,
+            spec.num_experts,
+            cfg.dropout,
+        ).eval()
 
     @classmethod
-    def fit(cls, spec, lookahead, train_rows, val_rows, cfg: SeedMLPConfig | None = None, progress=False):
+    def fit(
+        cls, spec, lookahead, train_rows, val_rows, cfg: SeedMLPConfig | None = None, progress=False
+    ):
         cfg = cfg or SeedMLPConfig()
         la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
         torch.manual_seed(cfg.fit.seed)
@@ -103,14 +136,20 @@ class SeedMLPPredictor:
 
         def val_fn(net):
             s = net(val["x"])
-            return sum(float(topk_hits(s[i], val["truth"][i], K).mean()) for i in range(s.shape[0])) / (K * s.shape[0])
+            return sum(
+                float(topk_hits(s[i], val["truth"][i], K).mean()) for i in range(s.shape[0])
+            ) / (K * s.shape[0])
 
         def train_fn(net):  # what the seed reports: accuracy on (the first 200) training rows
             s = net(train["x"][:, :200])
             t = train["truth"][:, :200]
-            return sum(float(topk_hits(s[i], t[i], K).mean()) for i in range(s.shape[0])) / (K * s.shape[0])
+            return sum(float(topk_hits(s[i], t[i], K).mean()) for i in range(s.shape[0])) / (
+                K * s.shape[0]
+            )
 
-        _, p.history = fit(p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"seed_mlp {la.name}")
+        _, p.history = fit(
+            p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"seed_mlp {la.name}"
+        )
         p.val_recall = max(h["val"] for h in p.history)
         with torch.no_grad():
             p.train_rows_recall = train_fn(p.net)
@@ -142,21 +181,30 @@ class SeedMLPPredictor:
         """The seed's checkpoint keys ("0.fc1.weight", "0.bn.running_mean", ...), one per layer."""
         n, out = self.net, {}
         for i in range(len(self.targets)):
-            out.update({
-                f"{i}.fc1.weight": n.fc1_w[i], f"{i}.fc1.bias": n.fc1_b[i],
-                f"{i}.bn.weight": n.bn_w[i], f"{i}.bn.bias": n.bn_b[i],
-                f"{i}.bn.running_mean": n.bn_mean[i], f"{i}.bn.running_var": n.bn_var[i],
-                f"{i}.bn.num_batches_tracked": n.bn_count[i],
-                f"{i}.fc2.weight": n.fc2_w[i], f"{i}.fc2.bias": n.fc2_b[i],
-            })
+            out.update(
+                {
+                    f"{i}.fc1.weight": n.fc1_w[i],
+                    f"{i}.fc1.bias": n.fc1_b[i],
+                    f"{i}.bn.weight": n.bn_w[i],
+                    f"{i}.bn.bias": n.bn_b[i],
+                    f"{i}.bn.running_mean": n.bn_mean[i],
+                    f"{i}.bn.running_var": n.bn_var[i],
+                    f"{i}.bn.num_batches_tracked": n.bn_count[i],
+                    f"{i}.fc2.weight": n.fc2_w[i],
+                    f"{i}.fc2.bias": n.fc2_b[i],
+                }
+            )
         return {k: v.detach().clone() for k, v in out.items()}
 
     # ------------------------------------------------------------ features
 
     def _x(self, src: SourceBatch) -> torch.Tensor:
         E = self.spec.num_experts
-        routing = (multi_hot(src.src_ids_TK, E) if src.src_ids_TK is not None and self.cfg.use_prev_routing
-                   else torch.zeros(len(src), E))
+        routing = (
+            multi_hot(src.src_ids_TK, E)
+            if src.src_ids_TK is not None and self.cfg.use_prev_routing
+            else torch.zeros(len(src), E)
+        )
         return torch.cat([src.hidden_TD.float(), routing], dim=-1)
 
     def _inputs(self, rows) -> dict[str, torch.Tensor]:

@@ -146,8 +146,12 @@ def write_cards(out: Path, model: torch.nn.Module, cfg, run: dict, stats: dict) 
         "samples": stats["samples"],
         "corpus": {
             "sources": {
-                name: {"licence": s["licence"], "origin": s["origin"],
-                       "train_bytes": s["train"]["bytes"], "heldout_bytes": s["heldout"]["bytes"]}
+                name: {
+                    "licence": s["licence"],
+                    "origin": s["origin"],
+                    "train_bytes": s["train"]["bytes"],
+                    "heldout_bytes": s["heldout"]["bytes"],
+                }
                 for name, s in corpus.get("sources", {}).items()
             },  # fmt: skip
             "heldout": "about 2% of documents, chosen by hash of the document name",
@@ -171,8 +175,11 @@ _ROUTING_STYLE = {
 
 def _balancing(cfg) -> str:
     if cfg.arch == "deepseek_v3":
-        return f"aux-loss-free: bias += {cfg.bias_gamma:g} * sign(mean_load - load) after every step"
-    return f"router aux loss, coefficient {cfg.aux_loss_coef:g}"
+        return (
+            f"aux-loss-free: bias += {cfg.bias_gamma:g} * sign(mean_load - load) after every step"
+        )
+    return (f"Switch aux loss per MoE layer (E * sum f_e * P_e), summed over layers, "
+            f"coefficient {cfg.aux_loss_coef:g}")  # fmt: skip
 
 
 def _set_overlap(a_TK: torch.Tensor, b_TK: torch.Tensor, num_experts: int) -> float:
@@ -240,7 +247,13 @@ def _markdown(card: dict) -> str:
             f"{row['dead_experts']} | {row['load_entropy_norm']:.3f} | "
             f"{row.get('cross_layer_overlap', '-')} | {row['prev_token_overlap']} |"
         )
-    lines += ["", "## Corpus", "", "| source | licence | train bytes | held-out bytes |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Corpus",
+        "",
+        "| source | licence | train bytes | held-out bytes |",
+        "|---|---|---|---|",
+    ]
     for name, s in card["corpus"]["sources"].items():
         lines.append(f"| {name} ({s['origin']}) | {s['licence']} | {s['train_bytes']:,} | "
                      f"{s['heldout_bytes']:,} |")  # fmt: skip

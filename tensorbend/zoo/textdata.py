@@ -77,7 +77,9 @@ def tokenize_split(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
 
-def sample_batch(ids_N: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+def sample_batch(
+    ids_N: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int
+) -> torch.Tensor:
     """[B, S] random windows; a pure function of (seed, step), so a resumed run sees the same data."""
     if len(ids_N) <= seq_len + 1:
         raise ZooError(

@@ -8,10 +8,18 @@ Usage:
 What it does, in order: trains a byte-level BPE tokenizer on the corpus train split, caches
 train/held-out token ids (uint16), builds the model from a size preset (`recipes.SIZES`), trains
 with AdamW and a warmup + cosine schedule in fp32 (GPU when present), balancing experts the
-way the architecture does (DeepSeek-V3: the trainer nudges `e_score_correction_bias` by
-`bias_gamma * sign(mean_load - load)` after every step, since transformers does not;
-Qwen3-MoE/Mixtral: the model's own aux loss, `output_router_logits=True`), and finally writes a
-standard HF checkpoint directory plus `model_card.json`/`model_card.md` (see `card.py`).
+way the architecture does, and finally writes a standard HF checkpoint directory plus
+`model_card.json`/`model_card.md` (see `card.py`).
+
+Balancing:
+    deepseek_v3  aux-loss-free: after every step the trainer nudges each layer's
+                 `e_score_correction_bias` by `bias_gamma * sign(mean_load - load)`
+                 (transformers does not update it).
+    qwen3_moe,   Switch-style aux loss `E * sum_e f_e * P_e` per MoE layer, summed over layers,
+    mixtral      times `aux_loss_coef` (as Megatron applies it). transformers' own aux loss
+                 (`output_router_logits=True`) pools all layers' tokens before balancing, which
+                 let single layers collapse on this corpus, so training computes it per layer;
+                 the saved config keeps `output_router_logits=True` and the coefficient.
 
 Checkpoints (`OUT/train_state/checkpoint.safetensors`: weights, AdamW state, RNG; scalars and
 the producing config in the safetensors metadata) are written atomically every
@@ -132,7 +140,8 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
     if cfg.resume and ckpt_path.exists():
         run = _load_checkpoint(ckpt_path, cfg, model, opt)
 
-    routers = _MoeRouters(model)
+    aux_coef = 0.0 if cfg.arch == "deepseek_v3" else cfg.aux_loss_coef
+    routers = _MoeRouters(model, keep_logits=aux_coef > 0)
     tokens_per_step = size.batch_size * size.seq_len
     total_steps = math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None
     budget_s = cfg.minutes * 60 if cfg.minutes else None
@@ -155,7 +164,7 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
             batch_BS = textdata.sample_batch(
                 train_ids_N, size.batch_size, size.seq_len, cfg.seed, run["step"]
             ).to(device)
-            lm_loss, load_LE = _train_step(model, opt, routers, batch_BS)
+            lm_loss, load_LE = _train_step(model, opt, routers, batch_BS, aux_coef)
             if cfg.arch == "deepseek_v3":
                 routers.update_bias(load_LE, cfg.bias_gamma)
             run["step"] += 1
@@ -198,15 +207,21 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
 
 
 def _train_step(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, routers: _MoeRouters, batch_BS: torch.Tensor
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    routers: _MoeRouters,
+    batch_BS: torch.Tensor,
+    aux_coef: float,
 ) -> tuple[float, torch.Tensor]:
     """Forward, backward, clip, AdamW step; returns the LM loss and the step's load [L, E]."""
     routers.clear()
-    out = model(input_ids=batch_BS, labels=batch_BS)
-    loss = out.loss
-    lm_loss = loss
-    if getattr(out, "aux_loss", None) is not None:
-        lm_loss = loss - model.config.router_aux_loss_coef * out.aux_loss
+    if aux_coef > 0:
+        out = model(input_ids=batch_BS, labels=batch_BS, output_router_logits=False)
+        lm_loss = out.loss
+        loss = lm_loss + aux_coef * routers.aux_loss()
+    else:
+        out = model(input_ids=batch_BS, labels=batch_BS)
+        lm_loss = loss = out.loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -223,28 +238,46 @@ def _lr_factor(step: int, done: float, warmup_steps: int = 100) -> float:
 class _MoeRouters:
     """Forward hooks on every MoE router (`layers[i].mlp.gate`) that count selected experts."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, keep_logits: bool = False) -> None:
         self.gates = [
             layer.mlp.gate
             for layer in model.model.layers
             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
         ]
         self.num_experts = self.gates[0].weight.shape[0]
+        self.keep_logits = keep_logits
         self._ids: list[torch.Tensor | None] = [None] * len(self.gates)
+        self._logits: list[torch.Tensor | None] = [None] * len(self.gates)
         self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
 
     def _hook(self, i: int):
         def hook(module, args, output):
             self._ids[i] = output[2].detach()  # [T, K] expert ids the experts module consumes
+            if self.keep_logits:
+                self._logits[i] = output[0]  # [T, E] raw router logits, with grad
 
         return hook
 
     def clear(self) -> None:
         self._ids = [None] * len(self.gates)
+        self._logits = [None] * len(self.gates)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum over MoE layers of the Switch loss E * sum_e f_e * P_e (1 per layer when even)."""
+        total = 0.0
+        for ids_TK, logits_TE in zip(self._ids, self._logits, strict=True):
+            T, E = logits_TE.shape
+            f_E = torch.bincount(ids_TK.reshape(-1), minlength=E).float() / ids_TK.numel()
+            P_E = torch.softmax(logits_TE.float(), dim=-1).mean(0)
+            total = total + E * (f_E.to(P_E.device) * P_E).sum()
+        return total
 
     def load_LE(self) -> torch.Tensor:
         return torch.stack(
-            [torch.bincount(ids.reshape(-1), minlength=self.num_experts).float() for ids in self._ids]
+            [
+                torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+                for ids in self._ids
+            ]
         )
 
     @torch.no_grad()

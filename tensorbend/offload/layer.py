@@ -1,0 +1,110 @@
+"""The offloaded experts forward: the family's eager math on weights fetched from the cache.
+
+Usage (runtime.py installs it; nothing else should need to):
+    >>> fwd = OffloadedExperts(mod, spec.family, layout, m, get_active)
+    >>> mod.forward = fwd          # the module keeps its signature (hidden, ids, weights)
+
+Outputs equal the resident model's `eager` experts implementation bit for bit: the same
+expert mask, the same per-expert ops, and contributions added to the output in ascending
+expert order (experts are computed in the order they arrive, then summed in eager's order).
+Supported: every family whose experts module takes (hidden_TD, top_k_index_TK,
+top_k_weights_TK) with fused `gate_up_proj`/`down_proj`: deepseek_v3, qwen3_moe, qwen2_moe,
+mixtral, olmoe, phimoe, granitemoe (SwiGLU on [2I, D] / [D, I]) and gpt_oss (biases,
+transposed weights, clamped gate). Llama-4 is not: its experts receive every expert's
+pre-scaled copy of the tokens, so there is nothing to skip loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tensorbend.errors import UnsupportedModelError
+from tensorbend.offload.store import ExpertLayout
+
+SWIGLU_FAMILIES = (
+    "deepseek_v3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "granitemoe",
+)
+OFFLOAD_FAMILIES = (*SWIGLU_FAMILIES, "gpt_oss")
+
+
+def check_supported(family: str) -> None:
+    if family not in OFFLOAD_FAMILIES:
+        why = (
+            (
+                "its experts take every expert's pre-scaled copy of the tokens, so there is no "
+                "per-token expert set to load"
+            )
+            if family == "llama4_text"
+            else "no offload kernel for it"
+        )
+        raise UnsupportedModelError(
+            f"offload of {family} models is not supported ({why}): expected one of "
+            f"{', '.join(OFFLOAD_FAMILIES)}; use --policy resident to run it in memory"
+        )
+
+
+class OffloadedExperts:
+    """Callable replacing `experts.forward` for MoE layer m; `get_active()` gives the run state."""
+
+    def __init__(
+        self, mod: torch.nn.Module, family: str, layout: ExpertLayout, m: int, get_active: Callable
+    ):
+        check_supported(family)
+        self.mod, self.layout, self.m, self.get_active = mod, layout, m, get_active
+        self.num_experts = int(mod.num_experts)
+        self.expert = _gpt_oss_expert if family == "gpt_oss" else _swiglu_expert
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        act = self.get_active()
+        m, E = self.m, self.num_experts
+        cache, loader = act.cache, act.loader
+        now = act.clock.step(m)
+        cache.now = now
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=E + 1).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        pending = set()
+        for e in hit:
+            if e == E:
+                continue
+            key = (m, e)
+            pending.add(key)
+            if cache.claim(key) == "absent":
+                loader.demand(key)
+        loader.cancel_stale(now)
+        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        while pending:
+            for key in cache.wait_ready(pending):
+                e = key[1]
+                try:
+                    W = self.layout.views(cache.weights(key))
+                    top_k_pos, token_idx = torch.where(expert_mask[e])
+                    out = self.expert(self.mod, hidden_states[token_idx], W)
+                    outs[e] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
+                finally:
+                    cache.release(key)
+                pending.discard(key)
+        final = torch.zeros_like(hidden_states)
+        for e in sorted(outs):
+            token_idx, out = outs[e]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+def _swiglu_expert(mod, x: torch.Tensor, W: dict[str, torch.Tensor]) -> torch.Tensor:
+    gate, up = F.linear(x, W["gate_up_proj"]).chunk(2, dim=-1)
+    return F.linear(mod.act_fn(gate) * up, W["down_proj"])
+
+
+def _gpt_oss_expert(mod, x: torch.Tensor, W: dict[str, torch.Tensor]) -> torch.Tensor:
+    gate_up = x @ W["gate_up_proj"] + W["gate_up_proj_bias"]
+    return mod._apply_gate(gate_up) @ W["down_proj"] + W["down_proj_bias"]
