@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, args.seq))
     times = {k: [] for k in SETTINGS}
-    for k, f in SETTINGS.items():  # warm-up
+    for f in SETTINGS.values():  # warm-up
         run_once(model, spec, f, ids, 2)
     for r in range(args.rounds):
         order = list(SETTINGS.items())

@@ -248,7 +248,7 @@ class TraceWriter:
         first = len(self.manifest["prompts"])
         shard_idx = len(self.manifest["shards"])
         tensors: dict[str, list[torch.Tensor]] = {}
-        for j, (rec, rows) in enumerate(self._buf):
+        for j, (_rec, rows) in enumerate(self._buf):
             T = rows["phase_T"].shape[0]
             rows = {**rows, "prompt_index_T": torch.full((T,), first + j, dtype=torch.int32)}
             for k, v in rows.items():

@@ -228,8 +228,8 @@ class OffloadSession:
         self.clock = StepClock(spec.num_moe_layers)
         self.history = RoutingHistory(spec.num_moe_layers)
         self.active: _Active | None = None
-        with PredictionHooks(model, spec, None, None, None, self.clock, self.history) as hooks:
-            self.reference = self._generate(record=hooks)
+        with PredictionHooks(model, spec, None, None, None, self.clock, self.history):
+            self.reference = self._generate()
         self._tmp = None if cfg.store_dir else tempfile.mkdtemp(prefix="tensorbend-store-")
         path = Path(cfg.store_dir or self._tmp) / "experts.safetensors"
         fingerprint = model_fingerprint(model, spec)
@@ -287,7 +287,7 @@ class OffloadSession:
                 self.history,
                 extra=pc.prefetch_extra,
             ):
-                gen = self._generate(record=None)
+                gen = self._generate()
         finally:
             loader.close()
             store.close()
@@ -330,8 +330,8 @@ class OffloadSession:
     def _device(self) -> str:
         return str(next(self.model.parameters()).device)
 
-    def _generate(self, record: PredictionHooks | None) -> _Gen:
-        model, gen, kw = self.model, _Gen(), _cache_kwarg(self.model)
+    def _generate(self) -> _Gen:
+        gen, kw = _Gen(), _cache_kwarg(self.model)
         self.clock.forward = -1
         bar = tqdm(
             self.inputs,
@@ -387,7 +387,10 @@ class OffloadSession:
         ref = self.reference
         same = gen.tokens == ref.tokens and len(gen.logits) == len(ref.logits)
         diff = (
-            max((float((a - b).abs().max()) for a, b in zip(gen.logits, ref.logits)), default=0.0)
+            max(
+                (float((a - b).abs().max()) for a, b in zip(gen.logits, ref.logits, strict=True)),
+                default=0.0,
+            )
             if same
             else None
         )
