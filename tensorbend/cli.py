@@ -112,6 +112,37 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tensorbend.offload.runtime import RunConfig, SessionConfig, run
+
+    cfg = RunConfig(
+        model=args.model,
+        prompts=Path(args.prompts) if args.prompts else None,
+        split=args.split,
+        max_prompts=args.max_prompts,
+        policy=args.policy,
+        predictor=Path(args.predictor) if args.predictor else None,
+        baseline=args.baseline,
+        lookahead=args.lookahead,
+        trace=Path(args.trace) if args.trace else None,
+        cache_frac=args.cache_frac,
+        cache_bytes=args.cache_bytes,
+        link=args.link,
+        session=SessionConfig(
+            max_new_tokens=args.max_new_tokens,
+            store_dir=Path(args.store) if args.store else None,
+            io=args.io,
+            progress=not args.quiet,
+        ),
+    )
+    result = run(cfg)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(_format_summary({k: v for k, v in result.items() if k != "counters"}))
+    return 0
+
+
 def _cmd_zoo_list(args: argparse.Namespace) -> int:
     from tensorbend.zoo import list_models
 
@@ -276,6 +307,50 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default=None, help="write the report as JSON (keys in DESIGN.md)")
     ev.add_argument("--plots", default=None, help="directory for PNG plots")
     ev.set_defaults(func=_cmd_eval)
+
+    from tensorbend.offload import POLICIES
+
+    rn = sub.add_parser("run", help="offloaded generation: expert store + cache + prefetch policy")
+    rn.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
+    rn.add_argument("--prompts", help="prompts JSONL (default: the shipped prompts)")
+    rn.add_argument("--split", default="test", choices=["train", "val", "test", "all"])
+    rn.add_argument("--max-prompts", type=int, default=8, help="prompts to run (default: 8)")
+    rn.add_argument(
+        "--max-new-tokens", type=int, default=32, help="greedy decode steps (default: 32)"
+    )
+    rn.add_argument("--policy", default="lru", choices=list(POLICIES), help="(default: lru)")
+    rn.add_argument("--predictor", help="trained predictor checkpoint (policy prefetch)")
+    rn.add_argument("--baseline", help="peer predictor by name (policy prefetch), e.g. spec_gate")
+    rn.add_argument(
+        "--lookahead",
+        default="d1",
+        choices=list(LOOKAHEADS),
+        help="lookahead of --baseline and of the oracle (default: d1)",
+    )
+    rn.add_argument("--trace", help="trace whose train split fits frequency/prev_token/transition")
+    rn.add_argument(
+        "--cache-frac",
+        type=float,
+        default=0.25,
+        help="cache capacity as a fraction of all routed experts (default: 0.25)",
+    )
+    rn.add_argument("--cache-bytes", type=int, default=None, help="cache capacity in bytes")
+    rn.add_argument(
+        "--link",
+        default="h100-pcie5-kimi",
+        help="transfer cap: none, h100-pcie5-kimi (real ratio, scaled here), or BW[,LAT] "
+        "like 40MB/s,20us (default: h100-pcie5-kimi)",
+    )
+    rn.add_argument(
+        "--io",
+        default="buffered",
+        choices=["buffered", "fadvise", "direct"],
+        help="store reads: page cache, drop pages after read, or O_DIRECT",
+    )
+    rn.add_argument("--store", help="directory to keep the expert store in (default: a temp dir)")
+    rn.add_argument("--json", help="write the result as JSON (keys in DESIGN.md)")
+    rn.add_argument("--quiet", action="store_true")
+    rn.set_defaults(func=_cmd_run)
 
     z = sub.add_parser("zoo", help="small real MoE models trained here")
     zsub = z.add_subparsers(dest="zoo_verb", metavar="SUBVERB")

@@ -210,3 +210,41 @@ def test_seed_checkpoint_format_loads_safely(tmp_path):
     wrong = ExpertPredictorSet(num_layers=L, hidden_dim=D + 1, num_experts=E, predictor_dim=p)
     with pytest.raises(CheckpointError, match=r"fc1.weight expected shape \(16, 23\)"):
         wrong.load(path)
+
+
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory):
+    """A trace of a real (tiny, random-init) DeepSeek-V3 with group-limited routing, stored in fp32."""
+    from tiny_models import save_checkpoint, write_prompts
+
+    from tensorbend.collect import CollectConfig, collect
+
+    d = tmp_path_factory.mktemp("real")
+    save_checkpoint("deepseek_v3", d / "model")
+    write_prompts(d / "p.jsonl", n=30)
+    collect(CollectConfig(model=str(d / "model"), out=d / "t", prompts=d / "p.jsonl", max_new_tokens=6,
+                          dtype="float32", features=("ids", "gate_input", "layer_input")), progress=False)
+    return d / "t"
+
+
+def test_spec_gate_same_layer_is_the_exact_router(real_trace):
+    rep = evaluate(EvalConfig(trace=real_trace, baselines=("spec_gate",), lookaheads=("same_layer",), split="all"))
+    for r in rep["results"]:
+        assert r["recall_at_k"] == pytest.approx(1.0, abs=1e-3), r["phase"]
+
+
+def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
+    for la in ("d1", "pre_attn"):
+        out = tmp_path / f"{la}.safetensors"
+        train(TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2), progress=False)
+        p = load_predictor(out)
+        with torch.no_grad():  # make the correction non-trivial
+            p.net.W2.normal_(0, 0.3)
+            p.net.alpha.fill_(0.7)
+        p._fast = {}
+        rows = Trace.open(real_trace).load(p.lookahead.features)
+        from tensorbend.predictors import sources_from_rows
+
+        for m in p.lookahead.targets(p.spec.num_moe_layers):
+            src = sources_from_rows(rows, p.lookahead, m)
+            assert torch.allclose(p.scores(m, src), p.scores_reference(m, src), atol=1e-4)

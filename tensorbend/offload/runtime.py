@@ -36,6 +36,7 @@ from tqdm import tqdm
 from tensorbend.collect import _cache_kwarg, _cache_of
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model, model_fingerprint, moe_block
+from tensorbend.offload import POLICIES
 from tensorbend.offload.cache import (
     LFU,
     LRU,
@@ -62,8 +63,6 @@ from tensorbend.offload.store import (
     write_store,
 )
 from tensorbend.predictors.base import get_lookahead
-
-POLICIES = ("resident", "on_demand", "lru", "lfu", "prefetch", "oracle")
 
 
 @dataclass(frozen=True)

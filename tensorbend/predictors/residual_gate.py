@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorbend.metrics import topk_hits
-from tensorbend.models import RoutingSpec
+from tensorbend.models import RoutingSpec, router_scores
 from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit
@@ -83,6 +83,7 @@ class ResidualGatePredictor:
         self.targets = list(la.targets(spec.num_moe_layers))
         E, D = spec.num_experts, spec.hidden_size
         self.net = _Net(len(self.targets), D + 2 * E + 1, H, E).eval()
+        self._fast: dict[int, dict] = {}
 
     # ------------------------------------------------------------ API
 
@@ -122,15 +123,57 @@ class ResidualGatePredictor:
             p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"tensorbend {la.name}"
         )
         p.val_recall = max(h["val"] for h in p.history)
+        p._fast = {}
         return p
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
+        """Fast path (batch 1 decode in the runtime): folded router weights, row gathers for the
+        multi-hot inputs; equal to the training-time computation up to float rounding."""
+        f = self._fast.get(m) or self._build_fast(m)
+        x = src.hidden_TD.float()
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        with torch.no_grad():
+            h = xn @ f["W1x"] + f["b1"]
+            if src.src_ids_TK is not None:
+                h = h + f["W1src"][src.src_ids_TK.long()].sum(1)
+            if self.cfg.use_prev and bool(src.has_prev_T.any()):
+                hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
+                h = h + hp * src.has_prev_T.float()[:, None]
+            out = F.gelu(h) @ f["W2"] + f["b2"]
+            if self.cfg.use_gate:
+                gx = xn if self.lookahead.hidden == "layer_input" else x
+                g = router_scores(self.spec, f["router"], m, gx)
+                out = out + f["alpha"] * (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-6)
+            return out
+
+    def _build_fast(self, m: int) -> dict:
+        li, D, E = m - self.lookahead.distance, self.spec.hidden_size, self.spec.num_experts
+        net = self.net
+        W1 = net.W1[li].detach()
+        rp = self.router_params
+        W = rp[f"layers.{m}.weight"]
+        scale = torch.ones(D)
+        w_m = rp.get(f"layers.{m}.gate_norm")
+        if w_m is not None:
+            s = self.lookahead.source_layer(m)
+            if self.lookahead.hidden == "layer_input":
+                scale = w_m
+            elif s != m:
+                w_s = rp[f"layers.{s}.gate_norm"]
+                scale = w_m / torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
+        router = {k: v for k, v in rp.items() if k.startswith(f"layers.{m}.")}
+        router[f"layers.{m}.weight"] = W * scale[None, :]
+        self._fast[m] = {
+            "W1x": W1[:D], "W1src": W1[D : D + E], "W1prev": W1[D + E : D + 2 * E], "w1hp": W1[D + 2 * E],
+            "b1": net.b1[li, 0].detach(), "W2": net.W2[li].detach(), "b2": net.b2[li, 0].detach(),
+            "alpha": net.alpha[li, 0, 0].detach(), "router": router,
+        }
+        return self._fast[m]
+
+    def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
+        """The training-time computation (tests compare the fast path against it)."""
         li = m - self.lookahead.distance
-        g = (
-            self._gate_scores(m, src)
-            if self.cfg.use_gate
-            else torch.zeros(len(src), self.spec.num_experts)
-        )
+        g = self._gate_scores(m, src) if self.cfg.use_gate else torch.zeros(len(src), self.spec.num_experts)
         u = self._features(src)
         net = self.net
         with torch.no_grad():
