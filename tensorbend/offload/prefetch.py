@@ -271,11 +271,13 @@ class PredictionHooks:
         with torch.no_grad():
             scores_TE = self.predictor.scores(m, src).float()
         when = self.clock.step(m)
+        E = scores_TE.shape[1]
         if T == 1:
-            ids = scores_TE[0].topk(min(K + self.extra, scores_TE.shape[1])).indices.tolist()
+            top = scores_TE[0].topk(min(K + self.extra, E))
+            ids = top.indices[top.values > -INF].tolist()  # -inf: "no prediction"
         else:
-            top_TK = scores_TE.topk(K, dim=1).indices
-            votes_E = torch.bincount(top_TK.flatten(), minlength=scores_TE.shape[1])
+            top = scores_TE.topk(K, dim=1)
+            votes_E = torch.bincount(top.indices[top.values > -INF], minlength=E)
             order = torch.argsort(votes_E, descending=True, stable=True)
             ids = order[: int((votes_E > 0).sum())].tolist()
         for rank, e in enumerate(ids):

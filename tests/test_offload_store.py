@@ -1,0 +1,128 @@
+"""Expert store: byte-exact round trip, standard safetensors, clear errors for broken files."""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import build
+
+from tensorbend.errors import StoreError
+from tensorbend.models import describe_model, moe_block
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    Link,
+    StoreConfig,
+    parse_link,
+    real_link,
+    write_store,
+)
+
+
+def _experts(family):
+    model = build(family)
+    spec = describe_model(model)
+    return [
+        getattr(moe_block(model, spec, m), spec.experts_attr) for m in range(spec.num_moe_layers)
+    ]
+
+
+@pytest.fixture(scope="module")
+def ds_store(tmp_path_factory):
+    experts = _experts("deepseek_v3")
+    layout = ExpertLayout.of(experts[0])
+    path = tmp_path_factory.mktemp("store") / "experts.safetensors"
+    write_store(experts, layout, path, {"fingerprint": "abc"})
+    return experts, layout, path
+
+
+@pytest.mark.parametrize("io", ["buffered", "fadvise"])
+def test_round_trip_is_byte_exact(ds_store, io):
+    experts, layout, path = ds_store
+    store = ExpertStore.open(path, StoreConfig(io))
+    assert store.meta["fingerprint"] == "abc" and store.num_layers == len(experts)
+    flat = torch.empty(layout.numel, dtype=layout.dtype)
+    for m, mod in enumerate(experts):
+        for e in (0, 5, mod.gate_up_proj.shape[0] - 1):
+            assert store.read_into(m, e, flat) == layout.nbytes
+            for name, part in layout.views(flat).items():
+                assert torch.equal(part, getattr(mod, name)[e]), (m, e, name)
+    store.close()
+
+
+def test_store_is_standard_safetensors_one_tensor_per_expert(ds_store):
+    experts, layout, path = ds_store
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+        assert len(keys) == len(experts) * experts[0].gate_up_proj.shape[0]
+        t = f.get_tensor("layers.001.experts.0003")
+    assert t.shape == (layout.numel,)
+    assert torch.equal(layout.views(t)["down_proj"], experts[1].down_proj[3])
+
+
+def test_gpt_oss_layout_keeps_biases():
+    layout = ExpertLayout.of(_experts("gpt_oss")[0])
+    assert [n for n, _ in layout.parts] == [
+        "gate_up_proj",
+        "gate_up_proj_bias",
+        "down_proj",
+        "down_proj_bias",
+    ]
+
+
+def test_truncated_store_is_a_clear_error_naming_the_file(ds_store, tmp_path):
+    _, layout, path = ds_store
+    bad = tmp_path / "cut.safetensors"
+    bad.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(StoreError, match=rf"{bad}.* is truncated: expected \d+ bytes, found \d+"):
+        ExpertStore.open(bad)
+
+
+def test_file_cut_after_open_is_a_clear_error_naming_the_file(ds_store, tmp_path):
+    _, layout, path = ds_store
+    bad = tmp_path / "shrinks.safetensors"
+    bad.write_bytes(path.read_bytes())
+    store = ExpertStore.open(bad)
+    os.truncate(bad, bad.stat().st_size - layout.nbytes // 2)
+    flat = torch.empty(layout.numel, dtype=layout.dtype)
+    last = store.num_experts - 1
+    with pytest.raises(
+        StoreError, match=rf"{bad}: short read of layer {store.num_layers - 1} expert {last}"
+    ):
+        store.read_into(store.num_layers - 1, last, flat)
+    store.close()
+
+
+def test_not_a_store_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}   ")
+    with pytest.raises(StoreError, match=rf"{bad}: expected a tensorbend store"):
+        ExpertStore.open(bad)
+    with pytest.raises(StoreError, match="unreadable header"):
+        ExpertStore.open(tmp_path / "missing.safetensors")
+
+
+def test_direct_io_reads_the_same_bytes_or_says_how_to_fix(ds_store):
+    experts, layout, path = ds_store
+    try:
+        store = ExpertStore.open(path, StoreConfig("direct"))
+    except StoreError as e:  # e.g. tmpfs has no O_DIRECT
+        assert "try --io fadvise" in str(e)
+        return
+    flat = torch.empty(layout.numel, dtype=layout.dtype)
+    store.read_into(1, 2, flat)
+    assert torch.equal(layout.views(flat)["gate_up_proj"], experts[1].gate_up_proj[2])
+    store.close()
+
+
+def test_link_parsing_and_real_ratio():
+    link = parse_link("40MB/s,20us", layer_s=1e-3, expert_bytes=1000)
+    assert link.bandwidth_Bps == 40e6 and link.latency_s == pytest.approx(20e-6)
+    assert link.seconds(40_000) == pytest.approx(1e-3 + 20e-6)
+    assert parse_link("none", 1e-3, 1000) == Link()
+    real = real_link(layer_s=1e-3, expert_bytes=98_304)
+    # one expert transfer takes the real system's ratio (~2.3) of a resident MoE layer
+    assert 2.0 < real.seconds(98_304) / 1e-3 < 2.6
+    with pytest.raises(StoreError, match="expected none, h100-pcie5-kimi, or BANDWIDTH"):
+        parse_link("fast", 1e-3, 1000)
