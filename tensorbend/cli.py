@@ -132,6 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             store_dir=Path(args.store) if args.store else None,
             io=args.io,
+            decode=args.decode,
             progress=not args.quiet,
         ),
     )
@@ -182,6 +183,7 @@ def _cmd_zoo_train(args: argparse.Namespace) -> int:
         size=args.size,
         seed=args.seed,
         resume=args.resume,
+        threads=args.threads,
     )
     out = train_zoo_model(cfg, progress=not args.quiet)
     print(out)
@@ -347,6 +349,12 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["buffered", "fadvise", "direct"],
         help="store reads: page cache, drop pages after read, or O_DIRECT",
     )
+    rn.add_argument(
+        "--decode",
+        default="greedy",
+        choices=["greedy", "teacher"],
+        help="decode tokens: greedy, or teacher (feed each prompt's continuation)",
+    )
     rn.add_argument("--store", help="directory to keep the expert store in (default: a temp dir)")
     rn.add_argument("--json", help="write the result as JSON (keys in DESIGN.md)")
     rn.add_argument("--quiet", action="store_true")
@@ -377,6 +385,7 @@ def _build_parser() -> argparse.ArgumentParser:
     zt.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in --out"
     )
+    zt.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
     zt.add_argument("--quiet", action="store_true")
     zt.set_defaults(func=_cmd_zoo_train)
     return p

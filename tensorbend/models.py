@@ -231,8 +231,11 @@ def router_scores(
     Beyond the top-k the order is still meaningful (used for over-provisioning): experts of
     groups excluded by group-limited routing rank after every allowed expert.
     """
-    x_TD = x_TD.float()
-    logits_TE = x_TD @ params[f"layers.{m}.weight"].T
+    return scores_from_logits(spec, params, m, x_TD.float() @ params[f"layers.{m}.weight"].T)
+
+
+def scores_from_logits(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, logits_TE: torch.Tensor) -> torch.Tensor:
+    """router_scores given the bias-free logits x @ W.T (see router_scores)."""
     if f"layers.{m}.bias" in params:
         logits_TE = logits_TE + params[f"layers.{m}.bias"]
     if spec.router_kind not in ("sigmoid_bias", "group_limited"):

@@ -13,6 +13,7 @@ from tensorbend.offload.cache import (
     CacheConfig,
     ExpertCache,
     NextUse,
+    Predicted,
     trace_next_use,
 )
 
@@ -59,7 +60,7 @@ def test_belady_is_optimal_on_a_known_sequence():
     steps = {}
     for t, e in enumerate(seq):
         steps.setdefault((0, e), []).append(t)
-    s = _replay(_cache(3, NextUse(next_use=trace_next_use(steps))), seq)
+    s = _replay(_cache(3, NextUse(trace_next_use(steps))), seq)
     # MIN with 3 slots: misses 0 1 2 3(evicts 2) 2(evicts 0 or 1, both unused later) -> 5 misses
     assert (s.hits, s.misses) == (5, 5)
 
@@ -71,14 +72,15 @@ def test_on_demand_keeps_nothing_after_use():
 
 
 def test_prefetch_counters_used_and_wasted():
-    cache = _cache(2, NextUse())
+    cache = _cache(2, Predicted(num_layers=10))
     for e in (0, 1):
         cache.hint((0, e), 5)
         assert cache.start_load((0, e), demand=False, block=False) is not None
         cache.finish_load((0, e), 16)
     cache.now = 5
     _demand(cache, (0, 0))  # used prefetch: a hit
-    # a prefetch for step 9 must not evict experts predicted for step 5 ... until step 5 passes
+    # a prefetch for step 9 must not evict experts predicted for step 5 ... until step 5 passes;
+    # then the never-used prefetched expert 1 has the farthest estimated next use
     assert cache.start_load((0, 2), demand=False, block=False, when=9) is None
     cache.now = 6
     assert cache.start_load((0, 2), demand=False, block=False, when=9) is not None
@@ -107,7 +109,7 @@ def test_failed_read_reaches_the_compute_thread():
         cache.wait_ready([(0, 0)])
 
 
-@pytest.mark.parametrize("policy", [LRU, LFU, NextUse])
+@pytest.mark.parametrize("policy", [LRU, LFU, lambda: Predicted(3)])
 def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
     """Many I/O threads, random prefetches and hints, a compute thread demanding random sets."""
     cap = 6

@@ -34,6 +34,15 @@ RUN_KEYS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on a shared 2-core machine spinning OpenMP threads cost 10-100x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class EmptyPredictor:
     """Predicts nothing (every score -inf): prefetch must still finish and match."""
 

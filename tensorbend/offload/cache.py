@@ -16,9 +16,10 @@ exceed `capacity`; only READY entries with no pins are evicted. Demand loads blo
 prefetches never block: with no evictable slot, or when the policy says the victim is worth more
 than the prefetch, they are dropped.
 
-Policies decide only *which* entry goes: `LRU`, `LFU` (all-time counts per key), and `NextUse`
-(evict the entry whose next use is farthest: predicted use from hints, or exact use from a
-recorded trace, which is Belady's MIN). Counters live in `CacheStats`.
+Policies decide only *which* entry goes: `LRU`, `LFU` (all-time counts per key), `Predicted`
+(farthest estimated next use: predictions first, then layer cycle and recent use rate) and
+`NextUse` (farthest exact next use from a recorded trace: Belady's MIN). Counters live in
+`CacheStats`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import bisect
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -107,7 +108,7 @@ class _Entry:
 class LRU:
     name = "lru"
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: Key, now: int) -> None:
         pass
 
     def rank(self, key: Key, entry: _Entry, now: int):  # the highest rank is evicted
@@ -123,36 +124,69 @@ class LFU(LRU):
     def __init__(self) -> None:
         self.counts: dict[Key, int] = {}
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: Key, now: int) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def rank(self, key: Key, entry: _Entry, now: int):
         return (-self.counts.get(key, 0), _neg(entry.last))
 
 
-@dataclass
 class NextUse(LRU):
-    """Evict the farthest next use; without a known next use, the least recently used.
+    """Belady's MIN: evict the entry whose exact next use (from a recorded trace) is farthest."""
 
-    next_use(key, now) gives exact future use (oracle / Belady); otherwise hints from
-    predictions (`hint(key, step)`) count while they lie in the future.
-    """
+    name = "belady"
 
-    next_use: Callable[[Key, int], float] | None = None
-    name: str = "next_use"
-    hints: dict[Key, int] = field(default_factory=dict)
-
-    def hint(self, key: Key, when: int) -> None:
-        self.hints[key] = when
+    def __init__(self, next_use: Callable[[Key, int], float]):
+        self.next_use = next_use
 
     def when(self, key: Key, now: int) -> float:
-        if self.next_use is not None:
-            return self.next_use(key, now)
-        h = self.hints.get(key)
-        return h if h is not None and h >= now else INF
+        return self.next_use(key, now)
 
     def rank(self, key: Key, entry: _Entry, now: int):
         return (self.when(key, now), _neg(entry.last))
+
+
+class Predicted(NextUse):
+    """Evict the farthest *estimated* next use; keep what is predicted soon.
+
+    A predicted expert (`hint(key, step)`, step not passed yet) is next used at that step. Any
+    other expert of MoE layer m can next be used when layer m comes round again, which is
+    one forward later if a prediction for that visit left it out; we stretch that visit by the
+    odds against use, (1 - p) / p visits, where p is the expert's recent use rate per visit
+    (decayed count, `decay` per forward). Without predictions this is a layer-cycle-aware LFU.
+    """
+
+    name = "predicted"
+
+    def __init__(self, num_layers: int, decay: float = 0.8):
+        self.L, self.decay = num_layers, decay
+        self.hints: dict[Key, int] = {}
+        self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
+        self.use: dict[Key, tuple[float, int]] = {}  # key -> (decayed count, step of last use)
+
+    def touch(self, key: Key, now: int) -> None:
+        self.use[key] = (self._count(key, now) + 1.0, now)
+
+    def hint(self, key: Key, when: int) -> None:
+        self.hints[key] = when
+        self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
+
+    def when(self, key: Key, now: int) -> float:
+        h = self.hints.get(key)
+        if h is not None and h >= now:
+            return h
+        m, L = key[0], self.L
+        visit = now - now % L + m
+        if visit <= now:
+            visit += L
+        if self.layer_hint.get(m, -1) >= visit:
+            visit += L  # predicted set for that visit excludes this expert
+        p = min(1.0, self._count(key, now) * (1 - self.decay))
+        return visit + L * (1 - p) / max(p, 1e-3)
+
+    def _count(self, key: Key, now: int) -> float:
+        c, t = self.use.get(key, (0.0, now))
+        return c * self.decay ** ((now - t) / self.L)
 
 
 class ExpertCache:
@@ -181,7 +215,7 @@ class ExpertCache:
     def claim(self, key: Key) -> str:
         """Count a demand for key; pin it if present. Returns ready, loading or absent."""
         with self._cond:
-            self.policy.touch(key)
+            self.policy.touch(key, self.now)
             entry = self.entries.get(key)
             if entry is None:
                 self.stats.misses += 1
@@ -313,7 +347,7 @@ class ExpertCache:
     def _worth(self, victim: Key, when: float) -> bool:
         """Evict victim for a prefetch needed at `when` only if victim is needed later."""
         if not isinstance(self.policy, NextUse):
-            return True
+            return True  # LRU / LFU: no notion of when
         return self.policy.when(victim, self.now) > when
 
     def _evict(self, key: Key) -> None:

@@ -62,13 +62,18 @@ class OffloadedExperts:
         self.mod, self.layout, self.m, self.get_active = mod, layout, m, get_active
         self.num_experts = int(mod.num_experts)
         self.expert = _gpt_oss_expert if family == "gpt_oss" else _swiglu_expert
+        self._routed: tuple | None = None  # (ids, expert mask, claimed keys) from `route`
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
+    def route(self, top_k_index: torch.Tensor) -> None:
+        """Claim this layer's experts and queue demand loads as soon as the router has run.
+
+        Called from the router's forward hook (before any prefetch for later layers is
+        queued, so demand loads go first); `__call__` does it itself when no hook did.
+        """
         act = self.get_active()
         m, E = self.m, self.num_experts
-        cache, loader = act.cache, act.loader
         now = act.clock.step(m)
-        cache.now = now
+        act.cache.now = now
         with torch.no_grad():
             expert_mask = F.one_hot(top_k_index, num_classes=E + 1).permute(2, 1, 0)
             hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
@@ -78,9 +83,18 @@ class OffloadedExperts:
                 continue
             key = (m, e)
             pending.add(key)
-            if cache.claim(key) == "absent":
-                loader.demand(key)
-        loader.cancel_stale(now)
+            if act.cache.claim(key) == "absent":
+                act.loader.demand(key)
+        act.loader.cancel_stale(now)
+        self._routed = (top_k_index, expert_mask, pending)
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if self._routed is None:
+            self.route(top_k_index)
+        ids, expert_mask, pending = self._routed
+        self._routed = None
+        assert ids is top_k_index or torch.equal(ids, top_k_index), "router hook saw other ids"
+        cache = self.get_active().cache
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         while pending:
             for key in cache.wait_ready(pending):

@@ -102,6 +102,21 @@ class RecordedRouting:
         return out
 
 
+class NoPredictor:
+    """Predicts nothing (scores -inf): `prefetch` with it isolates the `Predicted` eviction."""
+
+    kind = "none"
+
+    def __init__(self, num_experts: int, lookahead: Lookahead):
+        self.num_experts, self.lookahead = num_experts, lookahead
+
+    def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
+        return torch.full((len(src), self.num_experts), -INF)
+
+    def num_params(self) -> int:
+        return 0
+
+
 class Loader:
     """I/O threads serving one priority queue: demand loads first, then prefetches by rank."""
 
@@ -212,10 +227,12 @@ class PredictionHooks:
         clock: StepClock,
         history: RoutingHistory,
         extra: int = 0,
+        on_route=None,
     ):
         self.model, self.spec, self.predictor = model, spec, predictor
         self.loader, self.cache, self.clock, self.history = loader, cache, clock, history
         self.extra = extra
+        self.on_route = on_route  # (s, ids_TK) -> None, called first in layer s's router hook
         self.la: Lookahead | None = predictor.lookahead if predictor is not None else None
         self._handles: list = []
 
@@ -241,6 +258,8 @@ class PredictionHooks:
     def _router_hook(self, s: int):
         def hook(module, args, output):
             _, _, ids_TK = router_outputs(self.spec, output)
+            if self.on_route is not None:
+                self.on_route(s, ids_TK)  # demand loads of layer s before any prefetch
             self.history.cur[s] = ids_TK.detach().reshape(-1, ids_TK.shape[-1]).cpu()
             la = self.la
             if la is None or la.hidden != "gate_input":

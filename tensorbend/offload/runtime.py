@@ -17,7 +17,7 @@ the resident run. Decode and prefill are timed and counted separately; the JSON 
 numbers (stall, bytes, hit rate per token) are decode's, prefill's are under "prefill".
 
 Policies: resident, on_demand (load when asked, keep nothing after the layer), lru, lfu (caches
-without prediction), prefetch (a predictor's prefetches + cache hints, `NextUse` eviction),
+without prediction), prefetch (a predictor's prefetches + cache hints, `Predicted` eviction),
 oracle (the recorded routing as predictions + Belady eviction).
 """
 
@@ -44,6 +44,7 @@ from tensorbend.offload.cache import (
     CacheStats,
     ExpertCache,
     NextUse,
+    Predicted,
     trace_next_use,
 )
 from tensorbend.offload.layer import OffloadedExperts, check_supported
@@ -68,7 +69,7 @@ from tensorbend.predictors.base import get_lookahead
 @dataclass(frozen=True)
 class SessionConfig:
     max_new_tokens: int = 32
-    """Greedy decode steps per prompt (stops early at EOS)."""
+    """Decode steps per prompt (greedy stops early at EOS)."""
     max_prompt_tokens: int = 128
     """Prompts are truncated to this many tokens."""
     store_dir: Path | None = None
@@ -79,9 +80,13 @@ class SessionConfig:
     """I/O threads per run."""
     progress: bool = False
     """tqdm progress on stderr."""
+    decode: str = "greedy"
+    """greedy (the model's own tokens) or teacher (feed each prompt's `continuation`)."""
 
     def __post_init__(self) -> None:
         StoreConfig(self.io)
+        if self.decode not in ("greedy", "teacher"):
+            raise TensorbendError(f"--decode {self.decode!r}: expected greedy or teacher")
         if self.max_new_tokens < 0 or self.max_prompt_tokens < 1 or self.io_threads < 1:
             raise TensorbendError(
                 "expected max_new_tokens >= 0, max_prompt_tokens >= 1, io_threads >= 1"
@@ -219,6 +224,16 @@ class OffloadSession:
         if any(ids.shape[1] == 0 for ids in self.inputs):
             raise TensorbendError("a prompt tokenizes to nothing: remove it or give it text")
         self.eos = tokenizer.eos_token_id
+        # teacher: decode feeds the prompt's continuation (natural text, still one token per
+        # step with the KV cache); prompts without one are prefill only
+        self.forced = [
+            tokenizer(p.continuation or "", add_special_tokens=False).input_ids[
+                : cfg.max_new_tokens
+            ]
+            if cfg.decode == "teacher"
+            else None
+            for p in prompts
+        ]
         self.experts = [
             getattr(moe_block(model, spec, m), spec.experts_attr)
             for m in range(spec.num_moe_layers)
@@ -278,6 +293,8 @@ class OffloadSession:
         store = ExpertStore.open(self.store_path, StoreConfig(self.cfg.io), link)
         loader = Loader(store, cache, self.cfg.io_threads)
         self.active = _Active(cache, loader, self.clock, self.history)
+        for mod in self.experts:
+            mod.forward._routed = None  # nothing left over from a run that raised
         try:
             with PredictionHooks(
                 self.model,
@@ -288,6 +305,7 @@ class OffloadSession:
                 self.clock,
                 self.history,
                 extra=pc.prefetch_extra,
+                on_route=lambda s, ids_TK: self.experts[s].forward.route(ids_TK),
             ):
                 gen = self._generate()
         finally:
@@ -323,9 +341,10 @@ class OffloadSession:
                 f"expert cache of {slots} slots is smaller than top_k={self.spec.top_k}: expected at "
                 f"least {self.spec.top_k} x {nbytes} bytes (raise --cache-frac)"
             )
-        policy = {"on_demand": LRU, "lru": LRU, "lfu": LFU}.get(pc.policy, NextUse)()
+        L = self.spec.num_moe_layers
+        policy = {"on_demand": LRU, "lru": LRU, "lfu": LFU}.get(pc.policy, lambda: Predicted(L))()
         if pc.policy == "oracle":
-            policy = NextUse(next_use=trace_next_use(predictor.steps_by_key()), name="belady")
+            policy = NextUse(trace_next_use(predictor.steps_by_key()))
         cfg = CacheConfig(slots, keep=pc.policy != "on_demand", device=self._device())
         return ExpertCache(cfg, self.layout.numel, self.layout.dtype, policy, nbytes)
 
@@ -336,32 +355,37 @@ class OffloadSession:
         gen, kw = _Gen(), _cache_kwarg(self.model)
         self.clock.forward = -1
         bar = tqdm(
-            self.inputs,
+            total=len(self.inputs),
             desc="generate",
             unit="prompt",
             disable=not self.cfg.progress,
             file=sys.stderr,
         )
         with torch.inference_mode():
-            for ids in bar:
+            for ids, forced in zip(self.inputs, self.forced, strict=True):
+                bar.update(1)
                 self.history.begin_prompt()
                 out = self._forward(
                     gen, "prefill", input_ids=ids.to(self._device()), use_cache=True
                 )
                 new = []
-                for _ in range(self.cfg.max_new_tokens):
-                    nxt = int(out.logits[0, -1].argmax())
-                    if self.eos is not None and nxt == self.eos:
+                steps = forced if forced is not None else range(self.cfg.max_new_tokens)
+                for feed in steps:
+                    nxt = int(out.logits[0, -1].argmax())  # the model's own next token
+                    if forced is None and self.eos is not None and nxt == self.eos:
                         break
                     new.append(nxt)
                     out = self._forward(
                         gen,
                         "decode",
-                        input_ids=torch.tensor([[nxt]], device=ids.device),
+                        input_ids=torch.tensor(
+                            [[nxt if forced is None else feed]], device=ids.device
+                        ),
                         use_cache=True,
                         **{kw: _cache_of(out)},
                     )
                 gen.tokens.append(new)
+        bar.close()
         return gen
 
     def _forward(self, gen: _Gen, phase: str, **kwargs):
@@ -423,6 +447,7 @@ class OffloadSession:
             "max_logit_abs_diff": diff,
             "link": link.to_dict(),
             "io": self.cfg.io,
+            "decode": self.cfg.decode,
             "cache_slots": slots,
             "expert_bytes": self.layout.nbytes,
             "tokens": dict(gen.n),

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorbend.metrics import topk_hits
-from tensorbend.models import RoutingSpec, router_scores
+from tensorbend.models import RoutingSpec, scores_from_logits
 from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit
@@ -127,23 +127,27 @@ class ResidualGatePredictor:
         return p
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        """Fast path (batch 1 decode in the runtime): folded router weights, row gathers for the
-        multi-hot inputs; equal to the training-time computation up to float rounding."""
+        """Fast path (batch 1 decode in the runtime): one matmul for the correction's input layer
+        and the folded router, row gathers for the multi-hot inputs. Equal to the training-time
+        computation (`scores_reference`) up to float rounding."""
         f = self._fast.get(m) or self._build_fast(m)
-        x = src.hidden_TD.float()
-        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        H = self.H
         with torch.no_grad():
-            h = xn @ f["W1x"] + f["b1"]
+            x = src.hidden_TD.float()
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            y = x @ f["Wcat"]  # [T, H + E]: correction input layer | router logits
+            h = torch.addcmul(f["b1"], y[:, :H], r)
             if src.src_ids_TK is not None:
                 h = h + f["W1src"][src.src_ids_TK.long()].sum(1)
             if self.cfg.use_prev and bool(src.has_prev_T.any()):
                 hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
                 h = h + hp * src.has_prev_T.float()[:, None]
-            out = F.gelu(h) @ f["W2"] + f["b2"]
+            out = torch.addmm(f["b2"], F.gelu(h), f["W2"])
             if self.cfg.use_gate:
-                gx = xn if self.lookahead.hidden == "layer_input" else x
-                g = router_scores(self.spec, f["router"], m, gx)
-                out = out + f["alpha"] * (g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + 1e-6)
+                logits = y[:, H:] * r if self.lookahead.hidden == "layer_input" else y[:, H:]
+                g = scores_from_logits(self.spec, f["router"], m, logits)
+                std, mean = torch.std_mean(g, -1, keepdim=True)
+                out = out + (g - mean) * (f["alpha"] / (std + 1e-6))
             return out
 
     def _build_fast(self, m: int) -> dict:
@@ -151,7 +155,6 @@ class ResidualGatePredictor:
         net = self.net
         W1 = net.W1[li].detach()
         rp = self.router_params
-        W = rp[f"layers.{m}.weight"]
         scale = torch.ones(D)
         w_m = rp.get(f"layers.{m}.gate_norm")
         if w_m is not None:
@@ -161,10 +164,11 @@ class ResidualGatePredictor:
             elif s != m:
                 w_s = rp[f"layers.{s}.gate_norm"]
                 scale = w_m / torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
-        router = {k: v for k, v in rp.items() if k.startswith(f"layers.{m}.")}
-        router[f"layers.{m}.weight"] = W * scale[None, :]
+        Wg = rp[f"layers.{m}.weight"] * scale[None, :]  # [E, D], re-normalisation folded in
+        router = {k: v for k, v in rp.items() if k.startswith(f"layers.{m}.") and not k.endswith(".weight")}
         self._fast[m] = {
-            "W1x": W1[:D], "W1src": W1[D : D + E], "W1prev": W1[D + E : D + 2 * E], "w1hp": W1[D + 2 * E],
+            "Wcat": torch.cat([W1[:D], Wg.T], dim=1).contiguous(),
+            "W1src": W1[D : D + E], "W1prev": W1[D + E : D + 2 * E], "w1hp": W1[D + 2 * E],
             "b1": net.b1[li, 0].detach(), "W2": net.W2[li].detach(), "b2": net.b2[li, 0].detach(),
             "alpha": net.alpha[li, 0, 0].detach(), "router": router,
         }
