@@ -68,7 +68,11 @@ def main(argv=None) -> int:
             plan += [("prefetch", p) for p in predictors] + [("oracle", None)]
             for policy, p in plan:
                 pc = PolicyConfig(
-                    policy, cache_frac=frac, lookahead=a.lookahead, prefetch_extra=a.extra
+                    policy,
+                    cache_frac=frac,
+                    lookahead=a.lookahead,
+                    prefetch_extra=a.extra,
+                    prefetch_backlog=None if a.backlog < 0 else a.backlog,
                 )
                 r = sess.run_policy(pc, p, link)
                 runs.append(r)
@@ -212,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")
     p.add_argument("--lookahead", default="d1", help="lookahead of baselines and the oracle")
     p.add_argument("--extra", type=int, default=0, help="prefetch top-(K + extra) at decode")
+    p.add_argument("--backlog", type=float, default=1.0, help="prefetch link backlog (-1: none)")
     p.add_argument("--fracs", default="0.125,0.25,0.5")
     p.add_argument("--link", default="h100-pcie5-kimi")
     p.add_argument("--io", default="buffered")

@@ -221,7 +221,7 @@ def real_trace(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("real")
     save_checkpoint("deepseek_v3", d / "model")
-    write_prompts(d / "p.jsonl", n=30)
+    write_prompts(d / "p.jsonl", n=16)
     collect(CollectConfig(model=str(d / "model"), out=d / "t", prompts=d / "p.jsonl", max_new_tokens=6,
                           dtype="float32", features=("ids", "gate_input", "layer_input")), progress=False)
     return d / "t"

@@ -120,8 +120,11 @@ class NoPredictor:
 class Loader:
     """I/O threads serving one priority queue: demand loads first, then prefetches by rank."""
 
-    def __init__(self, store: ExpertStore, cache: ExpertCache, threads: int = 2):
+    def __init__(
+        self, store: ExpertStore, cache: ExpertCache, threads: int = 2, max_backlog_s: float = INF
+    ):
         self.store, self.cache = store, cache
+        self.max_backlog_s = max_backlog_s  # start a prefetch only if the link frees up by then
         self._heap: list[list] = []  # [kind, priority, seq, key, when, alive]
         self._queued: dict[Key, list] = {}
         self._seq = 0
@@ -189,6 +192,9 @@ class Loader:
                     continue
                 self._queued.pop(key, None)
             demand = kind == DEMAND
+            if not demand and self.store.backlog_s() > self.max_backlog_s:
+                self.cache.stats.prefetch_dropped += 1  # the link is busy: demand loads come first
+                continue
             try:
                 slot = self.cache.start_load(key, demand=demand, block=demand, when=when)
                 if slot is None:

@@ -38,6 +38,7 @@ from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model, model_fingerprint, moe_block
 from tensorbend.offload import POLICIES
 from tensorbend.offload.cache import (
+    INF,
     LFU,
     LRU,
     CacheConfig,
@@ -105,6 +106,9 @@ class PolicyConfig:
     """Oracle lookahead (a predictor brings its own)."""
     prefetch_extra: int = 0
     """Batch-1 decode prefetches top-(K + extra) predicted experts."""
+    prefetch_backlog: float | None = 1.0
+    """Start a prefetch only while the link is busy for at most this many expert transfers
+    (wrong prefetches then use idle link time instead of delaying demand loads); None: always."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -291,7 +295,10 @@ class OffloadSession:
             )
         cache = self._make_cache(pc, predictor)
         store = ExpertStore.open(self.store_path, StoreConfig(self.cfg.io), link)
-        loader = Loader(store, cache, self.cfg.io_threads)
+        backlog = (
+            INF if pc.prefetch_backlog is None else pc.prefetch_backlog * link.seconds(cache.nbytes)
+        )
+        loader = Loader(store, cache, self.cfg.io_threads, max_backlog_s=backlog)
         self.active = _Active(cache, loader, self.clock, self.history)
         for mod in self.experts:
             mod.forward._routed = None  # nothing left over from a run that raised
@@ -448,6 +455,8 @@ class OffloadSession:
             "link": link.to_dict(),
             "io": self.cfg.io,
             "decode": self.cfg.decode,
+            "prefetch_extra": pc.prefetch_extra,
+            "prefetch_backlog": pc.prefetch_backlog,
             "cache_slots": slots,
             "expert_bytes": self.layout.nbytes,
             "tokens": dict(gen.n),

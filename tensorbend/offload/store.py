@@ -246,6 +246,10 @@ class ExpertStore:
             time.sleep(wait)  # the emulated link is still busy with these bytes
         return nbytes
 
+    def backlog_s(self) -> float:
+        """Seconds until the emulated wire is free (0 when uncapped or idle)."""
+        return max(0.0, self._wire_free_at - time.perf_counter())
+
     def _reserve_wire(self, nbytes: int) -> float:
         """Book the emulated wire for nbytes; returns when the transfer completes."""
         link = self.link
