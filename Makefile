@@ -17,9 +17,16 @@ $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 
 setup: $(VENV)/.setup-done
 
+# The main job on the bundled default model: capture exact routing of every shipped prompt
+# (teacher-forced decode), train our predictor one MoE layer ahead (d1) on the train prompts,
+# and score it against every peer on the held-out test prompts.
 demo: setup
-	$(PY) -m tensorbend collect --model zoo:default --out $(DEMO_OUT)/trace --split test --max-new-tokens 16 --overwrite
+	$(PY) -m tensorbend collect --model zoo:default --out $(DEMO_OUT)/trace --decode teacher \
+		--max-new-tokens 16 --features ids weights gate_input layer_input --overwrite
 	$(PY) -m tensorbend trace info $(DEMO_OUT)/trace
+	$(PY) -m tensorbend train --trace $(DEMO_OUT)/trace --out $(DEMO_OUT)/ours_d1.safetensors --lookahead d1
+	$(PY) -m tensorbend eval --trace $(DEMO_OUT)/trace --predictor $(DEMO_OUT)/ours_d1.safetensors \
+		--baselines all --lookahead d1 --json $(DEMO_OUT)/eval.json --plots $(DEMO_OUT)/plots
 
 test: setup
 	$(PY) -m pytest
