@@ -35,6 +35,7 @@ class TrainConfig:
     use_prev: bool = True  # feed previous-token (tensorbend) / previous-layer (seed_mlp) routing
     epochs: int | None = None  # override the kind's default epoch budget
     max_train_prompts: int | None = None  # use only the first N train prompts (ablations)
+    max_train_rows: int | None = None  # uniform random sample of train rows (the seed kept <= 10,000 per layer)
     threads: int | None = None  # torch threads (None: leave as is)
 
     def __post_init__(self):
@@ -59,8 +60,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     tr = Trace.open(cfg.trace)
     la = get_lookahead(cfg.lookahead)
     feats = la.features
-    train_rows = _rows(tr, feats, "train", cfg.max_train_prompts)
-    val_rows = _rows(tr, feats, "val", None)
+    train_rows = _rows(tr, feats, "train", cfg.max_train_prompts, cfg.max_train_rows, cfg.seed)
+    val_rows = _rows(tr, feats, "val", None, None, cfg.seed)
     for name, rows in (("train", train_rows), ("val", val_rows)):
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(
@@ -126,17 +127,23 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     }
 
 
-def _rows(tr: Trace, feats, split: str, max_prompts: int | None) -> dict:
+def _rows(tr: Trace, feats, split: str, max_prompts: int | None, max_rows: int | None, seed: int) -> dict:
     rows = tr.load(feats, split=split)
+    T = rows["prompt_index_T"].shape[0]
+    keep = torch.ones(T, dtype=torch.bool)
     if max_prompts is not None:
-        keep_idx = sorted(set(rows["prompt_index_T"].tolist()))[:max_prompts]
-        keep = torch.isin(
-            rows["prompt_index_T"], torch.tensor(keep_idx, dtype=rows["prompt_index_T"].dtype)
-        )
-        new_index = torch.cumsum(keep.long(), 0) - 1
-        prev = rows["prev_row_T"]
-        rows = {k: v[keep] for k, v in rows.items()}
-        rows["prev_row_T"] = torch.where(
-            prev[keep] >= 0, new_index[prev[keep].clamp(min=0)], prev[keep]
-        )
-    return rows
+        first = sorted(set(rows["prompt_index_T"].tolist()))[:max_prompts]
+        keep &= torch.isin(rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype))
+    if max_rows is not None and int(keep.sum()) > max_rows:
+        idx = keep.nonzero().flatten()
+        chosen = idx[torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:max_rows]]
+        keep = torch.zeros(T, dtype=torch.bool)
+        keep[chosen] = True
+    if bool(keep.all()):
+        return rows
+    new_index = torch.cumsum(keep.long(), 0) - 1
+    prev = rows["prev_row_T"]
+    prev_kept = (prev >= 0) & keep[prev.clamp(min=0)]
+    out = {k: v[keep] for k, v in rows.items()}
+    out["prev_row_T"] = torch.where(prev_kept, new_index[prev.clamp(min=0)], torch.full_like(prev, -1))[keep]
+    return out
