@@ -37,11 +37,19 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     D, E, K = preds[0].spec.hidden_size, preds[0].spec.num_experts, preds[0].spec.top_k
     g = torch.Generator().manual_seed(0)
-    src = SourceBatch(torch.randn(1, D, generator=g), torch.randperm(E, generator=g)[:K][None],
-                      torch.randperm(E, generator=g)[:K][None], torch.tensor([True]), 0)
+    src = SourceBatch(
+        torch.randn(1, D, generator=g),
+        torch.randperm(E, generator=g)[:K][None],
+        torch.randperm(E, generator=g)[:K][None],
+        torch.tensor([True]),
+        0,
+    )
     fwd, cost = [], {p.checkpoint: [] for p in preds}
     with torch.inference_mode():
-        out = model(input_ids=torch.randint(0, model.config.vocab_size, (1, 64), generator=g), use_cache=True)
+        out = model(
+            input_ids=torch.randint(0, model.config.vocab_size, (1, 64), generator=g),
+            use_cache=True,
+        )
         for _ in range(args.steps):
             torch.set_num_threads(threads)
             nxt = out.logits[:, -1:].argmax(-1)
@@ -56,11 +64,25 @@ def main(argv=None) -> int:
                 cost[p.checkpoint].append(time.perf_counter() - t0)
     torch.set_num_threads(threads)
     f = statistics.median(fwd[4:])
-    rows = [{"predictor": p.kind, "checkpoint": p.checkpoint, "lookahead": p.lookahead.name,
-             "all_layers_us": statistics.median(cost[p.checkpoint][4:]) * 1e6,
-             "ratio_to_decode_forward": statistics.median(cost[p.checkpoint][4:]) / f} for p in preds]
-    res = {"bench": "predictor_cost", "model": args.model, "decode_forward_ms": f * 1e3, "model_threads": threads,
-           "predictor_threads": 1, "results": rows, "target_ratio": 0.02}
+    rows = [
+        {
+            "predictor": p.kind,
+            "checkpoint": p.checkpoint,
+            "lookahead": p.lookahead.name,
+            "all_layers_us": statistics.median(cost[p.checkpoint][4:]) * 1e6,
+            "ratio_to_decode_forward": statistics.median(cost[p.checkpoint][4:]) / f,
+        }
+        for p in preds
+    ]
+    res = {
+        "bench": "predictor_cost",
+        "model": args.model,
+        "decode_forward_ms": f * 1e3,
+        "model_threads": threads,
+        "predictor_threads": 1,
+        "results": rows,
+        "target_ratio": 0.02,
+    }
     text = json.dumps(res, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -34,33 +34,61 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="zoo:default")
     ap.add_argument("--out", default="runs/eval_default")
-    ap.add_argument("--doc", default=None, help="markdown summary to write (e.g. docs/results_default.md)")
+    ap.add_argument(
+        "--doc", default=None, help="markdown summary to write (e.g. docs/results_default.md)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--decode", default="teacher", choices=["teacher", "greedy", "sample"])
-    ap.add_argument("--seed-epochs", type=int, default=None, help="override the seed's 200 epochs (smoke runs)")
+    ap.add_argument(
+        "--seed-epochs", type=int, default=None, help="override the seed's 200 epochs (smoke runs)"
+    )
     ap.add_argument("--skip-seed", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
     trace = out / "trace"
     timings = {}
-    if not (trace / "manifest.json").is_file() or not json.loads((trace / "manifest.json").read_text()).get("complete"):
+    if not (trace / "manifest.json").is_file() or not json.loads(
+        (trace / "manifest.json").read_text()
+    ).get("complete"):
         t0 = time.perf_counter()
-        collect(CollectConfig(model=args.model, out=trace, max_new_tokens=args.max_new_tokens, decode=args.decode,
-                              features=("ids", "weights", "gate_input", "layer_input"),
-                              resume=(trace / "manifest.json").is_file()))
+        collect(
+            CollectConfig(
+                model=args.model,
+                out=trace,
+                max_new_tokens=args.max_new_tokens,
+                decode=args.decode,
+                features=("ids", "weights", "gate_input", "layer_input"),
+                resume=(trace / "manifest.json").is_file(),
+            )
+        )
         timings["collect_s"] = time.perf_counter() - t0
     ckpts = []
-    jobs = [("tensorbend", la) for la in OURS] + ([] if args.skip_seed else [("seed_mlp", la) for la in SEED])
+    jobs = [("tensorbend", la) for la in OURS] + (
+        [] if args.skip_seed else [("seed_mlp", la) for la in SEED]
+    )
     for kind, la in jobs:
         ck = out / f"{kind}_{la}.safetensors"
         if not ck.is_file():
-            s = train(TrainConfig(trace=trace, out=ck, predictor=kind, lookahead=la,
-                                  epochs=args.seed_epochs if kind == "seed_mlp" else None))
+            s = train(
+                TrainConfig(
+                    trace=trace,
+                    out=ck,
+                    predictor=kind,
+                    lookahead=la,
+                    epochs=args.seed_epochs if kind == "seed_mlp" else None,
+                )
+            )
             timings[f"train_{kind}_{la}_s"] = s["seconds"]
             print(json.dumps(s), file=sys.stderr)
         ckpts.append(ck)
-    report = evaluate(EvalConfig(trace=trace, predictors=tuple(ckpts), baselines=("all",),
-                                 lookaheads=("pre_attn", "d1", "d2", "d3", "same_layer")))
+    report = evaluate(
+        EvalConfig(
+            trace=trace,
+            predictors=tuple(ckpts),
+            baselines=("all",),
+            lookaheads=("pre_attn", "d1", "d2", "d3", "same_layer"),
+        )
+    )
     report["timings"] = timings
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     plots = plot_eval(report, out / "plots")
@@ -88,18 +116,30 @@ def _doc(report: dict, args, plots) -> str:
         "",
     ]
     for phase in ("decode", "prefill"):
-        lines += [f"## {phase}", "", f"| predictor | lookahead | recall@{K} | miss rate | hit@k+2 | hit@k+4 | "
-                  "exact | params | us/token/layer |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {phase}",
+            "",
+            f"| predictor | lookahead | recall@{K} | miss rate | hit@k+2 | hit@k+4 | "
+            "exact | params | us/token/layer |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         rows = [r for r in report["results"] if r["phase"] == phase]
         order = {"pre_attn": 0, "d1": 1, "d2": 2, "d3": 3, "same_layer": 4}
         for r in sorted(rows, key=lambda r: (order[r["lookahead"]], -r["recall_at_k"])):
             h = r["hit_at_k_plus_p"]
-            lines.append(f"| {r['predictor']}{'*' if r['checkpoint'] else ''} | {r['lookahead']} | "
-                         f"{r['recall_at_k']:.3f} | {r['miss_rate']:.3f} | {h['2']:.3f} | {h['4']:.3f} | "
-                         f"{r['exact_match']:.3f} | {r['params']:,} | {r['us_per_token']:.0f} |")
+            lines.append(
+                f"| {r['predictor']}{'*' if r['checkpoint'] else ''} | {r['lookahead']} | "
+                f"{r['recall_at_k']:.3f} | {r['miss_rate']:.3f} | {h['2']:.3f} | {h['4']:.3f} | "
+                f"{r['exact_match']:.3f} | {r['params']:,} | {r['us_per_token']:.0f} |"
+            )
         lines.append("")
-    lines += ["`*` trained checkpoint. `same_layer` has zero lead time (shown for comparison with the seed).", ""]
-    lines += [f"![{p.stem}](../{p.as_posix()})" if not p.is_absolute() else f"plot: {p}" for p in plots]
+    lines += [
+        "`*` trained checkpoint. `same_layer` has zero lead time (shown for comparison with the seed).",
+        "",
+    ]
+    lines += [
+        f"![{p.stem}](../{p.as_posix()})" if not p.is_absolute() else f"plot: {p}" for p in plots
+    ]
     return "\n".join(lines) + "\n"
 
 

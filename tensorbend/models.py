@@ -234,7 +234,9 @@ def router_scores(
     return scores_from_logits(spec, params, m, x_TD.float() @ params[f"layers.{m}.weight"].T)
 
 
-def scores_from_logits(spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, logits_TE: torch.Tensor) -> torch.Tensor:
+def scores_from_logits(
+    spec: RoutingSpec, params: dict[str, torch.Tensor], m: int, logits_TE: torch.Tensor
+) -> torch.Tensor:
     """router_scores given the bias-free logits x @ W.T (see router_scores)."""
     if f"layers.{m}.bias" in params:
         logits_TE = logits_TE + params[f"layers.{m}.bias"]

@@ -35,8 +35,13 @@ class TrainConfig:
     use_prev: bool = True  # feed previous-token (tensorbend) / previous-layer (seed_mlp) routing
     epochs: int | None = None  # override the kind's default epoch budget
     max_train_prompts: int | None = None  # use only the first N train prompts (ablations)
-    max_train_rows: int | None = None  # uniform random sample of train rows (the seed kept <= 10,000 per layer)
+    max_train_rows: int | None = (
+        None  # uniform random sample of train rows (the seed kept <= 10,000 per layer)
+    )
     threads: int | None = None  # torch threads (None: leave as is)
+    src_scores: bool | None = (
+        None  # tensorbend: feed the source layer's router scores (None: default)
+    )
 
     def __post_init__(self):
         if self.predictor not in TRAINABLE:
@@ -78,6 +83,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             use_prev=cfg.use_prev,
             loss=cfg.loss or "listwise",
             hidden=cfg.width or ResidualGateConfig.hidden,
+            use_src_scores=(
+                ResidualGateConfig.use_src_scores if cfg.src_scores is None else cfg.src_scores
+            ),
         )
         p = ResidualGatePredictor.fit(
             spec, la, tr.router_params(), train_rows, val_rows, rc, progress
@@ -127,16 +135,22 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     }
 
 
-def _rows(tr: Trace, feats, split: str, max_prompts: int | None, max_rows: int | None, seed: int) -> dict:
+def _rows(
+    tr: Trace, feats, split: str, max_prompts: int | None, max_rows: int | None, seed: int
+) -> dict:
     rows = tr.load(feats, split=split)
     T = rows["prompt_index_T"].shape[0]
     keep = torch.ones(T, dtype=torch.bool)
     if max_prompts is not None:
         first = sorted(set(rows["prompt_index_T"].tolist()))[:max_prompts]
-        keep &= torch.isin(rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype))
+        keep &= torch.isin(
+            rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype)
+        )
     if max_rows is not None and int(keep.sum()) > max_rows:
         idx = keep.nonzero().flatten()
-        chosen = idx[torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:max_rows]]
+        chosen = idx[
+            torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:max_rows]
+        ]
         keep = torch.zeros(T, dtype=torch.bool)
         keep[chosen] = True
     if bool(keep.all()):
@@ -145,5 +159,7 @@ def _rows(tr: Trace, feats, split: str, max_prompts: int | None, max_rows: int |
     prev = rows["prev_row_T"]
     prev_kept = (prev >= 0) & keep[prev.clamp(min=0)]
     out = {k: v[keep] for k, v in rows.items()}
-    out["prev_row_T"] = torch.where(prev_kept, new_index[prev.clamp(min=0)], torch.full_like(prev, -1))[keep]
+    out["prev_row_T"] = torch.where(
+        prev_kept, new_index[prev.clamp(min=0)], torch.full_like(prev, -1)
+    )[keep]
     return out

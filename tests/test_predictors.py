@@ -222,13 +222,26 @@ def real_trace(tmp_path_factory):
     d = tmp_path_factory.mktemp("real")
     save_checkpoint("deepseek_v3", d / "model")
     write_prompts(d / "p.jsonl", n=16)
-    collect(CollectConfig(model=str(d / "model"), out=d / "t", prompts=d / "p.jsonl", max_new_tokens=6,
-                          dtype="float32", features=("ids", "gate_input", "layer_input")), progress=False)
+    collect(
+        CollectConfig(
+            model=str(d / "model"),
+            out=d / "t",
+            prompts=d / "p.jsonl",
+            max_new_tokens=6,
+            dtype="float32",
+            features=("ids", "gate_input", "layer_input"),
+        ),
+        progress=False,
+    )
     return d / "t"
 
 
 def test_spec_gate_same_layer_is_the_exact_router(real_trace):
-    rep = evaluate(EvalConfig(trace=real_trace, baselines=("spec_gate",), lookaheads=("same_layer",), split="all"))
+    rep = evaluate(
+        EvalConfig(
+            trace=real_trace, baselines=("spec_gate",), lookaheads=("same_layer",), split="all"
+        )
+    )
     for r in rep["results"]:
         assert r["recall_at_k"] == pytest.approx(1.0, abs=1e-3), r["phase"]
 
@@ -236,7 +249,10 @@ def test_spec_gate_same_layer_is_the_exact_router(real_trace):
 def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
     for la in ("d1", "pre_attn"):
         out = tmp_path / f"{la}.safetensors"
-        train(TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2), progress=False)
+        train(
+            TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
+            progress=False,
+        )
         p = load_predictor(out)
         with torch.no_grad():  # make the correction non-trivial
             p.net.W2.normal_(0, 0.3)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorbend.metrics import topk_hits
-from tensorbend.models import RoutingSpec, scores_from_logits
+from tensorbend.models import RoutingSpec, router_scores, scores_from_logits
 from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit
@@ -36,6 +36,7 @@ class ResidualGateConfig:
     loss: str = "listwise"  # listwise | bce
     use_prev: bool = True  # feed the previous token's experts at the target layer
     use_gate: bool = True  # start from spec_gate (False: a plain small MLP)
+    use_src_scores: bool = False  # also feed the source layer's own router scores (d >= 1)
     budget_frac: float = 0.25  # max params per layer relative to the seed MLP (p = 256)
     fit: FitConfig = FitConfig(min_steps=600)
 
@@ -48,8 +49,12 @@ def seed_params_per_layer(D: int, E: int, p: int = 256) -> int:
     return (D + E) * p + p + 2 * p + p * E + E
 
 
-def width_for_budget(D: int, E: int, want: int, frac: float) -> int:
-    Fin = D + 2 * E + 1
+def input_width(D: int, E: int, src_scores: bool) -> int:
+    return D + 2 * E + 1 + (E if src_scores else 0)
+
+
+def width_for_budget(D: int, E: int, want: int, frac: float, src_scores: bool = False) -> int:
+    Fin = input_width(D, E, src_scores)
     per_h = Fin + 1 + E
     cap = int((frac * seed_params_per_layer(D, E) - E - 1) // per_h)
     return max(1, min(want, cap))
@@ -82,7 +87,7 @@ class ResidualGatePredictor:
         self.gate = SpecGatePredictor(spec, la, router_params)
         self.targets = list(la.targets(spec.num_moe_layers))
         E, D = spec.num_experts, spec.hidden_size
-        self.net = _Net(len(self.targets), D + 2 * E + 1, H, E).eval()
+        self.net = _Net(len(self.targets), input_width(D, E, cfg.use_src_scores), H, E).eval()
         self._fast: dict[int, dict] = {}
 
     # ------------------------------------------------------------ API
@@ -101,7 +106,9 @@ class ResidualGatePredictor:
         cfg = cfg or ResidualGateConfig()
         la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
         torch.manual_seed(cfg.fit.seed)
-        H = width_for_budget(spec.hidden_size, spec.num_experts, cfg.hidden, cfg.budget_frac)
+        H = width_for_budget(
+            spec.hidden_size, spec.num_experts, cfg.hidden, cfg.budget_frac, cfg.use_src_scores
+        )
         p = cls(spec, la, router_params, cfg, H)
         train, val = p._inputs(train_rows), p._inputs(val_rows)
         K = spec.top_k
@@ -131,7 +138,7 @@ class ResidualGatePredictor:
         and the folded router, row gathers for the multi-hot inputs. Equal to the training-time
         computation (`scores_reference`) up to float rounding."""
         f = self._fast.get(m) or self._build_fast(m)
-        H = self.H
+        H, E = self.H, self.spec.num_experts
         with torch.no_grad():
             x = src.hidden_TD.float()
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -142,9 +149,17 @@ class ResidualGatePredictor:
             if self.cfg.use_prev and bool(src.has_prev_T.any()):
                 hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
                 h = h + hp * src.has_prev_T.float()[:, None]
+            if "W1sc" in f:
+                sc = scores_from_logits(self.spec, f["src_router"], src.src_layer, y[:, H + E :])
+                std, mean = torch.std_mean(sc, -1, keepdim=True)
+                h = h + ((sc - mean) / (std + 1e-6)) @ f["W1sc"]
             out = torch.addmm(f["b2"], F.gelu(h), f["W2"])
             if self.cfg.use_gate:
-                logits = y[:, H:] * r if self.lookahead.hidden == "layer_input" else y[:, H:]
+                logits = (
+                    y[:, H : H + E] * r
+                    if self.lookahead.hidden == "layer_input"
+                    else y[:, H : H + E]
+                )
                 g = scores_from_logits(self.spec, f["router"], m, logits)
                 std, mean = torch.std_mean(g, -1, keepdim=True)
                 out = out + (g - mean) * (f["alpha"] / (std + 1e-6))
@@ -165,19 +180,46 @@ class ResidualGatePredictor:
                 w_s = rp[f"layers.{s}.gate_norm"]
                 scale = w_m / torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
         Wg = rp[f"layers.{m}.weight"] * scale[None, :]  # [E, D], re-normalisation folded in
-        router = {k: v for k, v in rp.items() if k.startswith(f"layers.{m}.") and not k.endswith(".weight")}
+        router = {
+            k: v
+            for k, v in rp.items()
+            if k.startswith(f"layers.{m}.") and not k.endswith(".weight")
+        }
+        cols = [W1[:D], Wg.T]
+        extra = {}
+        s_layer = m - self.lookahead.distance
+        if self.cfg.use_src_scores and self.lookahead.distance >= 1:
+            cols.append(rp[f"layers.{s_layer}.weight"].T)
+            extra = {
+                "W1sc": W1[D + 2 * E + 1 :],
+                "src_router": {
+                    k: v
+                    for k, v in rp.items()
+                    if k.startswith(f"layers.{s_layer}.") and not k.endswith(".weight")
+                },
+            }
         self._fast[m] = {
-            "Wcat": torch.cat([W1[:D], Wg.T], dim=1).contiguous(),
-            "W1src": W1[D : D + E], "W1prev": W1[D + E : D + 2 * E], "w1hp": W1[D + 2 * E],
-            "b1": net.b1[li, 0].detach(), "W2": net.W2[li].detach(), "b2": net.b2[li, 0].detach(),
-            "alpha": net.alpha[li, 0, 0].detach(), "router": router,
+            **extra,
+            "Wcat": torch.cat(cols, dim=1).contiguous(),
+            "W1src": W1[D : D + E],
+            "W1prev": W1[D + E : D + 2 * E],
+            "w1hp": W1[D + 2 * E],
+            "b1": net.b1[li, 0].detach(),
+            "W2": net.W2[li].detach(),
+            "b2": net.b2[li, 0].detach(),
+            "alpha": net.alpha[li, 0, 0].detach(),
+            "router": router,
         }
         return self._fast[m]
 
     def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
         """The training-time computation (tests compare the fast path against it)."""
         li = m - self.lookahead.distance
-        g = self._gate_scores(m, src) if self.cfg.use_gate else torch.zeros(len(src), self.spec.num_experts)
+        g = (
+            self._gate_scores(m, src)
+            if self.cfg.use_gate
+            else torch.zeros(len(src), self.spec.num_experts)
+        )
         u = self._features(src)
         net = self.net
         with torch.no_grad():
@@ -225,7 +267,16 @@ class ResidualGatePredictor:
         )
         has_prev = src.has_prev_T & torch.tensor(self.cfg.use_prev)
         prev = multi_hot(src.prev_ids_TK, E, has_prev)
-        return torch.cat([x, srcmh, prev, has_prev.float()[:, None]], dim=-1)
+        parts = [x, srcmh, prev, has_prev.float()[:, None]]
+        if self.cfg.use_src_scores:
+            if self.lookahead.distance >= 1:
+                sc = router_scores(
+                    self.spec, self.router_params, src.src_layer, src.hidden_TD.float()
+                )
+                parts.append((sc - sc.mean(-1, keepdim=True)) / (sc.std(-1, keepdim=True) + 1e-6))
+            else:
+                parts.append(torch.zeros(len(src), E))
+        return torch.cat(parts, dim=-1)
 
     def _inputs(self, rows) -> dict[str, torch.Tensor]:
         from tensorbend.predictors.base import sources_from_rows
