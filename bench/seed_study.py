@@ -136,6 +136,10 @@ def _doc(r: dict) -> str:
             "| setup | lookahead | params | train rows | test prefill | test decode |",
             "|---|---|---|---|---|---|",
             *[line(a, b) for a, b in rows],
+            "| the router itself (spec_gate at same_layer, no training) | same_layer | 0 | - | 1.000 | 1.000 |",
+            "",
+            "At `same_layer` the router's own matmul on the same input is exact and as cheap as any "
+            "predictor, so the seed's setup cannot prefetch anything; only `d1` rows have lead time.",
             "",
         ]
     )
