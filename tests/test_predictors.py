@@ -264,3 +264,20 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
             assert torch.allclose(p.scores(m, src), p.scores_reference(m, src), atol=1e-4)
+
+
+def test_row_subsets_keep_previous_token_links(planted):
+    """Sampling train rows (the seed's row cap) or prompts keeps prev_row pointing at the same token."""
+    from tensorbend.train import _rows
+
+    tr = Trace.open(planted / "t")
+    full = tr.load(("ids",), split="train")
+    for kw in ({"max_prompts": 5, "max_rows": None}, {"max_prompts": None, "max_rows": 300}):
+        sub = _rows(tr, ("ids",), "train", seed=0, **kw)
+        n = sub["prompt_index_T"].shape[0]
+        assert n == (300 if kw["max_rows"] else n) and n < full["prompt_index_T"].shape[0]
+        ok = sub["prev_row_T"] >= 0
+        assert ok.any()
+        prev = sub["prev_row_T"][ok]
+        assert torch.equal(sub["prompt_index_T"][prev], sub["prompt_index_T"][ok])
+        assert torch.equal(sub["positions_T"][prev] + 1, sub["positions_T"][ok])
