@@ -29,7 +29,8 @@ import torch
 from tensorbend.collect import load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.prefetch import NoPredictor
-from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig, build_predictor
+from tensorbend.offload.runner import build_predictor
+from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.prompts import load_prompts
 
@@ -95,9 +96,11 @@ def main(argv=None) -> int:
         "all_outputs_match_resident": all(r["output_matches_resident"] for r in runs),
         "runs": runs,
     }
+    report["goals_at_25"] = goals(report, 0.25)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     _plot(report, out.with_suffix(".png"))
     print(format_table(report, 0.25))
+    print(json.dumps(report["goals_at_25"], indent=1))
     return 0
 
 
@@ -109,7 +112,7 @@ def format_table(report: dict, frac: float) -> str:
         if r["policy"] != "resident" and abs(r["cache_frac"] - frac) > 0.01:
             continue
         lines.append(
-            f"| {r['policy']} | {r['predictor'] or '-'} | {r['decode_tok_s']:.1f} | "
+            f"| {r['policy']} | {_pred(r)} | {r['decode_tok_s']:.1f} | "
             f"{r['stall_s_per_token'] * 1e3:.2f} | {r['bytes_read_per_token'] / 1e3:.1f} | "
             f"{r['demand_hit_rate']:.3f} | {r['wasted_prefetch_bytes'] / 1e3:.0f} | "
             f"{r['output_matches_resident']} |"
@@ -117,8 +120,39 @@ def format_table(report: dict, frac: float) -> str:
     return "\n".join(lines)
 
 
+def goals(report: dict, frac: float) -> dict:
+    """Per predictor at one cache fraction: speed vs the best cache without prediction and vs
+    the oracle, bytes vs the oracle (issue goals: >= 1.3x, >= 0.9x, <= 1.2x)."""
+    at = [r for r in report["runs"] if abs(r["cache_frac"] - frac) < 0.01]
+    caches = [r for r in at if r["policy"] in ("lru", "lfu")]
+    oracle = next((r for r in at if r["policy"] == "oracle"), None)
+    if not caches or oracle is None:
+        return {}
+    best = max(caches, key=lambda r: r["decode_tok_s"])
+    out = {"best_cache": best["policy"], "oracle_decode_tok_s": oracle["decode_tok_s"]}
+    for r in at:
+        if r["policy"] == "prefetch":
+            out[_label(r)] = {
+                "speed_vs_best_cache": r["decode_tok_s"] / best["decode_tok_s"],
+                "stall_vs_best_cache": r["stall_s_per_token"]
+                / max(best["stall_s_per_token"], 1e-12),
+                "speed_vs_oracle": r["decode_tok_s"] / oracle["decode_tok_s"],
+                "bytes_vs_oracle": r["bytes_read_per_token"]
+                / max(oracle["bytes_read_per_token"], 1e-12),
+            }
+    return out
+
+
 def _label(r: dict) -> str:
-    return r["policy"] if r["policy"] != "prefetch" else f"prefetch:{r['predictor']}"
+    if r["policy"] != "prefetch":
+        return r["policy"]
+    return f"prefetch:{r['predictor']}" + (f"@{r['lookahead']}" if r["lookahead"] else "")
+
+
+def _pred(r: dict) -> str:
+    if not r["predictor"]:
+        return "-"
+    return f"{r['predictor']} @{r['lookahead']}" if r["policy"] == "prefetch" else r["predictor"]
 
 
 def _row(r: dict) -> str:
@@ -187,16 +221,17 @@ def _prepare(a, trace: Path | None) -> list[Path]:
                 out=trace,
                 split="all",
                 max_new_tokens=16,
-                features=("ids", "gate_input", "layer_input"),
+                features=("ids", "gate_input"),
+                decode="teacher",
                 max_prompts=a.prepare_prompts,
             ),
-            progress=False,
+            progress=True,
         )
     ours = trace.parent / f"ours_{a.lookahead}.safetensors"
     if not ours.is_file():
         train(
             TrainConfig(trace=trace, out=ours, predictor="tensorbend", lookahead=a.lookahead),
-            progress=False,
+            progress=True,
         )
     return [ours]
 
@@ -208,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="test", help="prompts split to run (default: test)")
     p.add_argument("--max-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--decode", default="greedy", help="greedy or teacher (feed continuations)")
+    p.add_argument("--decode", default="teacher", help="teacher (feed continuations) or greedy")
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument(
         "--predictor", action="append", default=[], help="trained checkpoint (repeatable)"
@@ -216,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")
     p.add_argument("--lookahead", default="d1", help="lookahead of baselines and the oracle")
     p.add_argument("--extra", type=int, default=0, help="prefetch top-(K + extra) at decode")
-    p.add_argument("--backlog", type=float, default=1.0, help="prefetch link backlog (-1: none)")
+    p.add_argument("--backlog", type=float, default=0.5, help="prefetch link backlog (-1: none)")
     p.add_argument("--fracs", default="0.125,0.25,0.5")
     p.add_argument("--link", default="h100-pcie5-kimi")
     p.add_argument("--io", default="buffered")
@@ -225,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prepare", action="store_true", help="collect --trace and train ours if missing"
     )
-    p.add_argument("--prepare-prompts", type=int, default=None)
+    p.add_argument("--prepare-prompts", type=int, default=150, help="prompts to collect")
     p.add_argument("--out", default="runs/offload/sweep")
     return p
 

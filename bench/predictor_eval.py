@@ -7,8 +7,9 @@ Steps (each skipped when its output exists, so the script resumes):
   1. `collect` every shipped prompt with teacher-forced decode (decode rows are real
      single-token steps on the prompts' reference continuations), features ids, weights,
      gate_input, layer_input.
-  2. `train` ours (kind tensorbend) at pre_attn, d1, d2, d3 and the seed MLP at same_layer
-     and d1, on the train split (val split for early stopping).
+  2. `train` ours (kind tensorbend) at pre_attn, d1, d2, d3 on every train row, and the seed
+     MLP at same_layer and d1 with its own recipe and row cap (10,000 train rows, uniformly
+     sampled; the seed kept at most 10,000 per layer), val split for model selection.
   3. `eval` every peer at pre_attn, d1, d2, d3 (and same_layer for reference) plus the trained
      checkpoints on the test split; JSON, PNG plots and a markdown table.
 """
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
         "--seed-epochs", type=int, default=None, help="override the seed's 200 epochs (smoke runs)"
     )
     ap.add_argument("--skip-seed", action="store_true")
+    ap.add_argument("--seed-rows", type=int, default=10000,
+                    help="train rows for the seed MLP (the seed kept <= 10,000 per layer; default 10000)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     trace = out / "trace"

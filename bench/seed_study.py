@@ -32,7 +32,14 @@ from tensorbend.train import TrainConfig, train
 def run(trace: Path, out: Path, name: str, epochs: int | None, **kw) -> dict:
     ckpt = out / f"{name}.safetensors"
     t0 = time.perf_counter()
-    s = train(TrainConfig(trace=trace, out=ckpt, epochs=epochs, **kw), progress=False)
+    if ckpt.is_file():  # resume a killed study (same trace, same config: same bytes)
+        from tensorbend.predictors.checkpoint import read_metadata
+
+        meta = read_metadata(ckpt)
+        s = {"params": meta["params"], "train_rows_recall": meta.get("train_rows_recall"),
+             "val": {ph: v["recall_at_k"] for ph, v in meta["val_metrics"].items()}}
+    else:
+        s = train(TrainConfig(trace=trace, out=ckpt, epochs=epochs, **kw), progress=False)
     rep = evaluate(EvalConfig(trace=trace, predictors=(ckpt,), baselines=(), timing_rows=20))
     res = {r["phase"]: round(r["recall_at_k"], 4) for r in rep["results"]}
     row = {

@@ -113,7 +113,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from tensorbend.offload.runtime import RunConfig, SessionConfig, run
+    from tensorbend.offload.runner import RunConfig, run
+    from tensorbend.offload.runtime import SessionConfig
 
     cfg = RunConfig(
         model=args.model,

@@ -167,3 +167,16 @@ def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
     s = cache.stats
     assert s.peak_entries <= cap and s.demands == 1200
     assert all(e.pins == 0 for e in cache.entries.values())
+
+
+def test_prefetch_racing_a_demand_hands_over_the_pin():
+    """Claimed while absent, then created by a prefetch: it must be pinned for the claimer."""
+    cache = _cache(1, LRU())
+    assert cache.claim((0, 0)) == "absent"
+    assert cache.start_load((0, 0), demand=False, block=False) is not None
+    cache.finish_load((0, 0), 16)
+    assert cache.entries[(0, 0)].pins == 1  # cannot be evicted before the layer used it
+    assert cache.start_load((0, 0), demand=True, block=True) is None  # the demand finds it
+    assert cache.start_load((0, 1), demand=False, block=False) is None  # no evictable slot
+    cache.release((0, 0))
+    assert cache.entries[(0, 0)].pins == 0 and cache.stats.prefetch_used == 1

@@ -142,6 +142,9 @@ def test_counters_by_hand_on_demand_and_full_oracle():
         # everything fits and predictions are exact: each used expert is read exactly once
         assert c["bytes_read"] == len(used) * nbytes and c["evictions"] == 0
         assert r["wasted_prefetch_bytes"] == 0 and c["prefetch_wasted"] == 0
+
+        r = _check(sess.run_policy(PolicyConfig("lru", cache_bytes=5 * nbytes + 7)))
+        assert r["cache_slots"] == 5 and r["counters"]["peak_entries"] <= 5
     finally:
         sess.close()
 
@@ -225,11 +228,23 @@ def test_zoo_default_matches_resident():
 
     model, tok = load_model("zoo:default")
     spec = describe_model(model)
-    sess = OffloadSession(model, tok, PROMPTS[:1], SessionConfig(max_new_tokens=4), "zoo:default")
+    sess = OffloadSession(model, tok, PROMPTS[:1], SessionConfig(max_new_tokens=3), "zoo:default")
     try:
-        link = sess.link("h100-pcie5-kimi")
         p = build_baseline("spec_gate", spec, "d1", router_params=router_params(model, spec))
         for pol, pred in (("lru", None), ("prefetch", p), ("oracle", None)):
-            _check(sess.run_policy(PolicyConfig(pol, cache_frac=0.125), pred, link))
+            _check(sess.run_policy(PolicyConfig(pol, cache_frac=0.125), pred))
+    finally:
+        sess.close()
+
+
+def test_teacher_forced_decode_feeds_the_continuation():
+    prompts = [Prompt("c", "stone light", continuation=" dark river"), Prompt("d", "alpha")]
+    cfg = SessionConfig(max_new_tokens=4, decode="teacher")
+    sess = OffloadSession(build("olmoe"), char_tokenizer(), prompts, cfg, model_name="olmoe")
+    try:
+        assert sess.reference.n["decode"] == 4  # " dar", then prompt d has no continuation
+        assert [len(t) for t in sess.reference.tokens] == [4, 0]
+        r = _check(sess.run_policy(PolicyConfig("lfu", cache_frac=0.5)))
+        assert r["decode"] == "teacher" and r["tokens"] == {"prefill": 16, "decode": 4}
     finally:
         sess.close()

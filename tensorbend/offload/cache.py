@@ -158,7 +158,7 @@ class Predicted(NextUse):
 
     name = "predicted"
 
-    def __init__(self, num_layers: int, decay: float = 0.8):
+    def __init__(self, num_layers: int, decay: float = 0.9):
         self.L, self.decay = num_layers, decay
         self.hints: dict[Key, int] = {}
         self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
@@ -203,6 +203,7 @@ class ExpertCache:
         self._seq = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self._wanted: dict[Key, int] = {}  # claims of absent experts: pins for their entry
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.pool_CN[slot]
@@ -219,6 +220,7 @@ class ExpertCache:
             entry = self.entries.get(key)
             if entry is None:
                 self.stats.misses += 1
+                self._wanted[key] = self._wanted.get(key, 0) + 1  # pinned once it is created
                 return "absent"
             entry.pins += 1
             self._touch(entry)
@@ -276,18 +278,15 @@ class ExpertCache:
     def start_load(self, key: Key, demand: bool, block: bool, when: float = INF) -> int | None:
         """Reserve a slot for key (LOADING). None when present already or (prefetch) no slot.
 
-        A demand load pins the entry for the compute thread that asked for it.
+        Whoever creates the entry (demand or prefetch) hands it the pins of the claims made
+        while it was absent, so the compute thread never sees an unpinned needed expert.
         """
+        t0 = time.perf_counter()
         with self._cond:
             while True:
                 entry = self.entries.get(key)
                 if entry is not None:
-                    if demand:
-                        entry.pins += 1
-                        if entry.prefetched and not entry.used:
-                            self.stats.prefetch_used += 1
-                        entry.used = True
-                    return None
+                    return None  # the claim's pin was handed over when it was created
                 if self.free:
                     break
                 victim = self._victim()
@@ -297,13 +296,20 @@ class ExpertCache:
                 if not block:
                     self.stats.prefetch_dropped += 1
                     return None
+                if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
+                    raise StoreError(
+                        f"no cache slot for expert {key} in {self.cfg.wait_timeout_s:.0f} s: "
+                        f"all {self.cfg.capacity} slots stay pinned (raise --cache-frac)"
+                    )
                 self._cond.wait(timeout=1.0)
                 if self._error is not None:
                     raise self._error
             slot = self.free.pop()
-            entry = _Entry(
-                slot, LOADING, pins=1 if demand else 0, prefetched=not demand, used=demand
-            )
+            pins = self._wanted.pop(key, 0)  # claims made while it was absent
+            assert pins > 0 or not demand, f"demand load of unclaimed expert {key}"
+            entry = _Entry(slot, LOADING, pins=pins, prefetched=not demand, used=pins > 0)
+            if pins and not demand:
+                self.stats.prefetch_used += 1
             self._touch(entry)
             self.entries[key] = entry
             self.stats.peak_entries = max(self.stats.peak_entries, len(self.entries))
@@ -321,6 +327,12 @@ class ExpertCache:
                 self.stats.demand_loads += 1
             if entry.pins == 0 and not self.cfg.keep and not entry.prefetched:
                 self._evict(key)
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Wake every waiter with an error (the run is over, e.g. after an exception)."""
+        with self._cond:
+            self._error = self._error or StoreError("the offloaded run was closed")
             self._cond.notify_all()
 
     def fail_load(self, key: Key, error: BaseException) -> None:

@@ -170,6 +170,7 @@ class Loader:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.cache.abort()  # an I/O thread waiting for a slot must not outlive the run
         for t in self._threads:
             t.join()
 

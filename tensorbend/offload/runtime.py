@@ -6,7 +6,7 @@ Usage:
     >>> sess.run_policy(PolicyConfig("lru", cache_frac=0.25), link=sess.link("h100-pcie5-kimi"))
     >>> sess.run_policy(PolicyConfig("prefetch", cache_frac=0.25), predictor=p)
     >>> sess.close()
-or in one call (what `tensorbend run` does): `run(RunConfig(model="zoo:default", policy="lru"))`.
+or in one call (what `tensorbend run` does): `runner.run(RunConfig(model="zoo:default"))`.
 
 The session first generates greedily with the unmodified model (experts implementation
 `eager`), recording tokens, last-position logits per forward and the routing of every forward
@@ -106,7 +106,7 @@ class PolicyConfig:
     """Oracle lookahead (a predictor brings its own)."""
     prefetch_extra: int = 0
     """Batch-1 decode prefetches top-(K + extra) predicted experts."""
-    prefetch_backlog: float | None = 1.0
+    prefetch_backlog: float | None = 0.5
     """Start a prefetch only while the link is busy for at most this many expert transfers
     (wrong prefetches then use idle link time instead of delaying demand loads); None: always."""
 
@@ -118,79 +118,6 @@ class PolicyConfig:
         if not 0 < self.cache_frac <= 1:
             raise TensorbendError(f"--cache-frac {self.cache_frac}: expected a fraction in (0, 1]")
         get_lookahead(self.lookahead)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """What `tensorbend run` asks for: one model, one prompt set, one policy."""
-
-    model: str
-    """Local HF checkpoint directory or zoo:NAME."""
-    prompts: Path | None = None
-    """Prompts JSONL (default: the shipped prompts)."""
-    split: str = "test"
-    """Which prompts of the file: train, val, test or all."""
-    max_prompts: int | None = 8
-    """Run at most this many prompts (file order)."""
-    policy: str = "lru"
-    predictor: Path | None = None
-    """Trained predictor checkpoint (for --policy prefetch)."""
-    baseline: str | None = None
-    """Peer predictor by name (random, prev_token, spec_gate, frequency, transition)."""
-    lookahead: str = "d1"
-    """Lookahead of a --baseline predictor, and of the oracle."""
-    trace: Path | None = None
-    """Trace whose train split fits the table baselines (frequency, prev_token, transition)."""
-    cache_frac: float = 0.25
-    cache_bytes: int | None = None
-    link: str = "h100-pcie5-kimi"
-    """none, h100-pcie5-kimi (real-system ratio, scaled here), or BANDWIDTH[,LATENCY]."""
-    session: SessionConfig = SessionConfig()
-
-    def __post_init__(self) -> None:
-        PolicyConfig(self.policy, self.cache_frac, self.cache_bytes, self.lookahead)
-        if self.predictor is not None and self.baseline is not None:
-            raise TensorbendError("pass one of --predictor and --baseline, not both")
-
-
-def run(cfg: RunConfig) -> dict:
-    """Resident reference + one offloaded run; returns the `run --json` dict (DESIGN.md)."""
-    from tensorbend.collect import load_model
-    from tensorbend.prompts import load_prompts
-
-    model, tok = load_model(cfg.model)
-    prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
-    predictor = build_predictor(model, cfg.predictor, cfg.baseline, cfg.lookahead, cfg.trace)
-    sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
-    try:
-        pc = PolicyConfig(cfg.policy, cfg.cache_frac, cfg.cache_bytes, cfg.lookahead)
-        return sess.run_policy(pc, predictor, sess.link(cfg.link))
-    finally:
-        sess.close()
-
-
-def build_predictor(
-    model, path: Path | None, baseline: str | None, lookahead: str, trace: Path | None
-):
-    """A trained checkpoint, a named baseline, or None."""
-    spec = describe_model(model)
-    if path is not None:
-        from tensorbend.predictors.checkpoint import load_predictor
-
-        return load_predictor(path, spec, model_fingerprint(model, spec))
-    if baseline is None:
-        return None
-    from tensorbend.models import router_params
-    from tensorbend.predictors.baselines import build_baseline
-
-    rows = None
-    if trace is not None:
-        from tensorbend.trace import Trace
-
-        rows = Trace.open(trace).load(("ids",), split="train")
-    return build_baseline(
-        baseline, spec, lookahead, router_params=router_params(model, spec), train_rows=rows
-    )
 
 
 @dataclass
@@ -311,7 +238,7 @@ class OffloadSession:
                 cache,
                 self.clock,
                 self.history,
-                extra=pc.prefetch_extra,
+                extra=0 if pc.policy == "oracle" else pc.prefetch_extra,  # exact sets
                 on_route=lambda s, ids_TK: self.experts[s].forward.route(ids_TK),
             ):
                 gen = self._generate()
