@@ -94,7 +94,10 @@ def main(argv=None) -> int:
     )
     report["timings"] = timings
     (out / "eval.json").write_text(json.dumps(report, indent=1))
-    plots = plot_eval(report, out / "plots")
+    plot_dir = Path(args.doc).with_suffix("") if args.doc else out / "plots"  # docs/X.md -> docs/X/
+    plots = plot_eval(report, plot_dir)
+    if args.doc:  # the JSON beside the doc, so the numbers travel with the repo
+        Path(args.doc).with_suffix(".json").write_text(json.dumps(report, indent=1))
     table = format_table(report)
     print(table)
     if args.doc:
@@ -137,11 +140,13 @@ def _doc(report: dict, args, plots) -> str:
             )
         lines.append("")
     lines += [
-        "`*` trained checkpoint. `same_layer` has zero lead time (shown for comparison with the seed).",
+        "`*` trained checkpoint: ours on every train row; `seed_mlp` with the seed's recipe (SEED.md) on "
+        f"{args.seed_rows:,} uniformly sampled train rows (the seed kept at most 10,000 per layer). "
+        "`same_layer` has zero lead time (shown for comparison with the seed).",
         "",
     ]
     lines += [
-        f"![{p.stem}](../{p.as_posix()})" if not p.is_absolute() else f"plot: {p}" for p in plots
+        f"![{p.stem}]({p.relative_to(Path(args.doc).parent).as_posix()})" for p in plots
     ]
     return "\n".join(lines) + "\n"
 
