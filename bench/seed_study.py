@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     (out / "seed_study.json").write_text(json.dumps(result, indent=1))
     Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
     Path(args.doc).write_text(_doc(result))
+    Path(args.doc).with_suffix(".json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 
