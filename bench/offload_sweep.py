@@ -182,13 +182,13 @@ def _plot(report: dict, path: Path) -> None:
             xs,
             [by[k]["decode_tok_s"] if k in by else 0 for k in labels],
             width,
-            label=f"cache {frac:.0%}",
+            label=f"cache {frac * 100:g}%",
         )
         axes[1].bar(
             xs,
             [by[k]["stall_s_per_token"] * 1e3 if k in by else 0 for k in labels],
             width,
-            label=f"cache {frac:.0%}",
+            label=f"cache {frac * 100:g}%",
         )
     axes[0].axhline(resident["decode_tok_s"], color="k", ls="--", lw=1, label="resident")
     axes[0].set_ylabel("decode tokens/s")

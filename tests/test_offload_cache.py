@@ -2,6 +2,7 @@
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -109,7 +110,9 @@ def test_failed_read_reaches_the_compute_thread():
         cache.wait_ready([(0, 0)])
 
 
-@pytest.mark.parametrize("policy", [LRU, LFU, lambda: Predicted(3)])
+@pytest.mark.parametrize(
+    "policy", [LRU, LFU, lambda: Predicted(3)], ids=["lru", "lfu", "predicted"]
+)
 def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
     """Many I/O threads, random prefetches and hints, a compute thread demanding random sets."""
     cap = 6
@@ -125,6 +128,7 @@ def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
                 cache.hint(key, cache.now + rng.randrange(4))
                 if cache.start_load(key, demand=False, block=False) is not None:
                     cache.finish_load(key, 16)
+                time.sleep(0)  # yield the GIL: a read would release it here
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -132,6 +136,7 @@ def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
         while not stop.is_set():
             if len(cache.entries) > cap:
                 violations.append(len(cache.entries))
+            time.sleep(0)
 
     threads = [threading.Thread(target=io_thread, args=(i,)) for i in range(6)]
     threads.append(threading.Thread(target=watcher))
@@ -166,6 +171,7 @@ def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
     assert not errors and not violations
     s = cache.stats
     assert s.peak_entries <= cap and s.demands == 1200
+    assert s.prefetch_loaded > 0 and s.evictions > 0  # the I/O threads really competed
     assert all(e.pins == 0 for e in cache.entries.values())
 
 
