@@ -25,7 +25,7 @@ BUNDLED = ("dsv3-tiny", "qwen3moe-tiny")
 
 def _train(out: Path, *extra: str, arch: str = "qwen3_moe") -> int:
     argv = ["zoo", "train", "--arch", arch, "--corpus", str(SAMPLE), "--out", str(out),
-            "--size", "tiny", "--quiet", *extra]  # fmt: skip
+            "--size", "tiny", "--threads", "1", "--quiet", *extra]  # fmt: skip
     return main(argv)
 
 

@@ -263,8 +263,8 @@ def _markdown(card: dict) -> str:
         text = s["greedy_rep1.3"].replace("\n", " ⏎ ")
         lines.append(f"- **{s['prompt']}** → {text}")
     lines += ["", "## Load", "", "```python", "from transformers import AutoModelForCausalLM, "
-              "AutoTokenizer", "from tensorbend.zoo import model_path",
-              f"path = model_path({card['name']!r})",
-              "model = AutoModelForCausalLM.from_pretrained(path, dtype='float32')",
+              "AutoTokenizer", "from tensorbend.zoo import model_path", "",
+              f"path = model_path({json.dumps(card['name'])})",
+              'model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")',
               "tok = AutoTokenizer.from_pretrained(path)", "```", ""]  # fmt: skip
     return "\n".join(lines)
