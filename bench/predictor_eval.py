@@ -44,8 +44,12 @@ def main(argv=None) -> int:
         "--seed-epochs", type=int, default=None, help="override the seed's 200 epochs (smoke runs)"
     )
     ap.add_argument("--skip-seed", action="store_true")
-    ap.add_argument("--seed-rows", type=int, default=10000,
-                    help="train rows for the seed MLP (the seed kept <= 10,000 per layer; default 10000)")
+    ap.add_argument(
+        "--seed-rows",
+        type=int,
+        default=10000,
+        help="train rows for the seed MLP (the seed kept <= 10,000 per layer; default 10000)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     trace = out / "trace"
@@ -145,9 +149,7 @@ def _doc(report: dict, args, plots) -> str:
         "`same_layer` has zero lead time (shown for comparison with the seed).",
         "",
     ]
-    lines += [
-        f"![{p.stem}]({p.relative_to(Path(args.doc).parent).as_posix()})" for p in plots
-    ]
+    lines += [f"![{p.stem}]({p.relative_to(Path(args.doc).parent).as_posix()})" for p in plots]
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,11 @@ def run(trace: Path, out: Path, name: str, epochs: int | None, **kw) -> dict:
         from tensorbend.predictors.checkpoint import read_metadata
 
         meta = read_metadata(ckpt)
-        s = {"params": meta["params"], "train_rows_recall": meta.get("train_rows_recall"),
-             "val": {ph: v["recall_at_k"] for ph, v in meta["val_metrics"].items()}}
+        s = {
+            "params": meta["params"],
+            "train_rows_recall": meta.get("train_rows_recall"),
+            "val": {ph: v["recall_at_k"] for ph, v in meta["val_metrics"].items()},
+        }
     else:
         s = train(TrainConfig(trace=trace, out=ckpt, epochs=epochs, **kw), progress=False)
     rep = evaluate(EvalConfig(trace=trace, predictors=(ckpt,), baselines=(), timing_rows=20))

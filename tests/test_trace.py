@@ -217,7 +217,8 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
         "1",
         "--quiet",
     ]
-    env = {**os.environ, "TENSORBEND_TEST_SLOW_PROMPT_S": "0.3"}
+    # Same thread count as this process (conftest): float reductions then match bit for bit.
+    env = {**os.environ, "TENSORBEND_TEST_SLOW_PROMPT_S": "0.3", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -230,7 +231,7 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
     done_before = len(json.loads((out / "manifest.json").read_text())["prompts"])
     assert 3 <= done_before < 12, "the kill should land mid-collection"
     rc = subprocess.run(
-        [*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*cmd, "--resume"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     assert rc.returncode == 0, rc.stderr
     a, b = Trace.open(ref), Trace.open(out)
