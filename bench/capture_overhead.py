@@ -13,12 +13,12 @@ Targets (issue 2): ids-only <= 1.10x, with hidden states <= 1.25x.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
+from report import emit
 
 from tensorbend.capture import RoutingCapture
 from tensorbend.models import describe_model
@@ -145,14 +145,7 @@ def main(argv=None) -> int:
             f"{r['capture']:<28} {r['median_s'] * 1e3:8.1f} ms  x{r['ratio_vs_none']:.3f}",
             file=sys.stderr,
         )
-    text = json.dumps(result, indent=2)
-    if args.json:
-        from pathlib import Path
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    print(text)
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ token (one thread). Reports the median ratio b / a; issue target: < 2%.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from report import emit
 
 from tensorbend.collect import _cache_kwarg, _cache_of, load_model
 from tensorbend.predictors import load_predictor
@@ -83,12 +82,7 @@ def main(argv=None) -> int:
         "results": rows,
         "target_ratio": 0.02,
     }
-    text = json.dumps(res, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    print(text)
-    return 0
+    return emit(res, args.json)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,13 @@ wall time of add_prompt + flush + close.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from report import emit
 
 from tensorbend.capture import FEATURE_TENSORS
 from tensorbend.trace import TraceWriter
@@ -110,12 +110,7 @@ def main(argv=None) -> int:
         "storage_dtype": "float16",
         "results": results,
     }
-    text = json.dumps(out, indent=2)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    print(text)
-    return 0
+    return emit(out, args.json)
 
 
 if __name__ == "__main__":
