@@ -264,6 +264,11 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
             assert torch.allclose(p.scores(m, src), p.scores_reference(m, src), atol=1e-4)
+            from tensorbend.evaluate import _row
+
+            for i in range(0, len(src), 7):  # the one-token (decode) path
+                one = _row(src, i)
+                assert torch.allclose(p.scores(m, one), p.scores_reference(m, one), atol=1e-4)
 
 
 def test_row_subsets_keep_previous_token_links(planted):

@@ -140,15 +140,18 @@ class ResidualGatePredictor:
         f = self._fast.get(m) or self._build_fast(m)
         H, E = self.H, self.spec.num_experts
         with torch.no_grad():
-            x = src.hidden_TD.float()
+            x = src.hidden_TD if src.hidden_TD.dtype == torch.float32 else src.hidden_TD.float()
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
             y = x @ f["Wcat"]  # [T, H + E]: correction input layer | router logits
-            h = torch.addcmul(f["b1"], y[:, :H], r)
-            if src.src_ids_TK is not None:
-                h = h + f["W1src"][src.src_ids_TK.long()].sum(1)
-            if self.cfg.use_prev and bool(src.has_prev_T.any()):
-                hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
-                h = h + hp * src.has_prev_T.float()[:, None]
+            if len(src) == 1:  # decode: one gather over [source experts | previous experts]
+                h = self._one_token_hidden(f, src, y[:, :H], r)
+            else:
+                h = torch.addcmul(f["b1"], y[:, :H], r)
+                if src.src_ids_TK is not None:
+                    h = h + f["W1src"][src.src_ids_TK.long()].sum(1)
+                if self.cfg.use_prev and bool(src.has_prev_T.any()):
+                    hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
+                    h = h + hp * src.has_prev_T.float()[:, None]
             if "W1sc" in f:
                 sc = scores_from_logits(self.spec, f["src_router"], src.src_layer, y[:, H + E :])
                 std, mean = torch.std_mean(sc, -1, keepdim=True)
@@ -164,6 +167,22 @@ class ResidualGatePredictor:
                 std, mean = torch.std_mean(g, -1, keepdim=True)
                 out = out + (g - mean) * (f["alpha"] / (std + 1e-6))
             return out
+
+    def _one_token_hidden(
+        self, f: dict, src: SourceBatch, yh: torch.Tensor, r: torch.Tensor
+    ) -> torch.Tensor:
+        E = self.spec.num_experts
+        parts = []
+        if src.src_ids_TK is not None:
+            parts.append(src.src_ids_TK[0])
+        prev = self.cfg.use_prev and bool(src.has_prev_T[0])
+        if prev:
+            parts.append(src.prev_ids_TK[0] + E)
+        b1 = f["b1_prev"] if prev else f["b1"]
+        if not parts:
+            return torch.addcmul(b1, yh, r)
+        idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return torch.addcmul(b1, yh, r) + f["W1ids"].index_select(0, idx).sum(0)
 
     def _build_fast(self, m: int) -> dict:
         li, D, E = m - self.lookahead.distance, self.spec.hidden_size, self.spec.num_experts
@@ -204,6 +223,8 @@ class ResidualGatePredictor:
             "W1src": W1[D : D + E],
             "W1prev": W1[D + E : D + 2 * E],
             "w1hp": W1[D + 2 * E],
+            "W1ids": W1[D : D + 2 * E].contiguous(),  # [source experts | previous experts]
+            "b1_prev": net.b1[li, 0].detach() + W1[D + 2 * E],
             "b1": net.b1[li, 0].detach(),
             "W2": net.W2[li].detach(),
             "b2": net.b2[li, 0].detach(),
