@@ -71,16 +71,14 @@ def plot_eval(report: dict, out_dir: Path) -> list[Path]:
     for ax, ph in zip(axes[0], phases, strict=True):
         kinds = dict.fromkeys(_label(r) for r in _sorted(res))
         for kind in kinds:
-            pts = [
-                (lookaheads.index(r["lookahead"]), r["recall_at_k"])
+            by_la = {
+                r["lookahead"]: r["recall_at_k"]
                 for r in res
                 if _label(r) == kind and r["phase"] == ph
-            ]
-            if pts:
-                pts.sort()
-                ax.plot(
-                    [lookaheads[i] for i, _ in pts], [v for _, v in pts], marker="o", label=kind
-                )
+            }
+            if by_la:  # NaN where a kind was not run at a lookahead: the line breaks there
+                ys = [by_la.get(la, float("nan")) for la in lookaheads]
+                ax.plot(lookaheads, ys, marker="o", label=kind)
         ax.set(
             title=ph,
             xlabel="lookahead (source point)",
