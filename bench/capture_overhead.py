@@ -73,9 +73,9 @@ def build_model(spec: str | None):
 
 
 def run_once(model, spec, features, ids, n_decode) -> float:
-    from tensorbend.collect import _cache_kwarg, _cache_of
+    from tensorbend.collect import cache_kwarg, cache_of
 
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     ctx = RoutingCapture(model, spec, features) if features else None
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -87,7 +87,7 @@ def run_once(model, spec, features, ids, n_decode) -> float:
                 ctx.pop()
             for _ in range(n_decode):
                 nxt = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=nxt, use_cache=True, **{kw: _cache_of(out)})
+                out = model(input_ids=nxt, use_cache=True, **{kw: cache_of(out)})
                 if ctx:
                     ctx.pop()
         finally:

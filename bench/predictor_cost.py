@@ -18,7 +18,7 @@ import time
 import torch
 from report import emit
 
-from tensorbend.collect import _cache_kwarg, _cache_of, load_model
+from tensorbend.collect import cache_kwarg, cache_of, load_model
 from tensorbend.predictors import load_predictor
 from tensorbend.predictors.base import SourceBatch
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model, _ = load_model(args.model)
     preds = [load_predictor(p) for p in args.predictor]
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     threads = torch.get_num_threads()
     D, E, K = preds[0].spec.hidden_size, preds[0].spec.num_experts, preds[0].spec.top_k
     g = torch.Generator().manual_seed(0)
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
             nxt = out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
-            out = model(input_ids=nxt, use_cache=True, **{kw: _cache_of(out)})
+            out = model(input_ids=nxt, use_cache=True, **{kw: cache_of(out)})
             fwd.append(time.perf_counter() - t0)
             torch.set_num_threads(1)
             for p in preds:

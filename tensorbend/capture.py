@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec, decoder_layers, router_module, router_outputs
 
 # feature name -> tensor name in a trace shard
@@ -40,8 +41,6 @@ class RoutingCapture:
     ):
         unknown = set(features) - set(FEATURES)
         if unknown:
-            from tensorbend.errors import TensorbendError
-
             raise TensorbendError(
                 f"unknown capture features {sorted(unknown)}: expected some of {list(FEATURES)}"
             )

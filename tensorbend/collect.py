@@ -197,8 +197,8 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, cfg: Collec
     chunks = [cap.pop()]
     tokens = [ids[0]]
     n_pre = ids.shape[1]
-    cache, logits = _cache_of(out), out.logits[0, -1]
-    cache_kw = _cache_kwarg(model)
+    cache, logits = cache_of(out), out.logits[0, -1]
+    cache_kw = cache_kwarg(model)
     n_steps = len(forced) if cfg.decode == "teacher" else cfg.max_new_tokens
     for step in range(n_steps):
         if cfg.decode == "teacher":
@@ -212,7 +212,7 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, cfg: Collec
             break
         step_ids = torch.tensor([[nxt]])
         out = model(input_ids=step_ids, use_cache=True, **{cache_kw: cache})
-        cache, logits = _cache_of(out), out.logits[0, -1]
+        cache, logits = cache_of(out), out.logits[0, -1]
         chunks.append(cap.pop())
         tokens.append(step_ids[0])
     rows = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
@@ -226,13 +226,13 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, cfg: Collec
     return rows, n_pre, n_dec
 
 
-def _cache_of(out):
+def cache_of(out):
     """The KV cache of a model output (`cache` since transformers 5.2x, `past_key_values` before)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

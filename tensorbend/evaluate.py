@@ -80,7 +80,6 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> dict:
                 f"baselines {skipped} fit tables on the trace's train split, which "
                 f"{'is being evaluated' if has_train else 'this trace lacks'}: drop them or use another trace"
             )
-    notes = []
     results = []
     train_ids = tr.load(("ids",), split="train") if any(n in NEEDS_TRAIN for n in names) else None
     router = tr.router_params()
@@ -142,7 +141,6 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> dict:
             for n in dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])
         },
         "prompts": {s: info["splits"][s] for s in ("train", "val", "test")},
-        "notes": notes,
         "results": results,
     }
 

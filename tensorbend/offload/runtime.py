@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tensorbend.collect import _cache_kwarg, _cache_of
+from tensorbend.collect import cache_kwarg, cache_of
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model, model_fingerprint, moe_block
 from tensorbend.offload import POLICIES
@@ -286,7 +286,7 @@ class OffloadSession:
         return str(next(self.model.parameters()).device)
 
     def _generate(self) -> _Gen:
-        gen, kw = _Gen(), _cache_kwarg(self.model)
+        gen, kw = _Gen(), cache_kwarg(self.model)
         self.clock.forward = -1
         bar = tqdm(
             total=len(self.inputs),
@@ -316,7 +316,7 @@ class OffloadSession:
                             [[nxt if forced is None else feed]], device=ids.device
                         ),
                         use_cache=True,
-                        **{kw: _cache_of(out)},
+                        **{kw: cache_of(out)},
                     )
                 gen.tokens.append(new)
         bar.close()

@@ -133,31 +133,3 @@ class Predictor(Protocol):
     def num_params(self) -> int:
         """Learned parameters (table entries count as parameters)."""
         ...
-
-
-def stack_sources(
-    rows: dict[str, torch.Tensor], la: Lookahead, num_experts: int, targets
-) -> dict[str, torch.Tensor]:
-    """Training tensors for all target layers at once, stacked over targets (Lt):
-
-    hidden_LND (source hidden), src_LNE (source routing multi-hot, zeros when none),
-    prev_LNE (previous token's experts at the target, zeros when unavailable), has_prev_LN,
-    truth_LNK (the true experts at the target layer).
-    """
-    out: dict[str, list[torch.Tensor]] = {
-        k: [] for k in ("hidden_LND", "src_LNE", "prev_LNE", "has_prev_LN", "truth_LNK")
-    }
-    ids_TLK = rows["expert_ids_TLK"].long()
-    for m in targets:
-        src = sources_from_rows(rows, la, m)
-        N = len(src)
-        out["hidden_LND"].append(src.hidden_TD)
-        out["src_LNE"].append(
-            multi_hot(src.src_ids_TK, num_experts)
-            if src.src_ids_TK is not None
-            else torch.zeros(N, num_experts)
-        )
-        out["prev_LNE"].append(multi_hot(src.prev_ids_TK, num_experts, src.has_prev_T))
-        out["has_prev_LN"].append(src.has_prev_T.float())
-        out["truth_LNK"].append(ids_TLK[:, m])
-    return {k: torch.stack(v) for k, v in out.items()}

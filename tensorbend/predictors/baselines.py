@@ -208,18 +208,25 @@ class SpecGatePredictor(_Base):
 
     def router_input(self, m: int, src: SourceBatch) -> torch.Tensor:
         x_TD = src.hidden_TD.float()
+        if self.lookahead.hidden == "layer_input":  # a residual: RMS-normalise like the layer
+            x_TD = x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + 1e-6)
+        scale_D = self.input_scale(m)
+        return x_TD if scale_D is None else x_TD * scale_D
+
+    def input_scale(self, m: int) -> torch.Tensor | None:
+        """Per-dimension factor [D] from the (normalised) source hidden state to layer m's router
+        input: layer m's norm weight, divided by the source layer's for a gate input; None when
+        the hidden state is used as is. (Ours folds it into the router weights.)"""
         w_m = self.params.get(f"layers.{m}.gate_norm")
         if w_m is None:
-            return x_TD
+            return None
         if self.lookahead.hidden == "layer_input":
-            x_TD = x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + 1e-6)
-            return x_TD * w_m
+            return w_m
         s = self.lookahead.source_layer(m)
         if s == m:
-            return x_TD
+            return None
         w_s = self.params[f"layers.{s}.gate_norm"]
-        safe = torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
-        return x_TD / safe * w_m
+        return w_m / torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         return router_scores(self.spec, self.params, m, self.router_input(m, src))

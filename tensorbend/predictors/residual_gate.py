@@ -189,16 +189,10 @@ class ResidualGatePredictor:
         net = self.net
         W1 = net.W1[li].detach()
         rp = self.router_params
-        scale = torch.ones(D)
-        w_m = rp.get(f"layers.{m}.gate_norm")
-        if w_m is not None:
-            s = self.lookahead.source_layer(m)
-            if self.lookahead.hidden == "layer_input":
-                scale = w_m
-            elif s != m:
-                w_s = rp[f"layers.{s}.gate_norm"]
-                scale = w_m / torch.where(w_s.abs() < 1e-4, torch.full_like(w_s, 1e-4), w_s)
-        Wg = rp[f"layers.{m}.weight"] * scale[None, :]  # [E, D], re-normalisation folded in
+        scale_D = self.gate.input_scale(m)
+        Wg = rp[f"layers.{m}.weight"]  # [E, D], with the re-normalisation folded in
+        if scale_D is not None:
+            Wg = Wg * scale_D[None, :]
         router = {
             k: v
             for k, v in rp.items()
