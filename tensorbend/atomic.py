@@ -3,8 +3,8 @@
 Usage:
     >>> from tensorbend.atomic import atomic_write_text, atomic_save_tensors
     >>> import tempfile, torch; d = Path(tempfile.mkdtemp())
-    >>> atomic_write_text(d / "manifest.json", "{}")
-    >>> atomic_save_tensors({"x_N": torch.zeros(3)}, d / "x.safetensors", {"format_version": "1"})
+    >>> _ = atomic_write_text(d / "manifest.json", "{}")
+    >>> _ = atomic_save_tensors({"x_N": torch.zeros(3)}, d / "x.safetensors", {"format_version": "1"})
     >>> sorted(p.name for p in d.iterdir())
     ['manifest.json', 'x.safetensors']
 
