@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "ExpertPredictorSet":  # the seed's API, imported lazily (pulls in torch)
-        from tensorbend.compat import ExpertPredictorSet
+        from tensorbend.predictors.seed_api import ExpertPredictorSet
 
         return ExpertPredictorSet
     raise AttributeError(f"module 'tensorbend' has no attribute {name!r}")

@@ -1,181 +1,290 @@
 """Evaluate predictors and peers on a trace's held-out prompts, per lookahead and phase.
 
 Usage:
-    >>> from tensorbend.evaluate import EvalConfig, evaluate
-    >>> report = evaluate(EvalConfig(trace=Path("runs/trace"), predictors=(Path("p.safetensors"),),
-    ...                              baselines=("all",), lookaheads=("d1",)))
-    >>> report["results"][0]["recall_at_k"]
+    from tensorbend.evaluate import EvalConfig, evaluate
+    report = evaluate(EvalConfig(trace=Path("runs/trace"), predictors=(Path("p.safetensors"),),
+                                 baselines=("all",), lookaheads=("d1",)))
+    report.to_json()["results"][0]["recall_at_k"]
 
 Metrics are averaged over tokens per target layer, then over the lookahead's valid target
 layers (m >= d). Table-based peers (frequency, prev_token, transition) are fitted on the same
-trace's train split; the test split is only scored. Each result states the predictor kind,
-checkpoint, lookahead and phase; JSON keys follow DESIGN.md.
+trace's train split; the test split is only scored. A checkpoint is refused on prompts it was
+trained or early-stopped on unless `allow_seen_split` is set.
+
+`EvalReport.to_json()` keys (`tensorbend eval --json`; other tools read them):
+  model, trace, split, top_k, num_experts, num_moe_layers, decode_mode,
+  lookaheads {name: lead time in words}, prompts {train, val, test: prompt counts},
+  results: one per predictor x lookahead x phase with rows of that phase:
+    predictor (kind), checkpoint (path or null for a peer built in the run), lookahead, phase,
+    recall_at_k, hit_at_k_plus_p {"0", "2", "4", ..., "K": hits among top-(k+p) / k},
+    exact_match, miss_rate, tokens, params, us_per_token (batch 1, one thread, per target
+    layer; null when not timed), us_per_token_all_layers, target_layers, per_layer [{layer,
+    recall_at_k, hit_at_k_plus_p, exact_match, miss_rate, tokens}]
+
+Shapes: T tokens, L MoE layers, K top-k, E experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.metrics import mean_over_layers, set_metrics
-from tensorbend.predictors import (
-    BASELINES,
-    build_baseline,
+from tensorbend.predictors.base import (
+    HEADLINE_LOOKAHEADS,
+    LookaheadName,
+    PredictorConfigError,
+    TrainData,
     get_lookahead,
-    load_predictor,
     sources_from_rows,
 )
-from tensorbend.predictors.base import HEADLINE_LOOKAHEADS
-from tensorbend.predictors.baselines import NEEDS_TRAIN
+from tensorbend.predictors.checkpoint import load_predictor, read_metadata
+from tensorbend.predictors.registry import BASELINES, KINDS, build
 from tensorbend.trace import PHASES, Trace
+
+
+class JsonResult(dict):
+    """Base of result dataclasses: `to_json()` is the API. Transitional: the dataclass is also the
+    dict of its JSON, because cli.py still prints and json.dumps results as dicts."""
+
+    def __post_init__(self):
+        dict.update(self, self.to_json())
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     trace: Path
-    predictors: tuple[Path, ...] = ()  # trained checkpoints (each at its own lookahead)
-    baselines: tuple[str, ...] = ("all",)  # names from BASELINES, or "all", or () for none
-    lookaheads: tuple[
-        str, ...
-    ] = ()  # for baselines; () = every headline lookahead the trace supports
-    split: str = "test"  # test | val | train | all (all: a trace never used in training)
-    timing_rows: int = 50  # batch-1 calls per layer for us_per_token
-    overprovision: tuple[int, ...] = field(default=(0, 2, 4))  # plus K, always
+    """Trace directory to score."""
+    predictors: tuple[Path, ...] = ()
+    """Trained checkpoints (each at its own lookahead)."""
+    baselines: tuple[str, ...] = ("all",)
+    """Peers to build in the run: registry baseline names, ("all",), or () for none."""
+    lookaheads: tuple[LookaheadName, ...] = ()
+    """Lookaheads of the peers (empty: every headline lookahead the trace supports)."""
+    split: Literal["test", "val", "train", "all"] = "test"
+    """Prompts to score (all: for a trace never used in training)."""
+    timing_rows: int = 50
+    """Batch-1 calls per target layer for us_per_token (0: no timing)."""
+    overprovision: tuple[int, ...] = (0, 2, 4)
+    """Over-provision p of hit@k+p (k itself is always added, as "K")."""
+    allow_seen_split: bool = False
+    """Score a checkpoint on prompts it was trained or early-stopped on (not held out)."""
 
     def __post_init__(self):
         bad = [b for b in self.baselines if b != "all" and b not in BASELINES]
         if bad:
-            raise TensorbendError(
+            raise PredictorConfigError(
                 f"--baselines {bad}: expected 'all' or names from {', '.join(BASELINES)}"
             )
         for la in self.lookaheads:
             get_lookahead(la)
+        if self.split not in ("test", "val", "train", "all") or self.timing_rows < 0:
+            raise PredictorConfigError(
+                f"eval: expected split in test|val|train|all and timing_rows >= 0, found "
+                f"split={self.split!r}, timing_rows={self.timing_rows}"
+            )
 
 
-def evaluate(cfg: EvalConfig, progress: bool = False) -> dict:
+@dataclass(frozen=True)
+class EvalRow:
+    predictor: str
+    checkpoint: str | None
+    lookahead: str
+    phase: str
+    recall_at_k: float
+    hit_at_k_plus_p: dict
+    exact_match: float
+    miss_rate: float
+    tokens: int
+    params: int
+    us_per_token: float | None
+    us_per_token_all_layers: float | None
+    target_layers: list
+    per_layer: list
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EvalReport(JsonResult):
+    model: str
+    trace: str
+    split: str
+    top_k: int
+    num_experts: int
+    num_moe_layers: int
+    decode_mode: str
+    lookaheads: dict
+    prompts: dict
+    results: list  # of EvalRow
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "results": [r.to_json() for r in self.results]}
+
+
+def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
     tr = Trace.open(cfg.trace)
     spec = tr.spec
-    K = spec.top_k
-    over = tuple(dict.fromkeys((*cfg.overprovision, K)))  # p = K is reported as "K"
     lookaheads = cfg.lookaheads or tuple(
         name for name in HEADLINE_LOOKAHEADS if get_lookahead(name).hidden in tr.features
     )
     for name in lookaheads:
         if get_lookahead(name).hidden not in tr.features:
             raise TensorbendError(
-                f"lookahead {name} needs feature {get_lookahead(name).hidden!r}, trace has {tr.features}: "
-                f"recollect with --features ids {get_lookahead(name).hidden}"
+                f"lookahead {name} needs feature {get_lookahead(name).hidden!r}, trace has "
+                f"{tr.features}: recollect with --features ids {get_lookahead(name).hidden}"
             )
-    names = [b for b in BASELINES] if "all" in cfg.baselines else list(cfg.baselines)
-    has_train = any(p["split"] == "train" for p in tr.prompts)
-    if not has_train or cfg.split in ("train", "all"):
-        skipped = [n for n in names if n in NEEDS_TRAIN]
-        names = [n for n in names if n not in NEEDS_TRAIN]
-        if skipped and "all" not in cfg.baselines:
-            raise TensorbendError(
-                f"baselines {skipped} fit tables on the trace's train split, which "
-                f"{'is being evaluated' if has_train else 'this trace lacks'}: drop them or use another trace"
-            )
-    results = []
-    train_ids = tr.load(("ids",), split="train") if any(n in NEEDS_TRAIN for n in names) else None
-    router = tr.router_params()
-    loaded = [
-        load_predictor(p, spec=spec, fingerprint=tr.manifest["model"]["fingerprint"])
-        for p in cfg.predictors
-    ]
-    jobs = [
-        (build_baseline(n, spec, la, router_params=router, train_rows=train_ids), None)
-        for la in lookaheads
-        for n in names
-    ]
+    for path in cfg.predictors:  # metadata only: refuse before loading any rows
+        _check_held_out(path, tr, cfg)
+    names = _baseline_names(cfg, tr)
+    needs_train = any(KINDS[n].needs_train_data for n in names)
+    data = TrainData(
+        train_rows=tr.load(("ids",), split="train") if needs_train else None,
+        router_params=tr.router_params(),
+    )
+    fingerprint = tr.manifest["model"]["fingerprint"]
+    loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
+    jobs = [(build(n, spec, get_lookahead(la), data), None) for la in lookaheads for n in names]
     jobs += [(p, p.checkpoint) for p in loaded]
+    over = tuple(dict.fromkeys((*cfg.overprovision, spec.top_k)))  # p = K is reported as "K"
     rows_cache: dict[str, dict] = {}
+    results = []
     for pred, ckpt in jobs:
         la = pred.lookahead
         if la.hidden not in rows_cache:
-            rows_cache[la.hidden] = tr.load(
-                ("ids", la.hidden), split=None if cfg.split == "all" else cfg.split
-            )
+            split = None if cfg.split == "all" else cfg.split
+            rows_cache[la.hidden] = tr.load(("ids", la.hidden), split=split)
         rows = rows_cache[la.hidden]
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
-        by_phase = score_predictor(pred, rows, over)
-        us = _us_per_token(pred, rows, cfg.timing_rows)
-        for phase in PHASES:
-            r = by_phase[phase]
-            if not r["tokens"]:
-                continue
-            results.append(
-                {
-                    "predictor": pred.kind,
-                    "checkpoint": ckpt,
-                    "lookahead": la.name,
-                    "phase": phase,
-                    "recall_at_k": r["recall_at_k"],
-                    "hit_at_k_plus_p": _rename_k(r["hit_at_k_plus_p"], K),
-                    "exact_match": r["exact_match"],
-                    "miss_rate": r["miss_rate"],
-                    "tokens": r["tokens"],
-                    "params": pred.num_params(),
-                    "us_per_token": us,
-                    "us_per_token_all_layers": us * len(r["per_layer"]),
-                    "target_layers": [x["layer"] for x in r["per_layer"]],
-                    "per_layer": r["per_layer"],
-                }
-            )
+        results += _rows_of(pred, ckpt, rows, over, cfg.timing_rows)
     info = tr.info()
-    return {
-        "model": info["model"],
-        "trace": str(cfg.trace),
-        "split": cfg.split,
-        "top_k": K,
-        "num_experts": spec.num_experts,
-        "num_moe_layers": spec.num_moe_layers,
-        "decode_mode": info["decode_mode"],
-        "lookaheads": {
-            n: get_lookahead(n).lead_time
-            for n in dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])
-        },
-        "prompts": {s: info["splits"][s] for s in ("train", "val", "test")},
-        "results": results,
-    }
+    named = dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])
+    return EvalReport(
+        model=info["model"],
+        trace=str(cfg.trace),
+        split=cfg.split,
+        top_k=spec.top_k,
+        num_experts=spec.num_experts,
+        num_moe_layers=spec.num_moe_layers,
+        decode_mode=info["decode_mode"],
+        lookaheads={n: get_lookahead(n).lead_time for n in named},
+        prompts={s: info["splits"][s] for s in ("train", "val", "test")},
+        results=results,
+    )
 
 
 def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
     """{phase: {recall_at_k, hit_at_k_plus_p, exact_match, miss_rate, tokens, per_layer}}."""
     la = pred.lookahead
     L = rows["expert_ids_TLK"].shape[1]
-    if getattr(pred, "kind", None) == "oracle":
+    if pred.needs_truth:
         pred.set_truth(rows["expert_ids_TLK"])
     per_phase = {ph: [] for ph in PHASES}
     for m in la.targets(L):
-        src = sources_from_rows(rows, la, m)
-        scores_TE = pred.scores(m, src)
+        scores_TE = pred.scores(m, sources_from_rows(rows, la, m))
         truth_TK = rows["expert_ids_TLK"][:, m].long()
         for code, ph in enumerate(PHASES):
-            mask = rows["phase_T"] == code
-            r = set_metrics(scores_TE[mask], truth_TK[mask], overprovision)
-            per_phase[ph].append({"layer": m, **r})
+            mask_T = rows["phase_T"] == code
+            per_phase[ph].append(
+                {"layer": m, **set_metrics(scores_TE[mask_T], truth_TK[mask_T], overprovision)}
+            )
     return {ph: {**mean_over_layers(v), "per_layer": v} for ph, v in per_phase.items()}
 
 
-def _us_per_token(pred, rows, n: int) -> float:
+def _rows_of(pred, ckpt, rows, over, timing_rows: int) -> list[EvalRow]:
+    by_phase = score_predictor(pred, rows, over)
+    us = _us_per_token(pred, rows, timing_rows)
+    K = pred.spec.top_k
+    out = []
+    for phase in PHASES:
+        r = by_phase[phase]
+        if not r["tokens"]:
+            continue
+        n_layers = len(r["per_layer"])
+        out.append(
+            EvalRow(
+                predictor=pred.kind,
+                checkpoint=ckpt,
+                lookahead=pred.lookahead.name,
+                phase=phase,
+                recall_at_k=r["recall_at_k"],
+                hit_at_k_plus_p={**r["hit_at_k_plus_p"], "K": r["hit_at_k_plus_p"][str(K)]},
+                exact_match=r["exact_match"],
+                miss_rate=r["miss_rate"],
+                tokens=r["tokens"],
+                params=pred.num_params(),
+                us_per_token=us,
+                us_per_token_all_layers=None if us is None else us * n_layers,
+                target_layers=[x["layer"] for x in r["per_layer"]],
+                per_layer=r["per_layer"],
+            )
+        )
+    return out
+
+
+def _baseline_names(cfg: EvalConfig, tr: Trace) -> list[str]:
+    """Peers to build; table peers need a train split that is not being scored."""
+    names = list(BASELINES) if "all" in cfg.baselines else list(cfg.baselines)
+    has_train = any(p["split"] == "train" for p in tr.prompts)
+    if has_train and cfg.split not in ("train", "all"):
+        return names
+    skipped = [n for n in names if KINDS[n].needs_train_data]
+    if skipped and "all" not in cfg.baselines:
+        why = "is being evaluated" if has_train else "this trace lacks"
+        raise TensorbendError(
+            f"baselines {skipped} fit tables on the trace's train split, which {why}: "
+            "drop them or use another trace"
+        )
+    return [n for n in names if n not in skipped]
+
+
+def _check_held_out(path: Path, tr: Trace, cfg: EvalConfig) -> None:
+    """Refuse to score a checkpoint on prompts it saw in training (unless allowed)."""
+    if cfg.allow_seen_split:
+        return
+    meta = read_metadata(path)
+    scored = {p["id"] for p in tr.prompts if cfg.split == "all" or p["split"] == cfg.split}
+    if "seen_prompts" in meta:
+        seen = scored & set(meta["seen_prompts"])
+    else:  # older checkpoints: any non-test split of the same model may overlap
+        same = meta.get("fingerprint") == tr.manifest["model"]["fingerprint"]
+        seen = scored if same and cfg.split != "test" else set()
+    if seen:
+        raise TensorbendError(
+            f"predictor {path} was trained or early-stopped on {len(seen)} of the {len(scored)} "
+            f"prompts of split {cfg.split!r}: expected held-out prompts; score --split test, or "
+            "pass --allow-seen-split (EvalConfig.allow_seen_split) to score them anyway"
+        )
+
+
+def _us_per_token(pred, rows, n: int) -> float | None:
     """Mean microseconds to score one token for one target layer (batch 1, one CPU thread)."""
     la = pred.lookahead
-    L = rows["expert_ids_TLK"].shape[1]
-    targets = list(la.targets(L))
+    targets = list(la.targets(rows["expert_ids_TLK"].shape[1]))
     T = rows["expert_ids_TLK"].shape[0]
-    if getattr(pred, "kind", None) == "oracle" or not targets or not T:
-        return 0.0
-    idx = torch.linspace(1, T - 1, steps=min(n, T - 1)).long()
-    one = {k: v[idx] for k, v in rows.items()}
-    one["prev_row_T"] = torch.full((len(idx),), -1)  # timing only; prev lookup is free
-    batches = [(m, sources_from_rows(one, la, m)) for m in targets]
-    single = [(m, _row(src, i)) for m, src in batches for i in range(len(idx))]
+    if n == 0 or pred.needs_truth or not targets or T < 2:
+        return None
+    idx_N = torch.linspace(1, T - 1, steps=min(n, T - 1)).long()
+    one = {k: v[idx_N] for k, v in rows.items()}
+    one["prev_row_T"] = torch.full((len(idx_N),), -1)  # timing only; prev lookup is free
+    single = [
+        (m, src.row(i))
+        for m in targets
+        for src in [sources_from_rows(one, la, m)]
+        for i in range(len(idx_N))
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # batch-1 scoring is latency-bound; extra threads only add sync cost
     try:
@@ -189,44 +298,27 @@ def _us_per_token(pred, rows, n: int) -> float:
         torch.set_num_threads(threads)
 
 
-def _row(src, i: int):
-    from tensorbend.predictors.base import SourceBatch
-
-    return SourceBatch(
-        src.hidden_TD[i : i + 1],
-        None if src.src_ids_TK is None else src.src_ids_TK[i : i + 1],
-        src.prev_ids_TK[i : i + 1],
-        src.has_prev_T[i : i + 1],
-        src.src_layer,
-    )
-
-
-def _rename_k(hits: dict, K: int) -> dict:
-    """hit_at_k_plus_p keys "0", "2", "4" and "K" (p = k), as DESIGN.md spells them."""
-    return {**hits, "K": hits[str(K)]}
-
-
-def format_table(report: dict) -> str:
-    """Terminal table: one line per predictor x lookahead x phase."""
-    K = report["top_k"]
+def format_table(report) -> str:
+    """Terminal table: one line per predictor x lookahead x phase (report: EvalReport or its JSON)."""
+    rep = report.to_json() if isinstance(report, EvalReport) else report
+    K = rep["top_k"]
     head = (
         f"{'predictor':<12} {'lookahead':<10} {'phase':<8} {'recall@' + str(K):>9} {'hit@k+2':>8} "
         f"{'hit@k+4':>8} {'hit@2k':>7} {'exact':>6} {'params':>9} {'us/tok/layer':>12}"
     )
     lines = [
-        f"model {report['model']}  split {report['split']}  decode rows: {report['decode_mode']}  "
-        f"top-k {K} of {report['num_experts']}  prompts {report['prompts']}",
+        f"model {rep['model']}  split {rep['split']}  decode rows: {rep['decode_mode']}  "
+        f"top-k {K} of {rep['num_experts']}  prompts {rep['prompts']}",
         head,
         "-" * len(head),
     ]
-    for r in sorted(
-        report["results"], key=lambda r: (r["phase"], r["lookahead"], -r["recall_at_k"])
-    ):
+    for r in sorted(rep["results"], key=lambda r: (r["phase"], r["lookahead"], -r["recall_at_k"])):
         h = r["hit_at_k_plus_p"]
+        us = "-" if r["us_per_token"] is None else f"{r['us_per_token']:.1f}"
         lines.append(
             f"{r['predictor']:<12} {r['lookahead']:<10} {r['phase']:<8} {r['recall_at_k']:>9.4f} "
             f"{h.get('2', float('nan')):>8.4f} {h.get('4', float('nan')):>8.4f} {h['K']:>7.4f} "
-            f"{r['exact_match']:>6.3f} {r['params']:>9} {r['us_per_token']:>12.1f}"
+            f"{r['exact_match']:>6.3f} {r['params']:>9} {us:>12}"
         )
-    lines.append("lead times: " + "; ".join(f"{k}: {v}" for k, v in report["lookaheads"].items()))
+    lines.append("lead times: " + "; ".join(f"{k}: {v}" for k, v in rep["lookaheads"].items()))
     return "\n".join(lines)

@@ -1,10 +1,15 @@
-"""Prediction metrics over expert sets (DESIGN.md): recall@k, hit@k+p, exact match.
+"""Prediction metrics over expert sets: recall@k, hit@k+p, exact match.
 
 Usage:
-    >>> m = set_metrics(scores_TE, true_ids_TK, overprovision=(0, 2, 4, 8))
-    >>> m["recall_at_k"]          # mean over tokens of |top-k(pred) & true| / k
+    >>> import torch
+    >>> scores_TE = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.1, 0.2, 0.9, 0.3]])
+    >>> true_ids_TK = torch.tensor([[0, 2], [2, 3]])
+    >>> m = set_metrics(scores_TE, true_ids_TK, overprovision=(0, 1))
+    >>> m["recall_at_k"], m["hit_at_k_plus_p"], m["exact_match"]   # |top-k & true| / k per token
+    (0.75, {'0': 0.75, '1': 1.0}, 0.5)
 
 All metrics are averaged over tokens here; callers average per-layer values over layers.
+Shapes: T tokens, E experts, K top-k, L layers, N rows.
 """
 
 from __future__ import annotations
@@ -63,3 +68,11 @@ def mean_over_layers(per_layer: list[dict]) -> dict:
     }
     out["tokens"] = rows[0]["tokens"]
     return out
+
+
+def layer_mean_recall(scores_LNE: torch.Tensor, true_ids_LNK: torch.Tensor, K: int) -> float:
+    """recall@K averaged over rows, then over layers (the training loops' validation score)."""
+    L = scores_LNE.shape[0]
+    return sum(float(topk_hits(scores_LNE[i], true_ids_LNK[i], K).mean()) for i in range(L)) / (
+        K * L
+    )

@@ -1,7 +1,10 @@
 """PNG plots of an eval report: recall by layer, by lookahead, by over-provision, prefill vs decode.
 
 Usage:
-    >>> paths = plot_eval(report, Path("runs/plots"))     # list of written PNG files
+    paths = plot_eval(report, Path("runs/plots"))     # list of written PNG files
+
+`report` is an EvalReport or its JSON (`tensorbend eval --json`). Lines and bars follow the
+registry's order of kinds; a trained checkpoint's label carries a `*`.
 """
 
 from __future__ import annotations
@@ -13,16 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-_ORDER = [
-    "tensorbend",
-    "seed_mlp",
-    "spec_gate",
-    "transition",
-    "prev_token",
-    "frequency",
-    "random",
-    "oracle",
-]
+from tensorbend.predictors.registry import KINDS  # noqa: E402
+
+_ORDER = list(KINDS)
 
 
 def _label(r: dict) -> str:
@@ -35,7 +31,8 @@ def _sorted(results):
     )
 
 
-def plot_eval(report: dict, out_dir: Path) -> list[Path]:
+def plot_eval(report, out_dir: Path) -> list[Path]:
+    report = report if isinstance(report, dict) else report.to_json()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = report["results"]

@@ -1,165 +1,232 @@
-"""Train a predictor on a trace's train split (val split for early stopping) and save it.
+"""Train a predictor on a trace's train split (val split for model selection) and save it.
 
 Usage:
-    >>> from tensorbend.train import TrainConfig, train
-    >>> train(TrainConfig(trace=Path("runs/trace"), out=Path("runs/pred_d1.safetensors"),
-    ...                   predictor="tensorbend", lookahead="d1"))
+    from tensorbend.train import TrainConfig, train
+    result = train(TrainConfig(trace=Path("runs/trace"), out=Path("runs/pred_d1.safetensors"),
+                               predictor="tensorbend", lookahead="d1"))
+    result.to_json()["val"]["decode"]        # val recall@k of the saved checkpoint
 
-The test split is never read here. The saved checkpoint carries the val metrics.
+The test split is never read here. Options are checked before any trace is loaded. The saved
+checkpoint carries the val metrics and the ids of the prompts it saw (train and val), so
+`evaluate` can refuse to score it on them.
+
+`TrainResult.to_json()` keys (what `tensorbend train` prints):
+  predictor   the kind (registry name)         lookahead   the lookahead name
+  out         checkpoint path                  params      learned parameters (table entries count)
+  val         {phase: val recall@k, rounded to 4 places, or None without rows of that phase}
+  seconds     wall time of the whole call      train_prompts  train prompts used
+  + the predictor's fit summary (seed_mlp: train_rows_recall, the seed's own training-rows number)
+
+Row selection (`select_rows`; should move to trace.py): the first N train prompts, the first
+N prefill tokens of each prompt (the seed's hook kept at most 4 tokens per forward pass; decode
+steps are one token each), and a uniform sample of N rows (the seed kept at most 10,000 per
+layer), in that order. Each kept row keeps its previous token's routing even when that token's
+row is dropped.
+
+Shapes: T tokens (rows), L MoE layers, K top-k.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.predictors import TRAINABLE, get_lookahead, save_predictor
+from tensorbend.evaluate import JsonResult, score_predictor
+from tensorbend.predictors.base import (
+    LookaheadName,
+    PredictorConfigError,
+    TrainData,
+    get_lookahead,
+    previous_token,
+)
+from tensorbend.predictors.checkpoint import save_predictor
+from tensorbend.predictors.registry import (
+    TRAINABLE,
+    LossName,
+    PrevRoutingName,
+    TrainableKind,
+    config_from_train,
+    get_kind,
+)
 from tensorbend.trace import Trace
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    trace: Path  # trace directory with train and val prompts
-    out: Path  # predictor checkpoint (.safetensors)
-    predictor: str = "tensorbend"  # tensorbend | seed_mlp | frequency | transition
-    lookahead: str = "d1"  # pre_attn | d1 | d2 | d3 | same_layer
+    trace: Path
+    """Trace directory with train and val prompts (from `tensorbend collect`)."""
+    out: Path
+    """Predictor checkpoint to write (.safetensors)."""
+    predictor: TrainableKind = "tensorbend"
+    """Kind of predictor to train."""
+    lookahead: LookaheadName = "d1"
+    """Source point of the predictions."""
     seed: int = 0
-    loss: str | None = (
-        None  # override the kind's default loss (tensorbend: listwise|bce; seed_mlp: bce|ranking)
-    )
-    width: int | None = None  # tensorbend: correction width H; seed_mlp: p
-    use_prev: bool = True  # feed previous-token (tensorbend) / previous-layer (seed_mlp) routing
-    epochs: int | None = None  # override the kind's default epoch budget
-    max_train_prompts: int | None = None  # use only the first N train prompts (ablations)
-    max_train_rows: int | None = (
-        None  # uniform random sample of train rows (the seed kept <= 10,000 per layer)
-    )
-    threads: int | None = None  # torch threads (None: leave as is)
-    src_scores: bool | None = (
-        None  # tensorbend: feed the source layer's router scores (None: default)
-    )
+    """Seed of initialisation, shuffling and row sampling."""
+    loss: LossName | None = None
+    """Training loss, one the kind's config accepts (None: the kind's default)."""
+    width: int | None = None
+    """tensorbend: correction width H; seed_mlp: hidden width p (None: the kind's default)."""
+    use_prev: bool = True
+    """Feed previous routing (False: none, for either kind)."""
+    prev_routing: PrevRoutingName | None = None
+    """seed_mlp: which previous routing to feed (None: the seed's, the previous token's)."""
+    epochs: int | None = None
+    """Epoch budget (None: the kind's default)."""
+    src_scores: bool | None = None
+    """tensorbend: also feed the source layer's router scores (None: the default)."""
+    max_train_prompts: int | None = None
+    """Use only the first N train prompts (ablations)."""
+    tokens_per_forward: int | None = None
+    """Keep only the first N prefill tokens of each train prompt (the seed's hook kept 4)."""
+    max_train_rows: int | None = None
+    """Uniform random sample of N train rows (the seed kept at most 10,000 per layer)."""
+    threads: int | None = None
+    """Torch CPU threads (None: leave as is)."""
 
     def __post_init__(self):
-        if self.predictor not in TRAINABLE:
-            raise TensorbendError(
-                f"--predictor {self.predictor!r}: expected one of {', '.join(TRAINABLE)}"
+        kind = get_kind(self.predictor)
+        if not kind.trainable:
+            raise PredictorConfigError(
+                f"--predictor {self.predictor!r} is not trained: expected one of "
+                f"{', '.join(TRAINABLE)}; peers are built by `tensorbend eval --baselines`"
             )
         get_lookahead(self.lookahead)
+        for name in (
+            "width",
+            "epochs",
+            "max_train_prompts",
+            "tokens_per_forward",
+            "max_train_rows",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PredictorConfigError(f"{name}: expected a positive integer, found {value}")
+        config_from_train(kind, self)  # the kind's own checks (loss names, options it has)
+
+    @property
+    def kind_config(self):
+        """The predictor kind's config built from these options."""
+        return config_from_train(get_kind(self.predictor), self)
 
 
-def train(cfg: TrainConfig, progress: bool = True) -> dict:
-    """Fit, evaluate on val, save; returns a summary (kind, lookahead, val metrics, params, seconds)."""
-    from tensorbend.evaluate import score_predictor
-    from tensorbend.predictors.baselines import FrequencyPredictor, TransitionPredictor
-    from tensorbend.predictors.fit import FitConfig
-    from tensorbend.predictors.residual_gate import ResidualGateConfig, ResidualGatePredictor
-    from tensorbend.predictors.seed_mlp import SEED_FIT, SeedMLPConfig, SeedMLPPredictor
+@dataclass(frozen=True)
+class TrainResult(JsonResult):
+    predictor: str
+    lookahead: str
+    out: str
+    params: int
+    val: dict
+    seconds: float
+    train_prompts: int
+    fit_summary: dict = field(default_factory=dict)
 
+    def to_json(self) -> dict:
+        return {
+            "predictor": self.predictor,
+            "lookahead": self.lookahead,
+            "out": self.out,
+            "params": self.params,
+            "val": self.val,
+            "seconds": self.seconds,
+            "train_prompts": self.train_prompts,
+            **self.fit_summary,
+        }
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
+    """Fit on the train split, score on val, save the checkpoint."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
+    kind, kind_cfg = get_kind(cfg.predictor), cfg.kind_config
     tr = Trace.open(cfg.trace)
     la = get_lookahead(cfg.lookahead)
-    feats = la.features
-    train_rows = _rows(tr, feats, "train", cfg.max_train_prompts, cfg.max_train_rows, cfg.seed)
-    val_rows = _rows(tr, feats, "val", None, None, cfg.seed)
+    missing = [f for f in la.features if f not in tr.features]
+    if missing:
+        raise TensorbendError(
+            f"lookahead {la.name} needs trace features {list(la.features)}, found {tr.features} "
+            f"in {cfg.trace}: recollect with --features {' '.join(sorted({*tr.features, *missing}))}"
+        )
+    sel = RowSelection(cfg.max_train_prompts, cfg.tokens_per_forward, cfg.max_train_rows, cfg.seed)
+    train_rows = select_rows(tr.load(la.features, split="train"), sel)
+    val_rows = tr.load(la.features, split="val")
     for name, rows in (("train", train_rows), ("val", val_rows)):
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(
                 f"trace {cfg.trace} has no {name} prompts: collect with --split all (the default) "
                 "so train and val prompts are present"
             )
-    spec = tr.spec
-    if cfg.predictor == "tensorbend":
-        fit = replace(
-            ResidualGateConfig().fit, seed=cfg.seed, epochs=cfg.epochs or FitConfig.epochs
-        )
-        rc = ResidualGateConfig(
-            fit=fit,
-            use_prev=cfg.use_prev,
-            loss=cfg.loss or "listwise",
-            hidden=cfg.width or ResidualGateConfig.hidden,
-            use_src_scores=(
-                ResidualGateConfig.use_src_scores if cfg.src_scores is None else cfg.src_scores
-            ),
-        )
-        p = ResidualGatePredictor.fit(
-            spec, la, tr.router_params(), train_rows, val_rows, rc, progress
-        )
-    elif cfg.predictor == "seed_mlp":
-        fit = replace(SEED_FIT, seed=cfg.seed, epochs=cfg.epochs or SEED_FIT.epochs)
-        sc = SeedMLPConfig(
-            fit=fit,
-            use_prev_routing=cfg.use_prev,
-            loss=cfg.loss or "bce",
-            width=cfg.width or SeedMLPConfig.width,
-        )
-        p = SeedMLPPredictor.fit(spec, la, train_rows, val_rows, sc, progress)
-    else:
-        freq = FrequencyPredictor.from_rows(spec, la, train_rows)
-        p = (
-            freq
-            if cfg.predictor == "frequency"
-            else TransitionPredictor.from_rows(spec, la, train_rows, freq)
-        )
+    data = TrainData(train_rows, val_rows, tr.router_params())
+    p = kind.cls.fit(tr.spec, la, data, kind_cfg, progress=progress)
     val = {
         ph: {k: v for k, v in r.items() if k != "per_layer"}
         for ph, r in score_predictor(p, val_rows).items()
     }
-    seconds = time.perf_counter() - t0
-    # No timings in the checkpoint: the same seed gives the same bytes.
-    extra = {
+    seen = sorted(q["id"] for q in tr.prompts if q["split"] in ("train", "val"))
+    extra = {  # no timings in the checkpoint: the same seed gives the same bytes
         "train_prompts": int(train_rows["prompt_index_T"].unique().numel()),
         "trace": str(cfg.trace),
+        "seen_prompts": seen,
+        **p.fit_summary(),
     }
-    if hasattr(p, "train_rows_recall"):
-        extra["train_rows_recall"] = p.train_rows_recall
-    save_predictor(
-        p, cfg.out, fingerprint=tr.manifest["model"]["fingerprint"], val_metrics=val, extra=extra
-    )
-    return {
-        "predictor": p.kind,
-        "lookahead": la.name,
-        "out": str(cfg.out),
-        "params": p.num_params(),
-        "val": {
-            ph: round(v["recall_at_k"], 4) if v["recall_at_k"] is not None else None
+    fingerprint = tr.manifest["model"]["fingerprint"]
+    save_predictor(p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra=extra)
+    return TrainResult(
+        predictor=p.kind,
+        lookahead=la.name,
+        out=str(cfg.out),
+        params=p.num_params(),
+        val={
+            ph: None if v["recall_at_k"] is None else round(v["recall_at_k"], 4)
             for ph, v in val.items()
         },
-        "seconds": round(seconds, 1),
-        **{k: v for k, v in extra.items() if k != "trace"},
-    }
+        seconds=round(time.perf_counter() - t0, 1),
+        train_prompts=extra["train_prompts"],
+        fit_summary=p.fit_summary(),
+    )
 
 
-def _rows(
-    tr: Trace, feats, split: str, max_prompts: int | None, max_rows: int | None, seed: int
-) -> dict:
-    rows = tr.load(feats, split=split)
-    T = rows["prompt_index_T"].shape[0]
-    keep = torch.ones(T, dtype=torch.bool)
-    if max_prompts is not None:
-        first = sorted(set(rows["prompt_index_T"].tolist()))[:max_prompts]
-        keep &= torch.isin(
-            rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype)
-        )
-    if max_rows is not None and int(keep.sum()) > max_rows:
-        idx = keep.nonzero().flatten()
-        chosen = idx[
-            torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:max_rows]
-        ]
-        keep = torch.zeros(T, dtype=torch.bool)
-        keep[chosen] = True
-    if bool(keep.all()):
+@dataclass(frozen=True)
+class RowSelection:
+    """Which train rows to fit on (None: no limit); see the module docstring."""
+
+    max_prompts: int | None = None
+    tokens_per_forward: int | None = None
+    max_rows: int | None = None
+    seed: int = 0
+
+
+def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, torch.Tensor]:
+    """Rows kept by `sel`, each with its previous token's routing (prev_expert_ids_TLK, prev_phase_T)
+    taken before any row is dropped; prev_row_T points into the kept rows (-1: not kept)."""
+    prev_ids_TLK, prev_phase_T = previous_token(rows)
+    rows = {**rows, "prev_expert_ids_TLK": prev_ids_TLK, "prev_phase_T": prev_phase_T}
+    prompt_T = rows["prompt_index_T"]
+    keep_T = torch.ones(prompt_T.shape[0], dtype=torch.bool)
+    if sel.max_prompts is not None:
+        first = torch.tensor(list(dict.fromkeys(prompt_T.tolist()))[: sel.max_prompts])
+        keep_T &= torch.isin(prompt_T, first.to(prompt_T.dtype))
+    if sel.tokens_per_forward is not None:  # positions count from a prompt's first token
+        keep_T &= (rows["phase_T"] != 0) | (rows["positions_T"] < sel.tokens_per_forward)
+    if sel.max_rows is not None and int(keep_T.sum()) > sel.max_rows:
+        idx_N = keep_T.nonzero().flatten()
+        gen = torch.Generator().manual_seed(sel.seed)
+        chosen_N = idx_N[torch.randperm(idx_N.numel(), generator=gen)[: sel.max_rows]]
+        keep_T = torch.zeros_like(keep_T)
+        keep_T[chosen_N] = True
+    if bool(keep_T.all()):
         return rows
-    new_index = torch.cumsum(keep.long(), 0) - 1
-    prev = rows["prev_row_T"]
-    prev_kept = (prev >= 0) & keep[prev.clamp(min=0)]
-    out = {k: v[keep] for k, v in rows.items()}
-    out["prev_row_T"] = torch.where(
-        prev_kept, new_index[prev.clamp(min=0)], torch.full_like(prev, -1)
-    )[keep]
+    new_index_T = torch.cumsum(keep_T.long(), 0) - 1
+    prev_T = rows["prev_row_T"]
+    prev_kept_T = (prev_T >= 0) & keep_T[prev_T.clamp(min=0)]
+    out = {k: v[keep_T] for k, v in rows.items()}
+    remapped_T = torch.where(
+        prev_kept_T, new_index_T[prev_T.clamp(min=0)], torch.full_like(prev_T, -1)
+    )
+    out["prev_row_T"] = remapped_T[keep_T]
     return out

@@ -1,17 +1,20 @@
-"""Predictors on planted structure, hand-computed metrics, checkpoints, the seed's API."""
+"""Predictors on planted structure, hand-computed metrics, checkpoints and their errors, eval."""
 
 import json
+import re
 
 import pytest
 import torch
-from planted import permutation_trace
+from planted import permutation_trace, tiny_real_trace
+from safetensors.torch import load_file, save_file
 
 from tensorbend.cli import main
-from tensorbend.errors import CheckpointError
+from tensorbend.errors import CheckpointError, TensorbendError
 from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
 from tensorbend.metrics import set_metrics
-from tensorbend.predictors import build_baseline, load_predictor
-from tensorbend.predictors.residual_gate import seed_params_per_layer, width_for_budget
+from tensorbend.predictors import build_baseline, load_predictor, sources_from_rows
+from tensorbend.predictors.base import PredictorConfigError
+from tensorbend.predictors.checkpoint import META_KEY
 from tensorbend.trace import Trace
 from tensorbend.train import TrainConfig, train
 
@@ -23,10 +26,15 @@ def planted(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory):
+    return tiny_real_trace(tmp_path_factory.mktemp("real"))
+
+
 def _result(report, kind, la, phase):
     return next(
         r
-        for r in report["results"]
+        for r in report.to_json()["results"]
         if r["predictor"] == kind and r["lookahead"] == la and r["phase"] == phase
     )
 
@@ -52,7 +60,7 @@ def test_planted_permutation_transition_and_ours_perfect_frequency_not(planted, 
         TrainConfig(trace=planted / "t", out=out, predictor="tensorbend", lookahead="d1"),
         progress=False,
     )
-    assert s["val"]["decode"] > 0.95
+    assert s.to_json()["val"]["decode"] > 0.95
     rep = evaluate(EvalConfig(trace=planted / "t", predictors=(out,), lookaheads=("d1",)))
     for phase in ("prefill", "decode"):
         assert _result(rep, "transition", "d1", phase)["recall_at_k"] == pytest.approx(1.0)
@@ -101,59 +109,77 @@ def test_checkpoint_round_trip_and_mismatch_errors(planted, tmp_path):
         load_predictor(bad)
 
 
-def test_ours_stays_within_a_quarter_of_the_seed_mlp():
-    for D, E in ((128, 32), (7168, 384), (7168, 72), (2048, 128)):
-        H = width_for_budget(D, E, 64, 0.25)
-        ours = (D + 2 * E + 1) * H + H + H * E + E + 1
-        assert ours <= 0.25 * seed_params_per_layer(D, E)
+def _rewrite(src, dst, tensors=None, meta=None):
+    """Copy checkpoint src to dst with some tensors or the metadata string replaced."""
+    from safetensors import safe_open
+
+    with safe_open(str(src), "pt") as f:
+        raw = f.metadata()
+    save_file(
+        {**load_file(str(src)), **(tensors or {})}, str(dst), {META_KEY: meta or raw[META_KEY]}
+    )
+    return dst
 
 
-def test_seed_mlp_trains_and_reports_training_rows(planted, tmp_path):
-    out = tmp_path / "seed.safetensors"
-    s = train(
-        TrainConfig(trace=planted / "t", out=out, predictor="seed_mlp", lookahead="d1", epochs=40),
+@pytest.mark.parametrize("kind", ["transition", "tensorbend"])
+def test_corrupt_checkpoints_raise_one_line_errors(planted, tmp_path, kind):
+    out = tmp_path / "ok.safetensors"
+    epochs = 1 if kind == "tensorbend" else None
+    train(
+        TrainConfig(trace=planted / "t", out=out, predictor=kind, lookahead="d1", epochs=epochs),
         progress=False,
     )
-    assert "train_rows_recall" in s and s["params"] == 3 * seed_params_per_layer(16, 16)
-    p = load_predictor(out)
-    assert p.kind == "seed_mlp" and p.lookahead.name == "d1"
+    name, shape = ("P_LEE", (4, 16, 15)) if kind == "transition" else ("net.W1", (3, 7, 5))
+    wrong = _rewrite(out, tmp_path / "shape.safetensors", {name: torch.zeros(shape)})
+    with pytest.raises(
+        CheckpointError, match=rf"{name} expected shape .*, found {re.escape(str(shape))}"
+    ):
+        load_predictor(wrong)
+    broken = _rewrite(out, tmp_path / "json.safetensors", meta='{"format_version": 1, "kind"')
+    with pytest.raises(CheckpointError, match="is not valid JSON"):
+        load_predictor(broken)
+    meta = json.loads(_meta(out))
+    unknown = _rewrite(out, tmp_path / "k.safetensors", meta=json.dumps({**meta, "kind": "x"}))
+    with pytest.raises(CheckpointError, match="metadata kind expected one of"):
+        load_predictor(unknown)
+    for path, tail in ((wrong, "shape"), (broken, "JSON")):  # the CLI: exit 2, one line
+        rc = main(["eval", "--trace", str(planted / "t"), "--predictor", str(path)])
+        assert rc == 2, tail
 
 
-def test_eval_cli_json_keys(planted, tmp_path, capsys):
+def _meta(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()[META_KEY]
+
+
+def test_train_options_are_checked_before_any_trace_is_read(tmp_path, capsys):
+    missing = tmp_path / "no-trace"
+    bad = [
+        ("tensorbend", ["--loss", "nope"], "expected one of listwise, bce"),
+        ("seed_mlp", ["--loss", "nope"], "expected one of weighted_bce, ranking, bce"),
+        ("frequency", ["--loss", "bce"], "frequency has no option loss"),
+        ("seed_mlp", ["--width", "0"], "width: expected a positive integer"),
+    ]
+    for kind, extra, msg in bad:
+        argv = ["train", "--trace", str(missing), "--out", str(tmp_path / "o.safetensors")]
+        assert main([*argv, "--predictor", kind, *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and err.count("\n") == 1, err
+    with pytest.raises(PredictorConfigError, match="tensorbend has no option prev_routing"):
+        TrainConfig(trace=missing, out=missing, prev_routing="layer")
+
+
+def test_eval_cli_json_keys(planted, tmp_path):
     js = tmp_path / "e.json"
-    rc = main(
-        [
-            "eval",
-            "--trace",
-            str(planted / "t"),
-            "--baselines",
-            "frequency,spec_gate",
-            "--lookahead",
-            "d1",
-            "--lookahead",
-            "pre_attn",
-            "--json",
-            str(js),
-            "--plots",
-            str(tmp_path / "plots"),
-        ]
-    )
-    assert rc == 0
+    argv = ["eval", "--trace", str(planted / "t"), "--baselines", "frequency,spec_gate"]
+    argv += ["--lookahead", "d1", "--lookahead", "pre_attn", "--json", str(js)]
+    assert main([*argv, "--plots", str(tmp_path / "plots")]) == 0
     rep = json.loads(js.read_text())
     assert rep["split"] == "test" and rep["top_k"] == 2
-    keys = {
-        "predictor",
-        "checkpoint",
-        "lookahead",
-        "phase",
-        "recall_at_k",
-        "hit_at_k_plus_p",
-        "exact_match",
-        "tokens",
-        "params",
-        "us_per_token",
-        "per_layer",
-    }
+    keys = {"predictor", "checkpoint", "lookahead", "phase", "recall_at_k", "hit_at_k_plus_p"}
+    keys |= {"exact_match", "tokens", "params", "us_per_token", "per_layer"}
     assert all(keys <= set(r) for r in rep["results"])
     assert {(r["predictor"], r["lookahead"]) for r in rep["results"]} == {
         (k, la) for k in ("frequency", "spec_gate") for la in ("d1", "pre_attn")
@@ -162,87 +188,13 @@ def test_eval_cli_json_keys(planted, tmp_path, capsys):
     assert main(["eval", "--trace", str(planted / "t"), "--baselines", "nope"]) == 2
 
 
-def test_seed_checkpoint_format_loads_safely(tmp_path):
-    """A checkpoint in the seed's own torch.save format loads with weights_only and predicts alike."""
-    from tensorbend import ExpertPredictorSet
-
-    L, D, E, p = 3, 12, 10, 16
-
-    class Seed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.bn, self.fc2 = (
-                torch.nn.Linear(D + E, p),
-                torch.nn.BatchNorm1d(p),
-                torch.nn.Linear(p, E),
-            )
-
-        def forward(self, x):
-            return self.fc2(torch.nn.functional.gelu(self.bn(self.fc1(x))))
-
-    torch.manual_seed(0)
-    ml = torch.nn.ModuleList([Seed() for _ in range(L)])
-    for m in ml:  # non-trivial running stats
-        m.train()
-        m(torch.randn(64, D + E) * 3 + 1)
-    ml.eval()
-    path = tmp_path / "predictor.pt"
-    torch.save({"state_dict": ml.state_dict(), "num_layers": L, "trained": True}, path)
-
-    pset = ExpertPredictorSet(num_layers=L, hidden_dim=D, num_experts=E, predictor_dim=p)
-    pset.load(path)
-    h = torch.randn(D)
-    prev = [1, 4, 7]
-    pset.update_routing(prev)
-    got = pset.predict(layer_idx=2, hidden_states=h, top_k=3, overprovision=2)
-    x = torch.cat([h, torch.zeros(E).index_fill_(0, torch.tensor(prev), 1.0)])[None]
-    want = ml[2](x)[0].topk(5).indices.tolist()
-    assert got == want
-    pset.reset_routing()
-    got0 = pset.predict(layer_idx=0, hidden_states=h, top_k=3, overprovision=2)
-    assert got0 == ml[0](torch.cat([h, torch.zeros(E)])[None])[0].topk(5).indices.tolist()
-    assert pset.total_params == sum(q.numel() for q in ml.parameters())
-    pset.save(tmp_path / "p.safetensors")
-    again = ExpertPredictorSet(num_layers=L, hidden_dim=D, num_experts=E, predictor_dim=p)
-    again.load(tmp_path / "p.safetensors")
-    again.update_routing(prev)
-    assert again.predict(layer_idx=2, hidden_states=h, top_k=3, overprovision=2) == want
-    wrong = ExpertPredictorSet(num_layers=L, hidden_dim=D + 1, num_experts=E, predictor_dim=p)
-    with pytest.raises(CheckpointError, match=r"fc1.weight expected shape \(16, 23\)"):
-        wrong.load(path)
-
-
-@pytest.fixture(scope="module")
-def real_trace(tmp_path_factory):
-    """A trace of a real (tiny, random-init) DeepSeek-V3 with group-limited routing, stored in fp32."""
-    from tiny_models import save_checkpoint, write_prompts
-
-    from tensorbend.collect import CollectConfig, collect
-
-    d = tmp_path_factory.mktemp("real")
-    save_checkpoint("deepseek_v3", d / "model")
-    write_prompts(d / "p.jsonl", n=16)
-    collect(
-        CollectConfig(
-            model=str(d / "model"),
-            out=d / "t",
-            prompts=d / "p.jsonl",
-            max_new_tokens=6,
-            dtype="float32",
-            features=("ids", "gate_input", "layer_input"),
-        ),
-        progress=False,
-    )
-    return d / "t"
-
-
 def test_spec_gate_same_layer_is_the_exact_router(real_trace):
     rep = evaluate(
         EvalConfig(
             trace=real_trace, baselines=("spec_gate",), lookaheads=("same_layer",), split="all"
         )
     )
-    for r in rep["results"]:
+    for r in rep.to_json()["results"]:
         assert r["recall_at_k"] == pytest.approx(1.0, abs=1e-3), r["phase"]
 
 
@@ -259,30 +211,17 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
             p.net.alpha.fill_(0.7)
         p._fast = {}
         rows = Trace.open(real_trace).load(p.lookahead.features)
-        from tensorbend.predictors import sources_from_rows
-
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
+            assert src.has_prev_T.any() and not src.has_prev_T.all()
             assert torch.allclose(p.scores(m, src), p.scores_reference(m, src), atol=1e-4)
-            from tensorbend.evaluate import _row
-
             for i in range(0, len(src), 7):  # the one-token (decode) path
-                one = _row(src, i)
+                one = src.row(i)
                 assert torch.allclose(p.scores(m, one), p.scores_reference(m, one), atol=1e-4)
 
 
-def test_row_subsets_keep_previous_token_links(planted):
-    """Sampling train rows (the seed's row cap) or prompts keeps prev_row pointing at the same token."""
-    from tensorbend.train import _rows
-
-    tr = Trace.open(planted / "t")
-    full = tr.load(("ids",), split="train")
-    for kw in ({"max_prompts": 5, "max_rows": None}, {"max_prompts": None, "max_rows": 300}):
-        sub = _rows(tr, ("ids",), "train", seed=0, **kw)
-        n = sub["prompt_index_T"].shape[0]
-        assert n == (300 if kw["max_rows"] else n) and n < full["prompt_index_T"].shape[0]
-        ok = sub["prev_row_T"] >= 0
-        assert ok.any()
-        prev = sub["prev_row_T"][ok]
-        assert torch.equal(sub["prompt_index_T"][prev], sub["prompt_index_T"][ok])
-        assert torch.equal(sub["positions_T"][prev] + 1, sub["positions_T"][ok])
+def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):
+    with pytest.raises(TensorbendError, match="expected 'all' or names from spec_gate"):
+        EvalConfig(trace=planted / "t", baselines=("nope",))
+    with pytest.raises(PredictorConfigError, match="is not trained: expected one of tensorbend"):
+        TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")

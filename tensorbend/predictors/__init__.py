@@ -1,27 +1,38 @@
 """Predictors: peers (baselines), the seed's MLP, and ours, behind one interface (base.py).
 
->>> from tensorbend.predictors import build_baseline, load_predictor, LOOKAHEADS
+>>> from tensorbend.predictors import KINDS, TRAINABLE, build_baseline, load_predictor, LOOKAHEADS
+>>> list(KINDS)[:2]
+['tensorbend', 'seed_mlp']
+
+Modules: base (lookaheads, SourceBatch, the Predictor protocol), ops (shared tensor ops),
+registry (the table of kinds), baselines (peers), residual_gate + residual_fast (ours),
+seed_mlp + seed_net (the seed's predictor), seed_api (the seed's ExpertPredictorSet),
+fit (the training loop), checkpoint (save/load).
 """
 
 from tensorbend.predictors.base import (
     LOOKAHEADS,
     Lookahead,
     SourceBatch,
+    TrainData,
     get_lookahead,
     sources_from_rows,
 )
-from tensorbend.predictors.baselines import BASELINES, build_baseline
+from tensorbend.predictors.baselines import build_baseline
 from tensorbend.predictors.checkpoint import load_predictor, save_predictor
-
-TRAINABLE = ("tensorbend", "seed_mlp", "frequency", "transition")
+from tensorbend.predictors.registry import BASELINES, KINDS, TRAINABLE, build, get_kind
 
 __all__ = [
     "BASELINES",
+    "KINDS",
     "LOOKAHEADS",
     "TRAINABLE",
     "Lookahead",
     "SourceBatch",
+    "TrainData",
+    "build",
     "build_baseline",
+    "get_kind",
     "get_lookahead",
     "load_predictor",
     "save_predictor",

@@ -1,11 +1,11 @@
 """What every predictor sees and returns: lookaheads, source batches, the Predictor protocol.
 
 Usage (offline, on a trace; the runtime builds the same SourceBatch from hooks online):
-    >>> la = LOOKAHEADS["d1"]
-    >>> rows = trace.load(("ids", "gate_input"), split="test")
-    >>> for m in la.targets(spec.num_moe_layers):
-    ...     src = sources_from_rows(rows, la, m)
-    ...     scores_TE = predictor.scores(m, src)      # higher = more likely routed
+    la = LOOKAHEADS["d1"]
+    rows = trace.load(la.features, split="test")
+    for m in la.targets(spec.num_moe_layers):
+        src = sources_from_rows(rows, la, m)
+        scores_TE = predictor.scores(m, src)      # higher = more likely routed
 
 A prediction for target MoE layer m under lookahead `d` may use only what exists at its source
 point for the current token, plus anything from earlier tokens:
@@ -14,29 +14,50 @@ point for the current token, plus anything from earlier tokens:
   same_layer  gate_input[m]: the seed's setup, zero lead time; for comparison only
 and, from tokens processed in an earlier forward pass, their routing at every layer
 (`prev_ids_TK`: the previous token's experts at the target layer). In prefill the previous
-prompt token is routed at layer m in the same pass as the current one, so its experts at the
-target layer do not exist yet at the source point: `has_prev_T` is False for those rows (the
-seed used them, a leak). Decode rows (and the first decode step, whose previous token was
-prefilled) have them. Targets m < N have no source layer at lookahead dN and are
-not scored (reported as n/a): `Lookahead.targets` lists the valid ones.
+prompt token is routed at layer m in the same pass as the current one, so at a real lookahead
+its experts at the target layer do not exist yet at the source point: `has_prev_T` is False
+for those rows. Decode rows (and the first decode step, whose previous token was prefilled)
+have them. At `same_layer` the source point is layer m's router input, which exists for every
+token of the pass at once, so the previous prompt token's layer-m routing counts as available
+there too (the seed fed it; `Lookahead.prev_in_pass`). Targets m < N have no source layer at
+lookahead dN and are not scored: `Lookahead.targets` lists the valid ones.
+
+Shapes: T tokens (rows), L MoE layers, K top-k, E experts, D hidden size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
-from tensorbend.errors import TensorbendError
+from tensorbend.errors import CheckpointError, TensorbendError
+from tensorbend.models import RoutingSpec
+from tensorbend.predictors.ops import multi_hot
+
+__all__ = ["multi_hot"]  # re-exported: offload/prefetch.py imports it from here
+
+
+class PredictorConfigError(TensorbendError):
+    """A predictor or training option is unknown or out of range (should move to errors.py)."""
+
+
+class PredictorInputError(TensorbendError):
+    """A tensor handed to a predictor has the wrong shape (should move to errors.py)."""
+
+
+LookaheadName = Literal["same_layer", "pre_attn", "d1", "d2", "d3"]
 
 
 @dataclass(frozen=True)
 class Lookahead:
-    name: str
+    name: LookaheadName
     distance: int  # MoE layers between the source layer and the target (0 for pre_attn)
     hidden: str  # source hidden feature: "gate_input" or "layer_input"
     lead_time: str  # what the prediction runs ahead of, in words
+    prev_in_pass: bool = False  # previous prompt token's routing at m exists in the same pass
 
     def source_layer(self, m: int) -> int:
         return m - self.distance
@@ -51,18 +72,21 @@ class Lookahead:
 
 
 LOOKAHEADS: dict[str, Lookahead] = {
-    "same_layer": Lookahead("same_layer", 0, "gate_input", "none (router input itself)"),
+    "same_layer": Lookahead("same_layer", 0, "gate_input", "none (router input itself)", True),
     "pre_attn": Lookahead("pre_attn", 0, "layer_input", "attention of layer m"),
     "d1": Lookahead("d1", 1, "gate_input", "experts of m-1 + attention of m"),
     "d2": Lookahead("d2", 2, "gate_input", "2 MoE layers"),
     "d3": Lookahead("d3", 3, "gate_input", "3 MoE layers"),
 }
+assert tuple(LOOKAHEADS) == get_args(LookaheadName)
 HEADLINE_LOOKAHEADS = ("pre_attn", "d1", "d2", "d3")
 
 
 def get_lookahead(name: str) -> Lookahead:
     if name not in LOOKAHEADS:
-        raise TensorbendError(f"lookahead {name!r}: expected one of {', '.join(LOOKAHEADS)}")
+        raise PredictorConfigError(
+            f"lookahead {name!r}: expected one of {', '.join(LOOKAHEADS)}, found {name!r}"
+        )
     return LOOKAHEADS[name]
 
 
@@ -86,6 +110,28 @@ class SourceBatch:
     def __len__(self) -> int:
         return self.hidden_TD.shape[0]
 
+    def row(self, i: int) -> SourceBatch:
+        """The one-token batch of row i (what the runtime scores at decode)."""
+        return SourceBatch(
+            self.hidden_TD[i : i + 1],
+            None if self.src_ids_TK is None else self.src_ids_TK[i : i + 1],
+            self.prev_ids_TK[i : i + 1],
+            self.has_prev_T[i : i + 1],
+            self.src_layer,
+        )
+
+
+def previous_token(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prev_expert_ids_TLK, prev_phase_T): each row's previous token's routing at every layer,
+    and its phase (-1: no previous token). Row selection stores both before dropping rows, so a
+    kept row keeps its previous token even when that token's row was not kept."""
+    if "prev_expert_ids_TLK" in rows:
+        return rows["prev_expert_ids_TLK"], rows["prev_phase_T"]
+    prev_T = rows["prev_row_T"]
+    idx_T = prev_T.clamp(min=0)
+    phase_T = torch.where(prev_T >= 0, rows["phase_T"].long()[idx_T], -1)
+    return rows["expert_ids_TLK"][idx_T], phase_T
+
 
 def sources_from_rows(rows: dict[str, torch.Tensor], la: Lookahead, m: int) -> SourceBatch:
     """SourceBatch for target layer m from rows loaded with `Trace.load(la.features)`."""
@@ -94,42 +140,116 @@ def sources_from_rows(rows: dict[str, torch.Tensor], la: Lookahead, m: int) -> S
     s = la.source_layer(m)
     assert 0 <= s < ids_TLK.shape[1], f"target {m} has no source layer at {la.name}"
     route_layer = m - max(la.distance, 1)  # latest layer routed before the source point
-    prev = rows["prev_row_T"]
-    has_prev = prev >= 0
-    if "phase_T" in rows:  # a prefill row's predecessor in prefill was routed in the same pass
-        phase = rows["phase_T"]
-        has_prev &= ~((phase == 0) & (phase[prev.clamp(min=0)] == 0))
-    prev_ids = ids_TLK[prev.clamp(min=0), m]
+    prev_ids_TLK, prev_phase_T = previous_token(rows)
+    has_prev_T = prev_phase_T >= 0
+    if not la.prev_in_pass:  # a prefill predecessor of a prefill row is routed in the same pass
+        has_prev_T &= ~((rows["phase_T"] == 0) & (prev_phase_T == 0))
     return SourceBatch(
         hidden_TD=hidden_TLD[:, s].float(),
         src_ids_TK=ids_TLK[:, route_layer] if route_layer >= 0 else None,
-        prev_ids_TK=prev_ids,
-        has_prev_T=has_prev,
+        prev_ids_TK=prev_ids_TLK[:, m].long(),
+        has_prev_T=has_prev_T,
         src_layer=route_layer,
     )
 
 
-def multi_hot(
-    ids_TK: torch.Tensor, num_experts: int, valid_T: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[T, E] float 0/1 from expert ids; rows where valid_T is False are all zero."""
-    out = torch.zeros(ids_TK.shape[0], num_experts)
-    out.scatter_(1, ids_TK.long(), 1.0)
-    if valid_T is not None:
-        out *= valid_T.float()[:, None]
-    return out
+@dataclass
+class TrainData:
+    """What fitting may read: train rows, val rows (model selection), the trace's router weights."""
+
+    train_rows: dict[str, torch.Tensor] | None = None
+    val_rows: dict[str, torch.Tensor] | None = None
+    router_params: dict[str, torch.Tensor] | None = None
 
 
 class Predictor(Protocol):
     """Scores experts of a target layer from a SourceBatch. Fit once, score many times."""
 
-    kind: str  # "tensorbend", "seed_mlp", "frequency", ...
+    kind: str  # the registry name: "tensorbend", "seed_mlp", "frequency", ...
+    spec: RoutingSpec
     lookahead: Lookahead
+    needs_truth: bool  # scores read the true routing (the oracle): call set_truth first
+
+    @classmethod
+    def fit(cls, spec, la: Lookahead, data: TrainData, cfg=None, progress: bool = False): ...
+
+    @classmethod
+    def from_state(cls, spec, la: Lookahead, config: dict, tensors: dict[str, torch.Tensor]): ...
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         """[T, E] scores for target layer m; top-k of a row is the predicted expert set."""
         ...
 
-    def num_params(self) -> int:
-        """Learned parameters (table entries count as parameters)."""
+    def set_truth(self, ids_TLK: torch.Tensor) -> None: ...
+    def num_params(self) -> int: ...
+    def config_dict(self) -> dict: ...
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+    def fit_summary(self) -> dict:
+        """Numbers from fitting worth keeping in the checkpoint (e.g. the seed's train-rows recall)."""
         ...
+
+
+class PredictorBase:
+    """Defaults of the Predictor protocol for kinds without parameters, truth or a config."""
+
+    kind = "?"
+    needs_truth = False
+
+    def __init__(self, spec: RoutingSpec, la: Lookahead, cfg=None):
+        self.spec, self.lookahead, self.cfg = spec, la, cfg
+
+    def set_truth(self, ids_TLK: torch.Tensor) -> None:
+        raise AssertionError(f"{self.kind} does not read the truth")
+
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.state_tensors().values())
+
+    def config_dict(self) -> dict:
+        return dataclasses.asdict(self.cfg) if self.cfg is not None else {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def fit_summary(self) -> dict:
+        return {}
+
+
+def check_state(
+    expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor], what: str
+) -> None:
+    """Raise CheckpointError unless `found` has exactly the keys and shapes of `expected`."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{what}: expected tensors {sorted(expected)[:6]}..., found missing {missing[:4]} and "
+            f"unexpected {extra[:4]}: the file is from another version or kind; retrain it"
+        )
+    for k, want in expected.items():
+        if tuple(found[k].shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{what}: tensor {k} expected shape {tuple(want.shape)}, found "
+                f"{tuple(found[k].shape)}: the file does not match its own metadata; retrain it"
+            )
+
+
+def config_from_dict(config_cls, d: dict, what: str):
+    """Rebuild a (possibly nested) config dataclass from its asdict(); CheckpointError on mismatch."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise CheckpointError(
+            f"{what}: config keys {unknown} unknown to {config_cls.__name__} (expected some of "
+            f"{sorted(fields)}): the file is from another tensorbend version; retrain it"
+        )
+    kw = {}
+    for k, v in d.items():
+        default = fields[k].default
+        kw[k] = (
+            config_from_dict(type(default), v, what)
+            if dataclasses.is_dataclass(default) and isinstance(v, dict)
+            else v
+        )
+    try:
+        return config_cls(**kw)
+    except TensorbendError as e:
+        raise CheckpointError(f"{what}: invalid config ({e})") from e

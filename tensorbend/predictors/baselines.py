@@ -1,9 +1,9 @@
 """Peer methods, each scoring experts from a SourceBatch: the yardsticks every result is set against.
 
 Usage:
-    >>> p = build_baseline("spec_gate", spec, "d1", router_params=trace.router_params())
-    >>> p = build_baseline("transition", spec, "d1", train_rows=trace.load(("ids",), split="train"))
-    >>> scores_TE = p.scores(m, sources_from_rows(rows, p.lookahead, m))
+    p = build_baseline("spec_gate", spec, "d1", router_params=trace.router_params())
+    p = build_baseline("transition", spec, "d1", train_rows=trace.load(("ids",), split="train"))
+    scores_TE = p.scores(m, sources_from_rows(rows, p.lookahead, m))
 
   random      uniform random scores (the floor)
   oracle      the true experts (needs `set_truth`; the ceiling)
@@ -15,18 +15,28 @@ Usage:
   spec_gate   the target layer's own router applied to the earlier hidden state, with the
               exact router function (softmax / sigmoid + bias / group limits); no training
               (FATE / HOBBIT / Mixtral-offloading speculative gating)
+
+Shapes: T tokens, L MoE layers, K top-k, E experts, D hidden size.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec, router_scores
-from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot
+from tensorbend.predictors.base import (
+    Lookahead,
+    PredictorBase,
+    SourceBatch,
+    TrainData,
+    check_state,
+    get_lookahead,
+)
+from tensorbend.predictors.ops import multi_hot, rmsnorm
 
-BASELINES = ("random", "oracle", "frequency", "prev_token", "transition", "spec_gate")
-NEEDS_TRAIN = ("frequency", "prev_token", "transition")
 _TIE = 1e-3  # weight of frequency as a tie-breaker
 
 
@@ -38,63 +48,48 @@ def build_baseline(
     train_rows: dict[str, torch.Tensor] | None = None,
     seed: int = 0,
 ):
-    """A ready-to-score baseline predictor."""
+    """A ready-to-score peer by name (the registry builds it; kept here for offload/runner.py)."""
+    from tensorbend.predictors.registry import build  # the registry imports this module
+
     la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
-    if name not in BASELINES:
-        raise TensorbendError(f"baseline {name!r}: expected one of {', '.join(BASELINES)}")
-    if name == "random":
-        return RandomPredictor(spec, la, seed)
-    if name == "oracle":
-        return OraclePredictor(spec, la)
-    if name == "spec_gate":
-        if router_params is None:
-            raise TensorbendError(
-                "spec_gate needs the model's router weights (a trace's router.safetensors)"
-            )
-        return SpecGatePredictor(spec, la, router_params)
-    if train_rows is None or train_rows["expert_ids_TLK"].shape[0] == 0:
-        raise TensorbendError(f"{name} learns tables from data: expected train rows, found none")
-    freq = FrequencyPredictor.from_rows(spec, la, train_rows)
-    if name == "frequency":
-        return freq
-    if name == "prev_token":
-        return PrevTokenPredictor(spec, la, freq)
-    return TransitionPredictor.from_rows(spec, la, train_rows, freq)
+    data = TrainData(train_rows=train_rows, router_params=router_params)
+    return build(name, spec, la, data, seed=seed)
 
 
-class _Base:
-    kind = "?"
-
-    def __init__(self, spec: RoutingSpec, la: Lookahead):
-        self.spec, self.lookahead = spec, la
-
-    def num_params(self) -> int:
-        return 0
-
-    def config_dict(self) -> dict:
-        return {}
+@dataclass(frozen=True)
+class RandomConfig:
+    seed: int = 0
+    """Seed of the random scores."""
 
 
-class RandomPredictor(_Base):
+class RandomPredictor(PredictorBase):
     kind = "random"
 
-    def __init__(self, spec, la, seed: int = 0):
-        super().__init__(spec, la)
-        self.seed = seed
-        self._gen = torch.Generator().manual_seed(seed)
+    def __init__(self, spec, la, cfg: RandomConfig):
+        super().__init__(spec, la, cfg)
+        self._gen = torch.Generator().manual_seed(cfg.seed)
+
+    @classmethod
+    def fit(cls, spec, la, data: TrainData, cfg: RandomConfig | None = None, progress=False):
+        return cls(spec, la, cfg or RandomConfig())
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         return torch.rand(len(src), self.spec.num_experts, generator=self._gen)
 
 
-class OraclePredictor(_Base):
+class OraclePredictor(PredictorBase):
     """Scores the true experts; the evaluator (or runtime) hands it the truth before scoring."""
 
     kind = "oracle"
+    needs_truth = True
 
     def __init__(self, spec, la):
         super().__init__(spec, la)
         self._truth_TLK: torch.Tensor | None = None
+
+    @classmethod
+    def fit(cls, spec, la, data: TrainData, cfg=None, progress=False):
+        return cls(spec, la)
 
     def set_truth(self, ids_TLK: torch.Tensor) -> None:
         self._truth_TLK = ids_TLK.long()
@@ -106,7 +101,7 @@ class OraclePredictor(_Base):
         return multi_hot(self._truth_TLK[:, m], self.spec.num_experts)
 
 
-class FrequencyPredictor(_Base):
+class FrequencyPredictor(PredictorBase):
     kind = "frequency"
 
     def __init__(self, spec, la, freq_LE: torch.Tensor):
@@ -114,46 +109,49 @@ class FrequencyPredictor(_Base):
         self.freq_LE = freq_LE
 
     @classmethod
-    def from_rows(cls, spec, la, train_rows):
-        ids_TLK = train_rows["expert_ids_TLK"].long()
-        L = ids_TLK.shape[1]
-        counts_LE = torch.zeros(L, spec.num_experts)
-        for m in range(L):
-            counts_LE[m] = torch.bincount(
-                ids_TLK[:, m].flatten(), minlength=spec.num_experts
-            ).float()
+    def fit(cls, spec, la, data: TrainData, cfg=None, progress=False):
+        ids_TLK = _train_ids(data, cls.kind)
+        counts_LE = torch.stack(
+            [
+                torch.bincount(ids_TLK[:, m].flatten(), minlength=spec.num_experts).float()
+                for m in range(ids_TLK.shape[1])
+            ]
+        )
         return cls(spec, la, counts_LE / counts_LE.sum(-1, keepdim=True).clamp(min=1))
-
-    def num_params(self) -> int:
-        return self.freq_LE.numel()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"freq_LE": self.freq_LE}
 
     @classmethod
     def from_state(cls, spec, la, config, tensors):
+        L, E = spec.num_moe_layers, spec.num_experts
+        check_state({"freq_LE": torch.empty(L, E)}, tensors, f"{cls.kind} checkpoint")
         return cls(spec, la, tensors["freq_LE"])
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         return self.freq_LE[m].expand(len(src), -1).clone()
 
 
-class PrevTokenPredictor(_Base):
+class PrevTokenPredictor(PredictorBase):
     kind = "prev_token"
 
     def __init__(self, spec, la, freq: FrequencyPredictor):
         super().__init__(spec, la)
         self.freq = freq
 
-    def num_params(self) -> int:
-        return self.freq.num_params()
+    @classmethod
+    def fit(cls, spec, la, data: TrainData, cfg=None, progress=False):
+        return cls(spec, la, FrequencyPredictor.fit(spec, la, data))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.freq.state_tensors()
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         prev_TE = multi_hot(src.prev_ids_TK, self.spec.num_experts, src.has_prev_T)
         return prev_TE + _TIE * self.freq.scores(m, src)
 
 
-class TransitionPredictor(_Base):
+class TransitionPredictor(PredictorBase):
     kind = "transition"
 
     def __init__(self, spec, la, P_LEE: torch.Tensor, freq: FrequencyPredictor):
@@ -161,8 +159,8 @@ class TransitionPredictor(_Base):
         self.P_LEE, self.freq = P_LEE, freq
 
     @classmethod
-    def from_rows(cls, spec, la, train_rows, freq: FrequencyPredictor):
-        ids_TLK = train_rows["expert_ids_TLK"].long()
+    def fit(cls, spec, la, data: TrainData, cfg=None, progress=False):
+        ids_TLK = _train_ids(data, cls.kind)
         L, E = ids_TLK.shape[1], spec.num_experts
         # P_LEE[m, i, j] = P(expert j at target m | expert i at m's source routing layer)
         P_LEE = torch.zeros(L, E, E)
@@ -170,28 +168,28 @@ class TransitionPredictor(_Base):
             s = m - max(la.distance, 1)  # as SourceBatch.src_ids_TK
             if s < 0:
                 continue
-            counts = multi_hot(ids_TLK[:, s], E).T @ multi_hot(ids_TLK[:, m], E)
-            P_LEE[m] = counts / counts.sum(-1, keepdim=True).clamp(min=1)
-        return cls(spec, la, P_LEE, freq)
-
-    def num_params(self) -> int:
-        return self.P_LEE.numel() + self.freq.num_params()
+            counts_EE = multi_hot(ids_TLK[:, s], E).T @ multi_hot(ids_TLK[:, m], E)
+            P_LEE[m] = counts_EE / counts_EE.sum(-1, keepdim=True).clamp(min=1)
+        return cls(spec, la, P_LEE, FrequencyPredictor.fit(spec, la, data))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"P_LEE": self.P_LEE, "freq_LE": self.freq.freq_LE}
 
     @classmethod
     def from_state(cls, spec, la, config, tensors):
+        L, E = spec.num_moe_layers, spec.num_experts
+        want = {"P_LEE": torch.empty(L, E, E), "freq_LE": torch.empty(L, E)}
+        check_state(want, tensors, f"{cls.kind} checkpoint")
         return cls(spec, la, tensors["P_LEE"], FrequencyPredictor(spec, la, tensors["freq_LE"]))
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        base = _TIE * self.freq.scores(m, src)
+        base_TE = _TIE * self.freq.scores(m, src)
         if src.src_ids_TK is None:
-            return base
-        return multi_hot(src.src_ids_TK, self.spec.num_experts) @ self.P_LEE[m] + base
+            return base_TE
+        return multi_hot(src.src_ids_TK, self.spec.num_experts) @ self.P_LEE[m] + base_TE
 
 
-class SpecGatePredictor(_Base):
+class SpecGatePredictor(PredictorBase):
     """The target router on the source hidden state, renormalised the way the target layer would.
 
     Router inputs are RMS-normalised residuals times the layer's norm weight. From gate_input[s]
@@ -206,10 +204,19 @@ class SpecGatePredictor(_Base):
         super().__init__(spec, la)
         self.params = router_params
 
+    @classmethod
+    def fit(cls, spec, la, data: TrainData, cfg=None, progress=False):
+        if data.router_params is None:
+            raise TensorbendError(
+                "spec_gate needs the model's router weights: expected a trace's "
+                "router.safetensors, found none"
+            )
+        return cls(spec, la, data.router_params)
+
     def router_input(self, m: int, src: SourceBatch) -> torch.Tensor:
         x_TD = src.hidden_TD.float()
         if self.lookahead.hidden == "layer_input":  # a residual: RMS-normalise like the layer
-            x_TD = x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + 1e-6)
+            x_TD = rmsnorm(x_TD)
         scale_D = self.input_scale(m)
         return x_TD if scale_D is None else x_TD * scale_D
 
@@ -230,3 +237,13 @@ class SpecGatePredictor(_Base):
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         return router_scores(self.spec, self.params, m, self.router_input(m, src))
+
+
+def _train_ids(data: TrainData, kind: str) -> torch.Tensor:
+    rows = data.train_rows
+    if rows is None or rows["expert_ids_TLK"].shape[0] == 0:
+        raise TensorbendError(
+            f"{kind} learns tables from data: expected train rows, found none (a trace with "
+            "train prompts: collect with --split all)"
+        )
+    return rows["expert_ids_TLK"].long()

@@ -1,14 +1,17 @@
 """Predictor checkpoints: one safetensors file that describes itself.
 
 Usage:
-    >>> save_predictor(p, "pred.safetensors", fingerprint=trace.manifest["model"]["fingerprint"],
-    ...                val_metrics={"recall_at_k": 0.9})
-    >>> p = load_predictor("pred.safetensors", spec=trace.spec, fingerprint=fp)   # checks the match
+    save_predictor(p, "pred.safetensors", fingerprint=trace.manifest["model"]["fingerprint"],
+                   val_metrics={"decode": {"recall_at_k": 0.9}})
+    p = load_predictor("pred.safetensors", spec=trace.spec, fingerprint=fp)   # checks the match
 
 Metadata: one key, `tensorbend_predictor`, holding sorted JSON with format_version, kind,
-lookahead, config, routing (spec), fingerprint (model), features, val_metrics, params,
-tensorbend_version. (One key because safetensors writes several keys in hash order, and the
-same training run must give the same bytes.)
+lookahead, config (the kind's config class, asdict), routing (spec), fingerprint (model),
+features, val_metrics, params, tensorbend_version, plus what `train` adds (train_prompts,
+seen_prompts, trace, and the predictor's fit_summary). One key because safetensors writes
+several keys in hash order, and the same training run must give the same bytes. Every
+problem with a file (missing, not safetensors, corrupt metadata, unknown kind, tensors whose
+names or shapes do not match the metadata, another model) raises CheckpointError.
 """
 
 from __future__ import annotations
@@ -17,27 +20,16 @@ import json
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from tensorbend.atomic import atomic_save_tensors
 from tensorbend.errors import CheckpointError
 from tensorbend.models import RoutingSpec
-from tensorbend.predictors.base import get_lookahead
+from tensorbend.predictors.base import LOOKAHEADS
+from tensorbend.predictors.registry import KINDS
 
 FORMAT_VERSION = 1
 META_KEY = "tensorbend_predictor"
-
-
-def _classes() -> dict:
-    from tensorbend.predictors.baselines import FrequencyPredictor, TransitionPredictor
-    from tensorbend.predictors.residual_gate import ResidualGatePredictor
-    from tensorbend.predictors.seed_mlp import SeedMLPPredictor
-
-    return {
-        "tensorbend": ResidualGatePredictor,
-        "seed_mlp": SeedMLPPredictor,
-        "frequency": FrequencyPredictor,
-        "transition": TransitionPredictor,
-    }
+_SPEC_FIELDS = ("num_experts", "top_k", "hidden_size", "moe_layer_ids", "family")
 
 
 def save_predictor(
@@ -50,8 +42,6 @@ def save_predictor(
 ) -> Path:
     from tensorbend import __version__
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "format_version": FORMAT_VERSION,
         "kind": p.kind,
@@ -65,14 +55,9 @@ def save_predictor(
         "tensorbend_version": __version__,
         **(extra or {}),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {k: v.contiguous() for k, v in p.state_tensors().items()},
-        str(tmp),
-        metadata={META_KEY: json.dumps(meta, sort_keys=True)},
+    return atomic_save_tensors(
+        p.state_tensors(), path, metadata={META_KEY: json.dumps(meta, sort_keys=True)}
     )
-    tmp.replace(path)
-    return path
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -84,12 +69,19 @@ def read_metadata(path: str | Path) -> dict:
             raw = f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"predictor {path}: not a readable safetensors file ({e})") from e
-    meta = json.loads(raw[META_KEY]) if META_KEY in raw else {}
-    if meta.get("format_version") != FORMAT_VERSION or "kind" not in meta:
+    try:
+        meta = json.loads(raw[META_KEY]) if META_KEY in raw else {}
+    except json.JSONDecodeError as e:
         raise CheckpointError(
-            f"predictor {path}: expected a tensorbend predictor (format_version {FORMAT_VERSION}), found "
-            f"metadata keys {sorted(raw)}; a seed checkpoint loads with ExpertPredictorSet.load"
+            f"predictor {path}: metadata {META_KEY} is not valid JSON ({e}); the file is "
+            "corrupt: retrain it with `tensorbend train`"
+        ) from e
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"predictor {path}: expected a tensorbend predictor (format_version {FORMAT_VERSION}), "
+            f"found metadata keys {sorted(raw)}; a seed checkpoint loads with ExpertPredictorSet.load"
         )
+    _check_fields(path, meta)
     return meta
 
 
@@ -106,22 +98,40 @@ def load_predictor(
             f"{fingerprint}: train a predictor on a trace of this model (`tensorbend train`)"
         )
     if spec is not None:
-        for field in ("num_experts", "top_k", "hidden_size", "moe_layer_ids", "family"):
+        for field in _SPEC_FIELDS:
             want, got = getattr(spec, field), getattr(saved_spec, field)
             if want != got:
                 raise CheckpointError(
                     f"predictor {path} is for another model: {field} expected {want!r}, found {got!r}"
                 )
-    kinds = _classes()
-    if meta["kind"] not in kinds:
-        raise CheckpointError(
-            f"predictor {path}: unknown kind {meta['kind']!r}, expected one of {sorted(kinds)}"
-        )
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    p = kinds[meta["kind"]].from_state(
-        saved_spec, get_lookahead(meta["lookahead"]), meta["config"], tensors
-    )
+    kind = KINDS[meta["kind"]]
+    p = kind.cls.from_state(saved_spec, LOOKAHEADS[meta["lookahead"]], meta["config"], tensors)
     p.checkpoint = str(path)
     p.metadata = meta
     return p
+
+
+def _check_fields(path: Path, meta: dict) -> None:
+    """The metadata names a trainable kind, a lookahead, a config and a routing spec."""
+    trainable = [k for k, v in KINDS.items() if v.trainable]
+    checks = (
+        ("kind", meta.get("kind") in trainable, f"one of {trainable}"),
+        ("lookahead", meta.get("lookahead") in LOOKAHEADS, f"one of {list(LOOKAHEADS)}"),
+        ("config", isinstance(meta.get("config"), dict), "a JSON object"),
+        ("routing", isinstance(meta.get("routing"), dict), "a JSON object"),
+        ("fingerprint", isinstance(meta.get("fingerprint"), str), "a string"),
+    )
+    for name, ok, want in checks:
+        if not ok:
+            raise CheckpointError(
+                f"predictor {path}: metadata {name} expected {want}, found {meta.get(name)!r}; "
+                "the file is corrupt or from another version: retrain it"
+            )
+    try:
+        RoutingSpec.from_dict(meta["routing"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"predictor {path}: metadata routing is not a routing spec ({e}); retrain it"
+        ) from e

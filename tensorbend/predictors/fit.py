@@ -1,12 +1,15 @@
 """One minibatch training loop for the learned predictors (all target layers at once).
 
 Usage:
-    >>> best_state, history = fit(module, data, loss_fn, val_fn, FitConfig(epochs=40))
+    best_state, history = fit(module, data, loss_fn, val_fn, FitConfig(epochs=40))
 
 `data` holds tensors stacked over target layers with the row dimension second ([Lt, N, ...]);
-a minibatch takes the same rows from every layer. Deterministic for a seed: the shuffle uses
-its own generator and the module is initialised by the caller under the same seed.
-Early stopping keeps the state with the best validation score.
+a minibatch takes the same rows from every layer (a full batch keeps the rows in order). Every parameter of `module` is stacked over
+target layers too (dimension 0), so `clip="per_layer"` clips each layer's gradient on its own,
+as if each layer were trained separately (the seed's recipe). Deterministic for a seed: the
+shuffle uses its own generator and the module is initialised by the caller under the same seed.
+`keep="best_val"` restores the state with the best validation score; `keep="last"` keeps the
+final epoch (the seed had no validation split).
 """
 
 from __future__ import annotations
@@ -15,26 +18,57 @@ import copy
 import math
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
+from tensorbend.predictors.base import PredictorConfigError
+
 
 @dataclass(frozen=True)
 class FitConfig:
-    epochs: int = 40  # upper bound; early stopping usually ends sooner
-    min_steps: int = 0  # raise the epoch count until at least this many optimizer steps
-    batch_rows: int = 512  # rows per minibatch (0 = full batch, as the seed trains)
+    epochs: int = 40
+    """Epochs (an upper bound with early stopping)."""
+    min_steps: int = 0
+    """Raise the epoch count until at least this many optimizer steps are taken."""
+    batch_rows: int = 512
+    """Rows per minibatch (0: the full batch, as the seed trains)."""
     lr: float = 3e-3
+    """Peak learning rate."""
     weight_decay: float = 1e-4
-    cosine_to: float = 0.01  # final lr as a fraction of lr (cosine schedule over all steps)
+    """Weight decay of the optimizer."""
+    cosine_to: float = 0.01
+    """Final learning rate as a fraction of lr (cosine schedule over all steps)."""
     grad_clip: float = 1.0
-    patience: int = 5  # epochs without val improvement before stopping (0 = never stop early)
+    """Maximum gradient norm (0: no clipping)."""
+    clip: Literal["global", "per_layer"] = "global"
+    """Clip the norm over all parameters, or over each target layer's slice (the seed)."""
+    patience: int = 5
+    """Epochs without a better val score before stopping (0: never stop early)."""
+    keep: Literal["best_val", "last"] = "best_val"
+    """Which state to return: the best val epoch, or the last epoch (the seed)."""
     seed: int = 0
-    optimizer: str = "adam"  # adam | adamw
+    """Seed of the shuffle (and of the caller's initialisation)."""
+    optimizer: Literal["adam", "adamw"] = "adam"
+    """Adam (L2 weight decay) or AdamW (decoupled weight decay, the seed)."""
 
     def __post_init__(self):
-        assert self.epochs >= 1 and self.batch_rows >= 0 and self.lr > 0
+        if self.epochs < 1 or self.batch_rows < 0 or self.lr <= 0 or self.min_steps < 0:
+            raise PredictorConfigError(
+                f"fit: expected epochs >= 1, batch_rows >= 0, lr > 0, min_steps >= 0; found "
+                f"epochs={self.epochs}, batch_rows={self.batch_rows}, lr={self.lr}, "
+                f"min_steps={self.min_steps}"
+            )
+        for name, value, choices in (
+            ("clip", self.clip, ("global", "per_layer")),
+            ("keep", self.keep, ("best_val", "last")),
+            ("optimizer", self.optimizer, ("adam", "adamw")),
+        ):
+            if value not in choices:
+                raise PredictorConfigError(
+                    f"fit.{name}: expected one of {', '.join(choices)}, found {value!r}"
+                )
 
 
 def fit(
@@ -46,16 +80,18 @@ def fit(
     progress: bool = False,
     desc: str = "train",
 ):
-    """Train `module`; loss_fn(module, batch) -> scalar, val_fn(module) -> float (higher is better)."""
+    """Train `module`; loss_fn(module, batch) -> scalar, val_fn(module) -> float (higher is better).
+
+    Returns (the kept state dict, history: [{"epoch", "loss", "val"}]).
+    """
     N = next(iter(data.values())).shape[1]
     bs = N if cfg.batch_rows == 0 else min(cfg.batch_rows, N)
     steps_per_epoch = math.ceil(N / bs)
     epochs = max(cfg.epochs, math.ceil(cfg.min_steps / steps_per_epoch))
-    total = epochs * steps_per_epoch
     opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     opt = opt_cls(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(
-        opt, T_max=max(total, 1), eta_min=cfg.lr * cfg.cosine_to
+        opt, T_max=max(epochs * steps_per_epoch, 1), eta_min=cfg.lr * cfg.cosine_to
     )
     gen = torch.Generator().manual_seed(cfg.seed)
     best, best_state, stale, history = -math.inf, None, 0, []
@@ -64,15 +100,13 @@ def fit(
     )
     for epoch in bar:
         module.train()
-        perm = torch.randperm(N, generator=gen)
+        perm = torch.arange(N) if bs == N else torch.randperm(N, generator=gen)  # full: in order
         for i in range(steps_per_epoch):
             idx = perm[i * bs : (i + 1) * bs]
-            batch = {k: v[:, idx] for k, v in data.items()}
-            loss = loss_fn(module, batch)
+            loss = loss_fn(module, {k: v[:, idx] for k, v in data.items()})
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+            _clip(module, cfg)
             opt.step()
             sched.step()
         module.eval()
@@ -86,6 +120,22 @@ def fit(
             stale += 1
             if cfg.patience and stale >= cfg.patience:
                 break
+    if cfg.keep == "last":
+        best_state = copy.deepcopy(module.state_dict())
     module.load_state_dict(best_state)
     module.eval()
     return best_state, history
+
+
+def _clip(module: torch.nn.Module, cfg: FitConfig) -> None:
+    """Gradient-norm clipping over all parameters, or per target layer (dimension 0)."""
+    if not cfg.grad_clip:
+        return
+    params = [p for p in module.parameters() if p.grad is not None]
+    if cfg.clip == "global":
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        return
+    sq_L = sum(p.grad.reshape(p.shape[0], -1).pow(2).sum(1) for p in params)
+    coef_L = (cfg.grad_clip / (sq_L.sqrt() + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_
+    for p in params:
+        p.grad.mul_(coef_L.view(-1, *([1] * (p.dim() - 1))))

@@ -1,61 +1,146 @@
 """Ours (kind `tensorbend`): the target router's speculative guess plus a small learned correction.
 
 Usage:
-    >>> p = ResidualGatePredictor.fit(spec, "d1", router_params, train_rows, val_rows)
-    >>> scores_TE = p.scores(m, sources_from_rows(test_rows, p.lookahead, m))
+    p = ResidualGatePredictor.fit(spec, LOOKAHEADS["d1"], TrainData(train, val, router_params))
+    scores_TE = p.scores(m, sources_from_rows(test_rows, p.lookahead, m))
 
 For target layer m, from what exists at the source point (see predictors/base.py):
     g   = standardise(spec_gate scores of m on the source hidden state)        [T, E]
-    u   = [rmsnorm(source hidden) (D), source routing multi-hot (E),
-           previous token's experts at m (E, decode only), has_prev (1)]          [T, F]
+    u   = FeatureLayout: [rmsnorm(source hidden) (D), source routing multi-hot (E),
+          previous token's experts at m (E, only where they exist), has_prev (1),
+          standardised source-layer router scores (E, optional)]                 [T, F]
     score = alpha_m * g + W2_m GELU(W1_m u + b1_m) + b2_m
 The correction starts at zero (W2 = 0, alpha = 1), so an untrained predictor is spec_gate and
 training can only move away from it where the train split says so. Loss: listwise softmax
 cross-entropy with the k true experts as targets (ranks experts, which is what top-k needs),
-or the seed's BCE (`loss="bce"`). Parameters per layer: F*H + H + H*E + E + 1, with H capped
-so that this stays <= 25% of the seed MLP at the same D and E.
+or plain BCE (`loss="bce"`). Parameters per layer: F*H + H + H*E + E + 1, with H capped so
+that this stays <= 25% of the seed MLP's at the same D and E. `scores` is the fast path
+(residual_fast.py); `scores_reference` the training computation it is tested equal to.
+
+Shapes: T tokens, Lt target layers, N rows, D hidden, E experts, K top-k, F input width, H width.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-from tensorbend.metrics import topk_hits
-from tensorbend.models import RoutingSpec, router_scores, scores_from_logits
-from tensorbend.predictors.base import Lookahead, SourceBatch, get_lookahead, multi_hot
+from tensorbend.metrics import layer_mean_recall
+from tensorbend.models import RoutingSpec, router_scores
+from tensorbend.predictors.base import (
+    Lookahead,
+    PredictorBase,
+    PredictorConfigError,
+    SourceBatch,
+    TrainData,
+    check_state,
+    config_from_dict,
+    sources_from_rows,
+)
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit
+from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
+
+OursLoss = Literal["listwise", "bce"]
+SEED_WIDTH = 256  # the seed MLP's p that the parameter budget is measured against
 
 
 @dataclass(frozen=True)
 class ResidualGateConfig:
-    hidden: int = 64  # correction MLP width H (capped by the 25%-of-seed budget)
-    loss: str = "listwise"  # listwise | bce
-    use_prev: bool = True  # feed the previous token's experts at the target layer
-    use_gate: bool = True  # start from spec_gate (False: a plain small MLP)
-    use_src_scores: bool = False  # also feed the source layer's own router scores (d >= 1)
-    budget_frac: float = 0.25  # max params per layer relative to the seed MLP (p = 256)
+    hidden: int = 64
+    """Correction MLP width H (capped by the parameter budget)."""
+    loss: OursLoss = "listwise"
+    """listwise: softmax cross-entropy over experts; bce: plain binary cross-entropy."""
+    use_prev: bool = True
+    """Feed the previous token's experts at the target layer (where they exist)."""
+    use_gate: bool = True
+    """Start from spec_gate (False: a plain small MLP)."""
+    use_src_scores: bool = False
+    """Also feed the source layer's own router scores (d >= 1)."""
+    budget_frac: float = 0.25
+    """Maximum parameters per layer relative to the seed MLP (p = 256) at the same D and E."""
     fit: FitConfig = FitConfig(min_steps=600)
+    """Optimizer and schedule."""
 
     def __post_init__(self):
-        assert self.loss in ("listwise", "bce") and self.hidden >= 1
+        if self.loss not in get_args(OursLoss):
+            raise PredictorConfigError(
+                f"tensorbend loss: expected one of {', '.join(get_args(OursLoss))}, "
+                f"found {self.loss!r}"
+            )
+        if self.hidden < 1 or not 0 < self.budget_frac:
+            raise PredictorConfigError(
+                f"tensorbend: expected hidden >= 1 and budget_frac > 0, found "
+                f"hidden={self.hidden}, budget_frac={self.budget_frac}"
+            )
+
+    @classmethod
+    def from_train(cls, t) -> ResidualGateConfig:
+        """From `tensorbend train`'s options (a train.TrainConfig); None keeps the default."""
+        if t.prev_routing is not None:
+            raise PredictorConfigError(
+                f"tensorbend has no option prev_routing: expected it unset, found "
+                f"{t.prev_routing!r}; it feeds the previous token's experts (use_prev) or none"
+            )
+        d = cls()
+        return cls(
+            hidden=t.width or d.hidden,
+            loss=t.loss or d.loss,
+            use_prev=t.use_prev,
+            use_src_scores=d.use_src_scores if t.src_scores is None else t.src_scores,
+            fit=replace(d.fit, seed=t.seed, epochs=t.epochs or d.fit.epochs),
+        )
 
 
-def seed_params_per_layer(D: int, E: int, p: int = 256) -> int:
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Column slices of ours' input u = [hidden | src | prev | has_prev | src_scores]."""
+
+    hidden_size: int
+    num_experts: int
+    src_scores: bool
+
+    @property
+    def hidden(self) -> slice:
+        return slice(0, self.hidden_size)
+
+    @property
+    def src(self) -> slice:
+        return slice(self.hidden_size, self.hidden_size + self.num_experts)
+
+    @property
+    def prev(self) -> slice:
+        return slice(self.src.stop, self.src.stop + self.num_experts)
+
+    @property
+    def ids(self) -> slice:
+        """[src | prev]: rows gathered by expert id (previous experts offset by E)."""
+        return slice(self.src.start, self.prev.stop)
+
+    @property
+    def has_prev(self) -> int:
+        return self.prev.stop
+
+    @property
+    def src_score(self) -> slice:
+        return slice(self.has_prev + 1, self.has_prev + 1 + (self.num_experts * self.src_scores))
+
+    @property
+    def width(self) -> int:
+        return self.src_score.stop
+
+
+def seed_params_per_layer(D: int, E: int, p: int = SEED_WIDTH) -> int:
     """The seed MLP's learned parameters per layer (fc1, BatchNorm affine, fc2)."""
     return (D + E) * p + p + 2 * p + p * E + E
 
 
-def input_width(D: int, E: int, src_scores: bool) -> int:
-    return D + 2 * E + 1 + (E if src_scores else 0)
-
-
 def width_for_budget(D: int, E: int, want: int, frac: float, src_scores: bool = False) -> int:
-    Fin = input_width(D, E, src_scores)
-    per_h = Fin + 1 + E
+    """The largest H <= want whose parameters per layer stay <= frac * the seed MLP's."""
+    per_h = FeatureLayout(D, E, src_scores).width + 1 + E  # a W1 column, b1, a W2 row
     cap = int((frac * seed_params_per_layer(D, E) - E - 1) // per_h)
     return max(1, min(want, cap))
 
@@ -63,9 +148,9 @@ def width_for_budget(D: int, E: int, want: int, frac: float, src_scores: bool = 
 class _Net(torch.nn.Module):
     """Per-target-layer parameters stacked over layers: [Lt, ...]."""
 
-    def __init__(self, Lt: int, Fin: int, H: int, E: int):
+    def __init__(self, Lt: int, width: int, H: int, E: int):
         super().__init__()
-        self.W1 = torch.nn.Parameter(torch.randn(Lt, Fin, H) / Fin**0.5)
+        self.W1 = torch.nn.Parameter(torch.randn(Lt, width, H) / width**0.5)
         self.b1 = torch.nn.Parameter(torch.zeros(Lt, 1, H))
         self.W2 = torch.nn.Parameter(torch.zeros(Lt, H, E))
         self.b2 = torch.nn.Parameter(torch.zeros(Lt, 1, E))
@@ -76,176 +161,69 @@ class _Net(torch.nn.Module):
         return self.alpha * g_LNE + torch.baddbmm(self.b2, h_LNH, self.W2)
 
 
-class ResidualGatePredictor:
+class ResidualGatePredictor(PredictorBase):
     kind = "tensorbend"
 
     def __init__(
         self, spec: RoutingSpec, la: Lookahead, router_params: dict, cfg: ResidualGateConfig, H: int
     ):
-        self.spec, self.lookahead, self.cfg, self.H = spec, la, cfg, H
-        self.router_params = router_params
+        super().__init__(spec, la, cfg)
+        self.H, self.router_params = H, router_params
         self.gate = SpecGatePredictor(spec, la, router_params)
         self.targets = list(la.targets(spec.num_moe_layers))
         E, D = spec.num_experts, spec.hidden_size
-        self.net = _Net(len(self.targets), input_width(D, E, cfg.use_src_scores), H, E).eval()
-        self._fast: dict[int, dict] = {}
-
-    # ------------------------------------------------------------ API
+        self.layout = FeatureLayout(D, E, cfg.use_src_scores)
+        self.net = _Net(len(self.targets), self.layout.width, H, E).eval()
+        self._fast: dict = {}  # target layer -> residual_fast.FoldedLayer
 
     @classmethod
-    def fit(
-        cls,
-        spec,
-        lookahead,
-        router_params,
-        train_rows,
-        val_rows,
-        cfg: ResidualGateConfig | None = None,
-        progress: bool = False,
-    ):
+    def fit(cls, spec, la, data: TrainData, cfg: ResidualGateConfig | None = None, progress=False):
         cfg = cfg or ResidualGateConfig()
-        la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
+        if data.router_params is None:
+            raise PredictorConfigError("tensorbend needs the trace's router weights, found none")
         torch.manual_seed(cfg.fit.seed)
-        H = width_for_budget(
-            spec.hidden_size, spec.num_experts, cfg.hidden, cfg.budget_frac, cfg.use_src_scores
-        )
-        p = cls(spec, la, router_params, cfg, H)
-        train, val = p._inputs(train_rows), p._inputs(val_rows)
-        K = spec.top_k
+        D, E = spec.hidden_size, spec.num_experts
+        H = width_for_budget(D, E, cfg.hidden, cfg.budget_frac, cfg.use_src_scores)
+        p = cls(spec, la, data.router_params, cfg, H)
+        train, val = p._inputs(data.train_rows), p._inputs(data.val_rows)
 
         def loss_fn(net, b):
-            s = net(b["g"], b["u"])
+            s_LNE = net(b["g"], b["u"])
             if cfg.loss == "bce":
-                tgt = torch.zeros_like(s).scatter_(2, b["truth"], 1.0)
-                return F.binary_cross_entropy_with_logits(s, tgt)
-            return -(F.log_softmax(s, -1).gather(2, b["truth"])).mean()
+                target_LNE = torch.zeros_like(s_LNE).scatter_(2, b["truth"], 1.0)
+                return F.binary_cross_entropy_with_logits(s_LNE, target_LNE)
+            return -(F.log_softmax(s_LNE, -1).gather(2, b["truth"])).mean()
 
         def val_fn(net):
-            s = net(val["g"], val["u"])
-            return sum(
-                float(topk_hits(s[i], val["truth"][i], K).mean()) for i in range(s.shape[0])
-            ) / (K * s.shape[0])
+            return layer_mean_recall(net(val["g"], val["u"]), val["truth"], spec.top_k)
 
         _, p.history = fit(
             p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"tensorbend {la.name}"
         )
         p.val_recall = max(h["val"] for h in p.history)
-        p._fast = {}
         return p
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        """Fast path (batch 1 decode in the runtime): one matmul for the correction's input layer
-        and the folded router, row gathers for the multi-hot inputs. Equal to the training-time
-        computation (`scores_reference`) up to float rounding."""
-        f = self._fast.get(m) or self._build_fast(m)
-        H, E = self.H, self.spec.num_experts
-        with torch.no_grad():
-            x = src.hidden_TD if src.hidden_TD.dtype == torch.float32 else src.hidden_TD.float()
-            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-            y = x @ f["Wcat"]  # [T, H + E]: correction input layer | router logits
-            if len(src) == 1:  # decode: one gather over [source experts | previous experts]
-                h = self._one_token_hidden(f, src, y[:, :H], r)
-            else:
-                h = torch.addcmul(f["b1"], y[:, :H], r)
-                if src.src_ids_TK is not None:
-                    h = h + f["W1src"][src.src_ids_TK.long()].sum(1)
-                if self.cfg.use_prev and bool(src.has_prev_T.any()):
-                    hp = f["W1prev"][src.prev_ids_TK.long()].sum(1) + f["w1hp"]
-                    h = h + hp * src.has_prev_T.float()[:, None]
-            if "W1sc" in f:
-                sc = scores_from_logits(self.spec, f["src_router"], src.src_layer, y[:, H + E :])
-                std, mean = torch.std_mean(sc, -1, keepdim=True)
-                h = h + ((sc - mean) / (std + 1e-6)) @ f["W1sc"]
-            out = torch.addmm(f["b2"], F.gelu(h), f["W2"])
-            if self.cfg.use_gate:
-                logits = (
-                    y[:, H : H + E] * r
-                    if self.lookahead.hidden == "layer_input"
-                    else y[:, H : H + E]
-                )
-                g = scores_from_logits(self.spec, f["router"], m, logits)
-                std, mean = torch.std_mean(g, -1, keepdim=True)
-                out = out + (g - mean) * (f["alpha"] / (std + 1e-6))
-            return out
+        """Fast path (residual_fast.py): equal to `scores_reference` up to float rounding."""
+        from tensorbend.predictors.residual_fast import fold_layer, score_folded
 
-    def _one_token_hidden(
-        self, f: dict, src: SourceBatch, yh: torch.Tensor, r: torch.Tensor
-    ) -> torch.Tensor:
-        E = self.spec.num_experts
-        parts = []
-        if src.src_ids_TK is not None:
-            parts.append(src.src_ids_TK[0])
-        prev = self.cfg.use_prev and bool(src.has_prev_T[0])
-        if prev:
-            parts.append(src.prev_ids_TK[0] + E)
-        b1 = f["b1_prev"] if prev else f["b1"]
-        if not parts:
-            return torch.addcmul(b1, yh, r)
-        idx = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return torch.addcmul(b1, yh, r) + f["W1ids"].index_select(0, idx).sum(0)
-
-    def _build_fast(self, m: int) -> dict:
-        li, D, E = m - self.lookahead.distance, self.spec.hidden_size, self.spec.num_experts
-        net = self.net
-        W1 = net.W1[li].detach()
-        rp = self.router_params
-        scale_D = self.gate.input_scale(m)
-        Wg = rp[f"layers.{m}.weight"]  # [E, D], with the re-normalisation folded in
-        if scale_D is not None:
-            Wg = Wg * scale_D[None, :]
-        router = {
-            k: v
-            for k, v in rp.items()
-            if k.startswith(f"layers.{m}.") and not k.endswith(".weight")
-        }
-        cols = [W1[:D], Wg.T]
-        extra = {}
-        s_layer = m - self.lookahead.distance
-        if self.cfg.use_src_scores and self.lookahead.distance >= 1:
-            cols.append(rp[f"layers.{s_layer}.weight"].T)
-            extra = {
-                "W1sc": W1[D + 2 * E + 1 :],
-                "src_router": {
-                    k: v
-                    for k, v in rp.items()
-                    if k.startswith(f"layers.{s_layer}.") and not k.endswith(".weight")
-                },
-            }
-        self._fast[m] = {
-            **extra,
-            "Wcat": torch.cat(cols, dim=1).contiguous(),
-            "W1src": W1[D : D + E],
-            "W1prev": W1[D + E : D + 2 * E],
-            "w1hp": W1[D + 2 * E],
-            "W1ids": W1[D : D + 2 * E].contiguous(),  # [source experts | previous experts]
-            "b1_prev": net.b1[li, 0].detach() + W1[D + 2 * E],
-            "b1": net.b1[li, 0].detach(),
-            "W2": net.W2[li].detach(),
-            "b2": net.b2[li, 0].detach(),
-            "alpha": net.alpha[li, 0, 0].detach(),
-            "router": router,
-        }
-        return self._fast[m]
+        if m not in self._fast:
+            self._fast[m] = fold_layer(self, m)
+        return score_folded(self, self._fast[m], m, src)
 
     def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
         """The training-time computation (tests compare the fast path against it)."""
         li = m - self.lookahead.distance
-        g = (
-            self._gate_scores(m, src)
-            if self.cfg.use_gate
-            else torch.zeros(len(src), self.spec.num_experts)
-        )
-        u = self._features(src)
         net = self.net
         with torch.no_grad():
-            h = F.gelu(u @ net.W1[li] + net.b1[li])
-            return net.alpha[li] * g + h @ net.W2[li] + net.b2[li]
+            h_TH = F.gelu(self._features(src) @ net.W1[li] + net.b1[li])
+            return net.alpha[li] * self._gate_scores(m, src) + h_TH @ net.W2[li] + net.b2[li]
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.net.parameters())
+        return sum(q.numel() for q in self.net.parameters())
 
     def config_dict(self) -> dict:
-        return {**asdict(self.cfg), "H": self.H}
+        return {**super().config_dict(), "H": self.H}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {
@@ -257,53 +235,45 @@ class ResidualGatePredictor:
     @classmethod
     def from_state(cls, spec, la, config: dict, tensors: dict[str, torch.Tensor]):
         config = dict(config)
-        H = config.pop("H")
-        fit_cfg = FitConfig(**config.pop("fit"))
-        cfg = ResidualGateConfig(**config, fit=fit_cfg)
+        H = config.pop("H", None)
+        what = f"{cls.kind} checkpoint"
+        if not isinstance(H, int) or H < 1:
+            raise PredictorConfigError(f"{what}: expected config H >= 1, found {H!r}; retrain it")
         router = {k[len("router.") :]: v for k, v in tensors.items() if k.startswith("router.")}
-        p = cls(spec, la, router, cfg, H)
-        p.net.load_state_dict(
-            {k[len("net.") :]: v for k, v in tensors.items() if k.startswith("net.")}
-        )
+        p = cls(spec, la, router, config_from_dict(ResidualGateConfig, config, what), H)
+        check_state(p.state_tensors(), tensors, what)
+        p.net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
         return p
 
     # ------------------------------------------------------------ features
 
     def _gate_scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        s = self.gate.scores(m, src)
-        return (s - s.mean(-1, keepdim=True)) / (s.std(-1, keepdim=True) + 1e-6)
+        if not self.cfg.use_gate:
+            return torch.zeros(len(src), self.spec.num_experts)
+        return standardise(self.gate.scores(m, src))
 
     def _features(self, src: SourceBatch) -> torch.Tensor:
-        E = self.spec.num_experts
-        x = src.hidden_TD.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        srcmh = (
-            multi_hot(src.src_ids_TK, E) if src.src_ids_TK is not None else torch.zeros(len(src), E)
-        )
-        has_prev = src.has_prev_T & torch.tensor(self.cfg.use_prev)
-        prev = multi_hot(src.prev_ids_TK, E, has_prev)
-        parts = [x, srcmh, prev, has_prev.float()[:, None]]
-        if self.cfg.use_src_scores:
-            if self.lookahead.distance >= 1:
-                sc = router_scores(
-                    self.spec, self.router_params, src.src_layer, src.hidden_TD.float()
-                )
-                parts.append((sc - sc.mean(-1, keepdim=True)) / (sc.std(-1, keepdim=True) + 1e-6))
-            else:
-                parts.append(torch.zeros(len(src), E))
-        return torch.cat(parts, dim=-1)
+        """u [T, F] laid out by self.layout."""
+        E, lay = self.spec.num_experts, self.layout
+        u_TF = torch.zeros(len(src), lay.width)
+        u_TF[:, lay.hidden] = rmsnorm(src.hidden_TD.float())
+        if src.src_ids_TK is not None:
+            u_TF[:, lay.src] = multi_hot(src.src_ids_TK, E)
+        has_prev_T = src.has_prev_T & self.cfg.use_prev
+        u_TF[:, lay.prev] = multi_hot(src.prev_ids_TK, E, has_prev_T)
+        u_TF[:, lay.has_prev] = has_prev_T.float()
+        if self.cfg.use_src_scores and self.lookahead.distance >= 1:
+            sc_TE = router_scores(
+                self.spec, self.router_params, src.src_layer, src.hidden_TD.float()
+            )
+            u_TF[:, lay.src_score] = standardise(sc_TE)
+        return u_TF
 
     def _inputs(self, rows) -> dict[str, torch.Tensor]:
-        from tensorbend.predictors.base import sources_from_rows
-
         g, u, truth = [], [], []
         for m in self.targets:
             src = sources_from_rows(rows, self.lookahead, m)
-            g.append(
-                self._gate_scores(m, src)
-                if self.cfg.use_gate
-                else torch.zeros(len(src), self.spec.num_experts)
-            )
+            g.append(self._gate_scores(m, src))
             u.append(self._features(src))
             truth.append(rows["expert_ids_TLK"][:, m].long())
         return {"g": torch.stack(g), "u": torch.stack(u), "truth": torch.stack(truth)}
