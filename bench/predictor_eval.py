@@ -1,17 +1,20 @@
 """Headline predictor table for one model: collect (if needed) -> train -> eval on held-out prompts.
 
 Usage:
-    python bench/predictor_eval.py --model zoo:default [--out runs/eval_default] [--doc docs/results_default.md]
+    python bench/predictor_eval.py --model zoo:default --out runs/eval_default \
+        --doc docs/results_default.md [--timing-rows 0]
 
 Steps (each skipped when its output exists, so the script resumes):
   1. `collect` every shipped prompt with teacher-forced decode (decode rows are real
      single-token steps on the prompts' reference continuations), features ids, weights,
      gate_input, layer_input.
   2. `train` ours (kind tensorbend) at pre_attn, d1, d2, d3 on every train row, and the seed
-     MLP at same_layer and d1 with its own recipe and row cap (10,000 train rows, uniformly
-     sampled; the seed kept at most 10,000 per layer), val split for model selection.
+     MLP at same_layer and d1 with its own recipe on a uniform sample of --seed-rows train rows
+     (default 10,000: the seed kept at most 10,000 per layer), val split for ours' selection.
   3. `eval` every peer at pre_attn, d1, d2, d3 (and same_layer for reference) plus the trained
-     checkpoints on the test split; JSON, PNG plots and a markdown table.
+     checkpoints on the test split; JSON, PNG plots and a markdown table, all from one run.
+The doc is rendered from the JSON written beside it (tests/test_docs_results.py checks them).
+--timing-rows 0 skips the us/token column (timings belong to a quiet machine).
 """
 
 from __future__ import annotations
@@ -29,46 +32,14 @@ from tensorbend.train import TrainConfig, train
 
 OURS = ("pre_attn", "d1", "d2", "d3")
 SEED = ("same_layer", "d1")
+ORDER = {"pre_attn": 0, "d1": 1, "d2": 2, "d3": 3, "same_layer": 4}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="zoo:default")
-    ap.add_argument("--out", default="runs/eval_default")
-    ap.add_argument(
-        "--doc", default=None, help="markdown summary to write (e.g. docs/results_default.md)"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--decode", default="teacher", choices=["teacher", "greedy", "sample"])
-    ap.add_argument(
-        "--seed-epochs", type=int, default=None, help="override the seed's 200 epochs (smoke runs)"
-    )
-    ap.add_argument("--skip-seed", action="store_true")
-    ap.add_argument(
-        "--seed-rows",
-        type=int,
-        default=10000,
-        help="train rows for the seed MLP (the seed kept <= 10,000 per layer; default 10000)",
-    )
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     out = Path(args.out)
     trace = out / "trace"
-    timings = {}
-    if not (trace / "manifest.json").is_file() or not json.loads(
-        (trace / "manifest.json").read_text()
-    ).get("complete"):
-        t0 = time.perf_counter()
-        collect(
-            CollectConfig(
-                model=args.model,
-                out=trace,
-                max_new_tokens=args.max_new_tokens,
-                decode=args.decode,
-                features=("ids", "weights", "gate_input", "layer_input"),
-                resume=(trace / "manifest.json").is_file(),
-            )
-        )
-        timings["collect_s"] = time.perf_counter() - t0
+    _collect(args, trace)
     ckpts = []
     jobs = [("tensorbend", la) for la in OURS] + (
         [] if args.skip_seed else [("seed_mlp", la) for la in SEED]
@@ -76,17 +47,16 @@ def main(argv=None) -> int:
     for kind, la in jobs:
         ck = out / f"{kind}_{la}.safetensors"
         if not ck.is_file():
-            s = train(
-                TrainConfig(
-                    trace=trace,
-                    out=ck,
-                    predictor=kind,
-                    lookahead=la,
-                    epochs=args.seed_epochs if kind == "seed_mlp" else None,
-                )
+            seed = kind == "seed_mlp"
+            cfg = TrainConfig(
+                trace=trace,
+                out=ck,
+                predictor=kind,
+                lookahead=la,
+                epochs=args.seed_epochs if seed else None,
+                max_train_rows=args.seed_rows if seed else None,
             )
-            timings[f"train_{kind}_{la}_s"] = s["seconds"]
-            print(json.dumps(s), file=sys.stderr)
+            print(json.dumps(train(cfg).to_json()), file=sys.stderr)
         ckpts.append(ck)
     report = evaluate(
         EvalConfig(
@@ -94,28 +64,60 @@ def main(argv=None) -> int:
             predictors=tuple(ckpts),
             baselines=("all",),
             lookaheads=("pre_attn", "d1", "d2", "d3", "same_layer"),
+            timing_rows=args.timing_rows,
         )
-    )
-    report["timings"] = timings
+    ).to_json()
+    report["bench"] = {
+        "command": _command(args),
+        "seed_rows": args.seed_rows,
+        "seed_epochs": args.seed_epochs or 200,
+        "timing_rows": args.timing_rows,
+    }
     (out / "eval.json").write_text(json.dumps(report, indent=1))
-    plot_dir = Path(args.doc).with_suffix("") if args.doc else out / "plots"  # docs/X.md -> docs/X/
-    plots = plot_eval(report, plot_dir)
+    print(format_table(report))
     if args.doc:  # the JSON beside the doc, so the numbers travel with the repo
-        Path(args.doc).with_suffix(".json").write_text(json.dumps(report, indent=1))
-    table = format_table(report)
-    print(table)
-    if args.doc:
-        Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.doc).write_text(_doc(report, args, plots))
+        doc = Path(args.doc)
+        plots = plot_eval(report, doc.with_suffix(""))  # docs/X.md -> docs/X/
+        doc.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        doc.write_text(render_doc(report, [p.relative_to(doc.parent) for p in plots]))
+    else:
+        plot_eval(report, out / "plots")
     return 0
 
 
-def _doc(report: dict, args, plots) -> str:
-    K = report["top_k"]
+def _collect(args, trace: Path) -> None:
+    manifest = trace / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
+        return
+    t0 = time.perf_counter()
+    collect(
+        CollectConfig(
+            model=args.model,
+            out=trace,
+            max_new_tokens=args.max_new_tokens,
+            decode=args.decode,
+            features=("ids", "weights", "gate_input", "layer_input"),
+            resume=manifest.is_file(),
+        )
+    )
+    print(f"collect: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+def _command(args) -> str:
+    cmd = f"python bench/predictor_eval.py --model {args.model} --out {args.out}"
+    cmd += f" --doc {args.doc}" if args.doc else ""
+    cmd += f" --seed-rows {args.seed_rows}" if args.seed_rows != 10000 else ""
+    cmd += f" --seed-epochs {args.seed_epochs}" if args.seed_epochs else ""
+    return cmd + (f" --timing-rows {args.timing_rows}" if args.timing_rows != 50 else "")
+
+
+def render_doc(report: dict, plots: list[Path]) -> str:
+    """The markdown page: every number comes from `report` (the JSON written beside it)."""
+    K, b = report["top_k"], report["bench"]
     lines = [
         f"# Predictors on `{report['model']}`: held-out recall@{K}",
         "",
-        f"Generated by `python bench/predictor_eval.py --model {args.model} --out {args.out}`.",
+        f"Generated by `{b['command']}` (numbers: the JSON beside this page).",
         f"Test split ({report['prompts']['test']} prompts; trained on {report['prompts']['train']}, "
         f"early-stopped on {report['prompts']['val']}); decode rows: {report['decode_mode']}; "
         f"{report['num_moe_layers']} MoE layers, top-{K} of {report['num_experts']} experts. "
@@ -134,23 +136,52 @@ def _doc(report: dict, args, plots) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         rows = [r for r in report["results"] if r["phase"] == phase]
-        order = {"pre_attn": 0, "d1": 1, "d2": 2, "d3": 3, "same_layer": 4}
-        for r in sorted(rows, key=lambda r: (order[r["lookahead"]], -r["recall_at_k"])):
-            h = r["hit_at_k_plus_p"]
-            lines.append(
-                f"| {r['predictor']}{'*' if r['checkpoint'] else ''} | {r['lookahead']} | "
-                f"{r['recall_at_k']:.3f} | {r['miss_rate']:.3f} | {h['2']:.3f} | {h['4']:.3f} | "
-                f"{r['exact_match']:.3f} | {r['params']:,} | {r['us_per_token']:.0f} |"
-            )
+        for r in sorted(rows, key=lambda r: (ORDER[r["lookahead"]], -r["recall_at_k"])):
+            lines.append(_row(r))
         lines.append("")
+    timing = (
+        "us/token/layer: batch 1, one thread, on the machine of the run."
+        if b["timing_rows"]
+        else "us/token/layer: not measured in this run (`--timing-rows 0`; timings need a quiet "
+        "machine: rerun without it)."
+    )
     lines += [
-        "`*` trained checkpoint: ours on every train row; `seed_mlp` with the seed's recipe (SEED.md) on "
-        f"{args.seed_rows:,} uniformly sampled train rows (the seed kept at most 10,000 per layer). "
-        "`same_layer` has zero lead time (shown for comparison with the seed).",
+        "`*` trained checkpoint: ours on every train row; `seed_mlp` with the seed's recipe "
+        f"({b['seed_epochs']} full-batch epochs, weighted BCE, last epoch kept) on "
+        f"{b['seed_rows']:,} uniformly sampled train rows (the seed kept at most 10,000 per "
+        "layer). `same_layer` has zero lead time (shown for comparison with the seed). " + timing,
         "",
     ]
-    lines += [f"![{p.stem}]({p.relative_to(Path(args.doc).parent).as_posix()})" for p in plots]
+    lines += [f"![{p.stem}]({p.as_posix()})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _row(r: dict) -> str:
+    h = r["hit_at_k_plus_p"]
+    us = "-" if r["us_per_token"] is None else f"{r['us_per_token']:.0f}"
+    return (
+        f"| {r['predictor']}{'*' if r['checkpoint'] else ''} | {r['lookahead']} | "
+        f"{r['recall_at_k']:.3f} | {r['miss_rate']:.3f} | {h['2']:.3f} | {h['4']:.3f} | "
+        f"{r['exact_match']:.3f} | {r['params']:,} | {us} |"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="zoo:default")
+    ap.add_argument("--out", default="runs/eval_default")
+    ap.add_argument("--doc", default=None, help="markdown page to write (docs/results_default.md)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--decode", default="teacher", choices=["teacher", "greedy", "sample"])
+    ap.add_argument("--seed-epochs", type=int, default=None, help="override the seed's 200 epochs")
+    ap.add_argument("--skip-seed", action="store_true")
+    ap.add_argument(
+        "--seed-rows", type=int, default=10000, help="train rows for the seed MLP (default 10000)"
+    )
+    ap.add_argument(
+        "--timing-rows", type=int, default=50, help="batch-1 calls per layer timed (0: none)"
+    )
+    return ap
 
 
 if __name__ == "__main__":

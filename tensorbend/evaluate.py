@@ -27,12 +27,9 @@ Shapes: T tokens, L MoE layers, K top-k, E experts.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
-import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.metrics import mean_over_layers, set_metrics
@@ -45,6 +42,7 @@ from tensorbend.predictors.base import (
     sources_from_rows,
 )
 from tensorbend.predictors.checkpoint import load_predictor, read_metadata
+from tensorbend.predictors.latency import us_per_token
 from tensorbend.predictors.registry import BASELINES, KINDS, build
 from tensorbend.trace import PHASES, Trace
 
@@ -147,14 +145,14 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
             )
     for path in cfg.predictors:  # metadata only: refuse before loading any rows
         _check_held_out(path, tr, cfg)
+    fingerprint = tr.manifest["model"]["fingerprint"]
+    loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
     names = _baseline_names(cfg, tr)
     needs_train = any(KINDS[n].needs_train_data for n in names)
     data = TrainData(
         train_rows=tr.load(("ids",), split="train") if needs_train else None,
         router_params=tr.router_params(),
     )
-    fingerprint = tr.manifest["model"]["fingerprint"]
-    loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
     jobs = [(build(n, spec, get_lookahead(la), data), None) for la in lookaheads for n in names]
     jobs += [(p, p.checkpoint) for p in loaded]
     over = tuple(dict.fromkeys((*cfg.overprovision, spec.top_k)))  # p = K is reported as "K"
@@ -205,7 +203,7 @@ def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
 
 def _rows_of(pred, ckpt, rows, over, timing_rows: int) -> list[EvalRow]:
     by_phase = score_predictor(pred, rows, over)
-    us = _us_per_token(pred, rows, timing_rows)
+    us = us_per_token(pred, rows, timing_rows)
     K = pred.spec.top_k
     out = []
     for phase in PHASES:
@@ -267,35 +265,6 @@ def _check_held_out(path: Path, tr: Trace, cfg: EvalConfig) -> None:
             f"prompts of split {cfg.split!r}: expected held-out prompts; score --split test, or "
             "pass --allow-seen-split (EvalConfig.allow_seen_split) to score them anyway"
         )
-
-
-def _us_per_token(pred, rows, n: int) -> float | None:
-    """Mean microseconds to score one token for one target layer (batch 1, one CPU thread)."""
-    la = pred.lookahead
-    targets = list(la.targets(rows["expert_ids_TLK"].shape[1]))
-    T = rows["expert_ids_TLK"].shape[0]
-    if n == 0 or pred.needs_truth or not targets or T < 2:
-        return None
-    idx_N = torch.linspace(1, T - 1, steps=min(n, T - 1)).long()
-    one = {k: v[idx_N] for k, v in rows.items()}
-    one["prev_row_T"] = torch.full((len(idx_N),), -1)  # timing only; prev lookup is free
-    single = [
-        (m, src.row(i))
-        for m in targets
-        for src in [sources_from_rows(one, la, m)]
-        for i in range(len(idx_N))
-    ]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batch-1 scoring is latency-bound; extra threads only add sync cost
-    try:
-        for m, s in single[: len(targets)]:  # warm-up (lazy caches)
-            pred.scores(m, s)
-        t0 = time.perf_counter()
-        for m, s in single:
-            pred.scores(m, s)
-        return (time.perf_counter() - t0) / len(single) * 1e6
-    finally:
-        torch.set_num_threads(threads)
 
 
 def format_table(report) -> str:
