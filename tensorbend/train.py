@@ -89,24 +89,18 @@ class TrainConfig:
     """Torch CPU threads (None: leave as is)."""
 
     def __post_init__(self):
-        kind = get_kind(self.predictor)
-        if not kind.trainable:
+        if self.predictor not in TRAINABLE:
             raise PredictorConfigError(
-                f"--predictor {self.predictor!r} is not trained: expected one of "
-                f"{', '.join(TRAINABLE)}; peers are built by `tensorbend eval --baselines`"
+                f"--predictor {self.predictor!r}: expected one of {', '.join(TRAINABLE)} "
+                "(peers are built by `tensorbend eval --baselines`)"
             )
         get_lookahead(self.lookahead)
-        for name in (
-            "width",
-            "epochs",
-            "max_train_prompts",
-            "tokens_per_forward",
-            "max_train_rows",
-        ):
+        counts = ("width", "epochs", "max_train_prompts", "tokens_per_forward", "max_train_rows")
+        for name in counts:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise PredictorConfigError(f"{name}: expected a positive integer, found {value}")
-        config_from_train(kind, self)  # the kind's own checks (loss names, options it has)
+        _ = self.kind_config  # the kind's own checks: loss names, options it has
 
     @property
     def kind_config(self):

@@ -223,5 +223,7 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
 def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):
     with pytest.raises(TensorbendError, match="expected 'all' or names from spec_gate"):
         EvalConfig(trace=planted / "t", baselines=("nope",))
-    with pytest.raises(PredictorConfigError, match="is not trained: expected one of tensorbend"):
+    with pytest.raises(
+        PredictorConfigError, match="'spec_gate': expected one of tensorbend, seed_mlp"
+    ):
         TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")

@@ -22,6 +22,12 @@ token of the pass at once, so the previous prompt token's layer-m routing counts
 there too (the seed fed it; `Lookahead.prev_in_pass`). Targets m < N have no source layer at
 lookahead dN and are not scored: `Lookahead.targets` lists the valid ones.
 
+    >>> la = get_lookahead("d2")
+    >>> la.targets(6), la.source_layer(5), la.features
+    (range(2, 6), 3, ('ids', 'gate_input'))
+    >>> [name for name, la in LOOKAHEADS.items() if la.prev_in_pass]
+    ['same_layer']
+
 Shapes: T tokens (rows), L MoE layers, K top-k, E experts, D hidden size.
 """
 

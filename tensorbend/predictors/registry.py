@@ -172,9 +172,11 @@ def default_config(kind: PredictorKind, seed: int):
 
 
 def config_from_train(kind: PredictorKind, train_cfg):
-    """The kind's config from `tensorbend train`'s options (train.TrainConfig); raises
+    """The config of a trainable kind from `tensorbend train`'s options (train.TrainConfig):
+    its config class's `from_train`, or None for a kind without options; raises
     PredictorConfigError for an option the kind does not have."""
-    if kind.config_cls is not None and hasattr(kind.config_cls, "from_train"):
+    assert kind.trainable, kind.name
+    if kind.config_cls is not None:
         return kind.config_cls.from_train(train_cfg)
     given = [o for o in _TRAIN_OPTIONS if getattr(train_cfg, o) is not None]
     given += [] if train_cfg.use_prev else ["use_prev"]
@@ -183,7 +185,7 @@ def config_from_train(kind: PredictorKind, train_cfg):
             f"{kind.name} has no option {given[0]}: expected it unset, found "
             f"{getattr(train_cfg, given[0])!r}; drop it"
         )
-    return None if kind.config_cls is None else default_config(kind, train_cfg.seed)
+    return None
 
 
 def option_choices(option: str) -> tuple[str, ...]:
