@@ -82,7 +82,7 @@ def fit(
 ):
     """Train `module`; loss_fn(module, batch) -> scalar, val_fn(module) -> float (higher is better).
 
-    Returns (the kept state dict, history: [{"epoch", "loss", "val"}]).
+    Returns (the kept state dict, history: [{"epoch", "loss", "val"}], val None where unscored).
     """
     N = next(iter(data.values())).shape[1]
     bs = N if cfg.batch_rows == 0 else min(cfg.batch_rows, N)
@@ -110,6 +110,9 @@ def fit(
             opt.step()
             sched.step()
         module.eval()
+        if not _needs_val(cfg, epoch, epochs):
+            history.append({"epoch": epoch, "loss": float(loss.detach()), "val": None})
+            continue
         with torch.no_grad():
             score = float(val_fn(module))
         history.append({"epoch": epoch, "loss": float(loss.detach()), "val": score})
@@ -125,6 +128,12 @@ def fit(
     module.load_state_dict(best_state)
     module.eval()
     return best_state, history
+
+
+def _needs_val(cfg: FitConfig, epoch: int, epochs: int) -> bool:
+    """The val score only matters for selection and early stopping; keep="last" without early
+    stopping needs it once, at the end."""
+    return cfg.keep == "best_val" or cfg.patience > 0 or epoch == epochs - 1
 
 
 def _clip(module: torch.nn.Module, cfg: FitConfig) -> None:
