@@ -127,22 +127,13 @@ class EvalReport(JsonResult):
     results: list  # of EvalRow
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**out, "results": [r.to_json() for r in self.results]}
+        return dataclasses.asdict(self)  # results: EvalRow -> dicts too
 
 
 def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
     tr = Trace.open(cfg.trace)
     spec = tr.spec
-    lookaheads = cfg.lookaheads or tuple(
-        name for name in HEADLINE_LOOKAHEADS if get_lookahead(name).hidden in tr.features
-    )
-    for name in lookaheads:
-        if get_lookahead(name).hidden not in tr.features:
-            raise TensorbendError(
-                f"lookahead {name} needs feature {get_lookahead(name).hidden!r}, trace has "
-                f"{tr.features}: recollect with --features ids {get_lookahead(name).hidden}"
-            )
+    lookaheads = _lookaheads(cfg, tr)
     for path in cfg.predictors:  # metadata only: refuse before loading any rows
         _check_held_out(path, tr, cfg)
     fingerprint = tr.manifest["model"]["fingerprint"]
@@ -154,19 +145,7 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
         router_params=tr.router_params(),
     )
     jobs = [(build(n, spec, get_lookahead(la), data), None) for la in lookaheads for n in names]
-    jobs += [(p, p.checkpoint) for p in loaded]
-    over = tuple(dict.fromkeys((*cfg.overprovision, spec.top_k)))  # p = K is reported as "K"
-    rows_cache: dict[str, dict] = {}
-    results = []
-    for pred, ckpt in jobs:
-        la = pred.lookahead
-        if la.hidden not in rows_cache:
-            split = None if cfg.split == "all" else cfg.split
-            rows_cache[la.hidden] = tr.load(("ids", la.hidden), split=split)
-        rows = rows_cache[la.hidden]
-        if rows["expert_ids_TLK"].shape[0] == 0:
-            raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
-        results += _rows_of(pred, ckpt, rows, over, cfg.timing_rows)
+    results = _score_jobs([*jobs, *((p, p.checkpoint) for p in loaded)], tr, cfg)
     info = tr.info()
     named = dict.fromkeys([*lookaheads, *(p.lookahead.name for p in loaded)])
     return EvalReport(
@@ -181,6 +160,38 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
         prompts={s: info["splits"][s] for s in ("train", "val", "test")},
         results=results,
     )
+
+
+def _lookaheads(cfg: EvalConfig, tr: Trace) -> tuple[str, ...]:
+    """The peers' lookaheads: as configured, or every headline one the trace has features for."""
+    names = cfg.lookaheads or tuple(
+        n for n in HEADLINE_LOOKAHEADS if get_lookahead(n).hidden in tr.features
+    )
+    for name in names:
+        hidden = get_lookahead(name).hidden
+        if hidden not in tr.features:
+            raise TensorbendError(
+                f"lookahead {name} needs feature {hidden!r}, trace has {tr.features}: "
+                f"recollect with --features ids {hidden}"
+            )
+    return names
+
+
+def _score_jobs(jobs: list, tr: Trace, cfg: EvalConfig) -> list[EvalRow]:
+    """Score (predictor, checkpoint) pairs on the split, loading rows once per hidden feature."""
+    over = tuple(dict.fromkeys((*cfg.overprovision, tr.spec.top_k)))  # p = K reported as "K"
+    rows_cache: dict[str, dict] = {}
+    results = []
+    for pred, ckpt in jobs:
+        la = pred.lookahead
+        if la.hidden not in rows_cache:
+            split = None if cfg.split == "all" else cfg.split
+            rows_cache[la.hidden] = tr.load(("ids", la.hidden), split=split)
+        rows = rows_cache[la.hidden]
+        if rows["expert_ids_TLK"].shape[0] == 0:
+            raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
+        results += _rows_of(pred, ckpt, rows, over, cfg.timing_rows)
+    return results
 
 
 def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:

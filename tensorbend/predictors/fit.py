@@ -88,11 +88,7 @@ def fit(
     bs = N if cfg.batch_rows == 0 else min(cfg.batch_rows, N)
     steps_per_epoch = math.ceil(N / bs)
     epochs = max(cfg.epochs, math.ceil(cfg.min_steps / steps_per_epoch))
-    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    opt = opt_cls(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
-        opt, T_max=max(epochs * steps_per_epoch, 1), eta_min=cfg.lr * cfg.cosine_to
-    )
+    opt, sched = _optimizer(module, cfg, epochs * steps_per_epoch)
     gen = torch.Generator().manual_seed(cfg.seed)
     best, best_state, stale, history = -math.inf, None, 0, []
     bar = tqdm(
@@ -128,6 +124,16 @@ def fit(
     module.load_state_dict(best_state)
     module.eval()
     return best_state, history
+
+
+def _optimizer(module: torch.nn.Module, cfg: FitConfig, total_steps: int):
+    """(optimizer, cosine schedule over all steps)."""
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    opt = opt_cls(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=max(total_steps, 1), eta_min=cfg.lr * cfg.cosine_to
+    )
+    return opt, sched
 
 
 def _needs_val(cfg: FitConfig, epoch: int, epochs: int) -> bool:
