@@ -1,8 +1,8 @@
 """Model cards for zoo models: held-out quality and routing statistics, as JSON and Markdown.
 
-Usage (the trainer calls these after training):
-    >>> stats = evaluate(model, tok, train_ids_N, heldout_ids_N, seq_len=256, eval_tokens=131072)
-    >>> write_cards(out_dir, model, train_cfg, run, stats)
+Usage (the trainer calls these after training; tests/test_zoo.py runs them on a tiny corpus):
+    stats = evaluate(model, tok, train_ids_N, heldout_ids_N, seq_len=256, eval_tokens=131072)
+    write_cards(out_dir, model, train_cfg, run, stats)
 
 Statistics, all on held-out text (documents never seen in training):
     heldout_loss / perplexity   mean next-token cross-entropy (nats) of the model

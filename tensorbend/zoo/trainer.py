@@ -2,8 +2,8 @@
 
 Usage:
     tensorbend zoo train --arch deepseek_v3 --corpus corpus/ --out runs/zoo/dsv3 --minutes 50
-    >>> from tensorbend.zoo.trainer import ZooTrainConfig, train_zoo_model
-    >>> train_zoo_model(ZooTrainConfig("qwen3_moe", Path("corpus"), Path("out"), tokens=10**6))
+    from tensorbend.zoo.trainer import ZooTrainConfig, train_zoo_model
+    train_zoo_model(ZooTrainConfig("qwen3_moe", Path("corpus"), Path("out"), tokens=10**6))
 
 What it does, in order: trains a byte-level BPE tokenizer on the corpus train split, caches
 train/held-out token ids (uint16), builds the model from a size preset (`recipes.SIZES`), trains
