@@ -9,10 +9,9 @@ import json
 import re
 
 import pytest
+import transformers
 from planted import permutation_trace
 from tiny_models import save_checkpoint, write_prompts
-
-import transformers
 
 from tensorbend.cli import main
 
