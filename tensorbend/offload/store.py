@@ -1,10 +1,10 @@
 """On-disk expert store: one safetensors file, one contiguous tensor per (MoE layer, expert).
 
 Usage:
-    >>> layout = ExpertLayout.of(model, spec)
-    >>> write_store(model, spec, layout, Path("runs/store/experts.safetensors"), fingerprint)
-    >>> store = ExpertStore.open(path, StoreConfig(io="fadvise"), link=Link(100e6, 20e-6))
-    >>> store.read_into(m, e, slot_flat)        # positional read into a preallocated buffer
+    layout = ExpertLayout.of(experts_by_layer[0])     # the experts module of each MoE layer
+    path = write_store(experts_by_layer, layout, Path("runs/store/experts.safetensors"), meta)
+    store = ExpertStore.open(path, StoreConfig(io="fadvise"), link=Link(100e6, 20e-6))
+    store.read_into(m, e, slot_flat)        # positional read into a preallocated buffer
 
 Every routed expert of every MoE layer is packed into one flat tensor named
 `layers.{m:03d}.experts.{e:04d}` (its parts, e.g. gate_up_proj then down_proj, back to back),
@@ -29,13 +29,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Literal, get_args
 
 import torch
 
+from tensorbend.atomic import atomic_write
 from tensorbend.errors import StoreError
 
 FORMAT_VERSION = "1"
-IO_MODES = ("buffered", "fadvise", "direct")
+IOMode = Literal["buffered", "fadvise", "direct"]
+IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -43,8 +46,9 @@ _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 @dataclass(frozen=True)
 class StoreConfig:
-    io: str = "buffered"
-    """How reads treat the page cache: buffered, fadvise (DONTNEED after read), direct (O_DIRECT)."""
+    io: IOMode = "buffered"
+    """How expert reads treat the page cache: buffered, fadvise (drop the pages after each
+    read) or direct (O_DIRECT through an aligned buffer)."""
 
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
@@ -125,9 +129,7 @@ class ExpertLayout:
 def write_store(
     experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
 ) -> Path:
-    """Stream every expert to `path` (written to a temp file, then renamed: never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Stream every expert to `path` atomically (`atomic.py`: never half-written)."""
     E = experts_by_layer[0].gate_up_proj.shape[0]
     header, at = {}, 0
     for m in range(len(experts_by_layer)):
@@ -147,15 +149,15 @@ def write_store(
     }
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for mod in experts_by_layer:
             for e in range(E):
                 flat = torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
                 f.write(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, path)
-    return path
+
+    return atomic_write(path, write)
 
 
 class ExpertStore:
@@ -299,21 +301,46 @@ def real_link(layer_s: float, expert_bytes: int) -> Link:
     )
 
 
-def parse_link(text: str, layer_s: float, expert_bytes: int) -> Link:
-    """`none`, `h100-pcie5-kimi` (scaled to this machine), or `BW[,LAT]` like `40MB/s,20us`."""
-    text = text.strip().lower()
-    if text in ("none", ""):
+def check_link(text: str) -> None:
+    """Raise StoreError unless `text` is a link `parse_link` accepts (no calibration needed)."""
+    _match_link(text)
+
+
+def parse_link(text: str, layer_s: float, expert_bytes: int, speedup: float = 1.0) -> Link:
+    """`none`, `h100-pcie5-kimi` (scaled to this machine), or `BW[,LAT]` like `40MB/s,20us`.
+
+    `speedup` > 1 makes the link that many times faster (bandwidth x speedup, latency / speedup):
+    the same system with a faster interconnect relative to compute."""
+    name, m = _match_link(text)
+    if name == "none":
         return Link()
-    if text == "h100-pcie5-kimi":
-        return real_link(layer_s, expert_bytes)
-    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", text)
-    if not m:
+    if name == "h100-pcie5-kimi":
+        link = real_link(layer_s, expert_bytes)
+    else:
+        lat = float(m.group(3) or 0) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 0}[m.group(4)]
+        link = Link(float(m.group(1)) * _UNITS[m.group(2)], lat, name)
+    if speedup == 1.0:
+        return link
+    assert speedup > 0, speedup
+    return Link(
+        link.bandwidth_Bps * speedup,
+        link.latency_s / speedup,
+        f"{link.name} x{speedup:g}",
+        f"{link.note}; {speedup:g}x faster".lstrip("; "),
+    )
+
+
+def _match_link(text: str):
+    name = text.strip().lower()
+    if name in ("none", "", "h100-pcie5-kimi"):
+        return name or "none", None
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", name)
+    if not m or float(m.group(1)) <= 0:
         raise StoreError(
             f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] "
-            f"like 40MB/s,20us"
+            f"like 40MB/s,20us; fix the --link value"
         )
-    lat = float(m.group(3) or 0) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 0}[m.group(4)]
-    return Link(float(m.group(1)) * _UNITS[m.group(2)], lat, text)
+    return name, m
 
 
 def _name(m: int, e: int) -> str:
