@@ -12,6 +12,7 @@ from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model, router_params
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
+from tensorbend.offload.oracle import RecordedRouting
 from tensorbend.offload.session import OffloadSession, PolicyConfig, SessionConfig
 from tensorbend.offload.store import ExpertStore, Link
 from tensorbend.predictors.base import LOOKAHEADS
@@ -252,5 +253,64 @@ def test_teacher_forced_decode_feeds_the_continuation():
         assert [len(d.fed_ids) for d in sess.reference.decoded] == [4, 0]
         r = _check(sess.run_policy(PolicyConfig("lfu", cache_frac=0.5)))
         assert r["decode"] == "teacher" and r["tokens"] == {"prefill": 16, "decode": 4}
+    finally:
+        sess.close()
+
+
+def test_every_cache_option_matches_resident():
+    sess = _session("qwen3_moe", n_new=5)
+    rnd = build_baseline("random", sess.spec, "d1", seed=2)
+    link = Link(80e6, 10e-6, "test")
+    try:
+        for pc, pred in [
+            (PolicyConfig("lfru", cache_frac=0.3), None),
+            (PolicyConfig("lru", cache_frac=0.5, pool="per_layer"), None),
+            (PolicyConfig("lfu", cache_frac=0.3, admission="frequency", admission_window=2), None),
+            (PolicyConfig("prefetch", cache_frac=0.3, admission="predicted"), rnd),
+            (PolicyConfig("oracle", cache_frac=0.3, foresight=0), None),
+            (PolicyConfig("oracle", cache_frac=0.3, foresight=1, admission="predicted"), None),
+            (PolicyConfig("oracle", cache_frac=0.5, foresight=2, pool="per_layer"), None),
+            (PolicyConfig("oracle", cache_frac=0.3, lookahead="d2", foresight=4), None),
+        ]:
+            r = _check(sess.run_policy(pc, pred, link))
+            assert (r["pool"], r["admission"]) == (pc.pool, pc.admission)
+    finally:
+        sess.close()
+
+
+def test_oracle_without_foresight_is_lru_and_with_it_prefetches_across_tokens(monkeypatch):
+    sess = _session("mixtral", n_new=6)  # 3 MoE layers x 6 experts: 9 slots > one layer's 6
+    try:
+        counts = ("hits", "late", "misses", "bytes_read", "evictions", "prefetch_issued")
+        lru = _check(sess.run_policy(PolicyConfig("lru", cache_frac=0.5)))["counters"]
+        blind = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=0)))
+        assert {k: blind["counters"][k] for k in counts} == {k: lru[k] for k in counts}
+        assert lru["prefetch_issued"] == 0
+
+        asked = []
+        real = RecordedRouting.ahead
+
+        def ahead(self, now):
+            out = real(self, now)
+            asked.append((self.foresight, now, out))
+            return out
+
+        monkeypatch.setattr(RecordedRouting, "ahead", ahead)
+        L, ids = sess.spec.num_moe_layers, sess.reference.ids
+        for h in (1, 2, None):
+            _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=h)))
+        for h, now, out in asked:
+            target = now + 1  # d1
+            crosses = target // L > now // L
+            if target >= len(ids) * L or (h == 1 and crosses):
+                assert out == [], (h, now)  # past the run, or beyond its sight
+            else:  # exactly the experts the resident run used at the target step
+                f, m = divmod(target, L)
+                assert sorted(e for (_, e), _ in out) == sorted(
+                    set(ids[f][:, m].flatten().tolist())
+                )
+                assert all(mm == m and w == target for (mm, _), w in out)
+        crossing = [out for h, now, out in asked if h == 2 and (now + 1) % L == 0 and out]
+        assert len(crossing) == len(ids) - 1  # each forward's last router -> next forward
     finally:
         sess.close()
