@@ -12,7 +12,8 @@ from tensorbend.cli import main
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import router_params
 from tensorbend.offload import runner
-from tensorbend.offload.session import OffloadSession, PolicyConfig, SessionConfig
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt
 

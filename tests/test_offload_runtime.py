@@ -12,9 +12,11 @@ from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model, router_params
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
+from tensorbend.offload.link import Link
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.session import OffloadSession, PolicyConfig, SessionConfig
-from tensorbend.offload.store import ExpertStore, Link
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.session import OffloadSession, SessionConfig
+from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt

@@ -9,15 +9,8 @@ from tiny_models import build
 
 from tensorbend.errors import StoreError
 from tensorbend.models import describe_model, moe_block
-from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
-    Link,
-    StoreConfig,
-    parse_link,
-    real_link,
-    write_store,
-)
+from tensorbend.offload.link import Link, parse_link, real_link
+from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
 
 
 def _experts(family):

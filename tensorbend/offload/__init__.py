@@ -2,13 +2,14 @@
 
 Usage:
     >>> from tensorbend.offload.runner import RunConfig, run
-    >>> from tensorbend.offload.session import PolicyConfig
+    >>> from tensorbend.offload.plan import PolicyConfig
     >>> result = run(RunConfig(model="zoo:default", offload=PolicyConfig("lru")))  # doctest: +SKIP
     >>> result.to_json()["output_matches_resident"]                                       # doctest: +SKIP
     True
 
 See docs/offload.md. Modules, in the order a run uses them:
-  store     on-disk expert store + the emulated link
+  link      the emulated transfer link (bandwidth + latency caps, the real-system ratio)
+  store     on-disk expert store: one contiguous read per expert
   policies  eviction and admission rules (pure; shared with the simulator)
   resident  ResidentSet: which experts hold slots, per pool (pure; shared with the simulator)
   cache     ExpertCache: slots, LOADING/READY, pins, counters
@@ -17,7 +18,8 @@ See docs/offload.md. Modules, in the order a run uses them:
   oracle    RecordedRouting: the resident run's routing as predictions, with bounded foresight
   layer     OffloadedExperts: the experts forward on weights from the cache
   generation  the prompts through hf.decode_prompt, timed and counted per phase
-  session   OffloadSession: resident reference, store, one run per policy (PolicyConfig)
+  plan      PolicyConfig (policy, cache size, pool, admission, foresight) -> the ExpertCache
+  session   OffloadSession: resident reference, store, one run per policy
   result    RunResult: the `run --json` keys, output comparison
   runner    RunConfig + run(): what `tensorbend run` calls
 """

@@ -1,7 +1,7 @@
 """`tensorbend run`: load a model, build the predictor, run one policy against the resident model.
 
 Usage:
-    >>> from tensorbend.offload.session import PolicyConfig
+    >>> from tensorbend.offload.plan import PolicyConfig
     >>> cfg = RunConfig(model="zoo:default", offload=PolicyConfig("prefetch"), baseline="spec_gate")
     >>> result = run(cfg)                                                    # doctest: +SKIP
     >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
@@ -22,14 +22,10 @@ import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model, model_fingerprint
+from tensorbend.offload.link import check_link
+from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
-from tensorbend.offload.session import (
-    OffloadSession,
-    PolicyConfig,
-    SessionConfig,
-    expert_layout,
-)
-from tensorbend.offload.store import check_link
+from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.baselines import BASELINES, NEEDS_TRAIN
 
 RUN_BASELINES = tuple(b for b in BASELINES if b != "oracle")  # the oracle is --policy oracle

@@ -12,9 +12,9 @@ so loading an expert is one `os.preadv` straight into a cache slot. The file is 
 safetensors file (`safe_open` reads it); its metadata carries `format_version`, the model
 fingerprint and the part layout. Reads release the GIL, so I/O threads overlap compute.
 
-`Link` caps the transfer: reads are serialised on one emulated wire of `bandwidth_Bps` with a
-fixed `latency_s`, so a CPU machine reproduces the transfer/compute ratio of a real system
-(see `real_link`). `io` chooses how to read past the page cache: `buffered` (plain reads),
+A `link.Link` caps the transfer: reads are serialised on one emulated wire of `bandwidth_Bps`
+with a fixed `latency_s`, so a CPU machine reproduces the transfer/compute ratio of a real
+system. `io` chooses how to read past the page cache: `buffered` (plain reads),
 `fadvise` (drop the pages after each read) or `direct` (O_DIRECT through an aligned buffer).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import struct
 import threading
 import time
@@ -35,13 +34,13 @@ import torch
 
 from tensorbend.atomic import atomic_write
 from tensorbend.errors import StoreError
+from tensorbend.offload.link import Link
 
 FORMAT_VERSION = "1"
 IOMode = Literal["buffered", "fadvise", "direct"]
 IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
 @dataclass(frozen=True)
@@ -53,35 +52,6 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
             raise StoreError(f"store io {self.io!r}: expected one of {', '.join(IO_MODES)}")
-
-
-@dataclass(frozen=True)
-class Link:
-    """An emulated transfer link; `bandwidth_Bps=None` means uncapped (disk speed)."""
-
-    bandwidth_Bps: float | None = None
-    latency_s: float = 0.0
-    name: str = "none"
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_Bps is not None and self.bandwidth_Bps <= 0:
-            raise StoreError(f"link bandwidth: expected > 0 bytes/s, found {self.bandwidth_Bps}")
-        if self.latency_s < 0:
-            raise StoreError(f"link latency: expected >= 0 s, found {self.latency_s}")
-
-    def seconds(self, nbytes: int) -> float:
-        bw = self.bandwidth_Bps
-        return self.latency_s + (nbytes / bw if bw else 0.0)
-
-    def to_dict(self) -> dict:
-        mbps = None if self.bandwidth_Bps is None else round(self.bandwidth_Bps / 1e6, 3)
-        return {
-            "name": self.name,
-            "bandwidth_MBps": mbps,
-            "latency_us": round(self.latency_s * 1e6, 2),
-            "note": self.note,
-        }
 
 
 @dataclass(frozen=True)
@@ -274,73 +244,6 @@ class ExpertStore:
         got = max(0, min(nbytes, got - (offset - lo)))
         buf[:got] = memoryview(bounce)[offset - lo : offset - lo + got]
         return got
-
-
-def real_link(layer_s: float, expert_bytes: int) -> Link:
-    """The `h100-pcie5-kimi` link: PCIe Gen5 x16 feeding an H100, Kimi-K2.5-sized experts.
-
-    Real system (per MoE layer, batch-1 decode): one routed expert is 3 x 7168 x 2048 weights
-    in INT4 + bf16 scales per 32 (~24.8 MB), over ~52 GB/s effective PCIe Gen5 x16 plus ~10 us
-    per transfer: ~0.49 ms. The H100 computes a whole MoE layer (8 experts INT4, the shared
-    expert and MLA attention in bf16, ~490 MB of HBM reads at ~2.35 TB/s effective) in ~0.21 ms.
-    We keep both ratios (expert transfer / layer compute, latency / layer compute) and scale
-    them to this machine's measured resident compute time per MoE layer `layer_s`.
-    """
-    real_expert_bytes = 3 * 7168 * 2048 * 0.5625
-    real_bw, real_lat = 52e9, 10e-6
-    real_layer_s = 490e6 / 2.35e12
-    ratio = (real_expert_bytes / real_bw) / real_layer_s
-    bw = expert_bytes / (ratio * layer_s)
-    lat = real_lat / real_layer_s * layer_s
-    return Link(
-        bw,
-        lat,
-        "h100-pcie5-kimi",
-        f"expert transfer = {ratio:.2f} x resident MoE-layer compute "
-        f"({layer_s * 1e3:.3f} ms here), latency = {real_lat / real_layer_s:.3f} x",
-    )
-
-
-def check_link(text: str) -> None:
-    """Raise StoreError unless `text` is a link `parse_link` accepts (no calibration needed)."""
-    _match_link(text)
-
-
-def parse_link(text: str, layer_s: float, expert_bytes: int, speedup: float = 1.0) -> Link:
-    """`none`, `h100-pcie5-kimi` (scaled to this machine), or `BW[,LAT]` like `40MB/s,20us`.
-
-    `speedup` > 1 makes the link that many times faster (bandwidth x speedup, latency / speedup):
-    the same system with a faster interconnect relative to compute."""
-    name, m = _match_link(text)
-    if name == "none":
-        return Link()
-    if name == "h100-pcie5-kimi":
-        link = real_link(layer_s, expert_bytes)
-    else:
-        lat = float(m.group(3) or 0) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 0}[m.group(4)]
-        link = Link(float(m.group(1)) * _UNITS[m.group(2)], lat, name)
-    if speedup == 1.0:
-        return link
-    assert speedup > 0, speedup
-    return Link(
-        link.bandwidth_Bps * speedup,
-        link.latency_s / speedup,
-        f"{link.name} x{speedup:g}",
-        f"{link.note}; {speedup:g}x faster".lstrip("; "),
-    )
-
-
-def _match_link(text: str):
-    name = text.strip().lower()
-    if name in ("none", "", "h100-pcie5-kimi"):
-        return name or "none", None
-    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", name)
-    if not m or float(m.group(1)) <= 0:
-        raise StoreError(
-            f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] "
-            f"like 40MB/s,20us; fix the --link value"
-        )
-    return name, m
 
 
 def _name(m: int, e: int) -> str:
