@@ -46,7 +46,7 @@ class PolicyConfig:
     """Which misses the cache keeps: all; frequency (TinyLFU-style: used more often than the
     victim within --admission-window forwards); predicted (not if predicted back later than the
     victim; prefetch and oracle only). A refused miss is computed from a staging slot."""
-    admission_window: int = 16
+    admission_window: int = 8
     """Forwards of use counts for --admission frequency."""
     foresight: int | None = None
     """Oracle only: forwards (tokens at decode) of exact routing it knows, counting the
