@@ -181,8 +181,8 @@ class ExpertCache:
             assert entry.pins > 0, f"release of unpinned expert {key}"
             entry.pins -= 1
             if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()  # on the compute stream, after the kernels reading the slot
+                event = torch.cuda.Event()  # after the kernels reading the slot were queued
+                event.record(torch.cuda.current_stream(self.device))
                 self._slot_events[entry.slot] = event
             if entry.pins == 0 and not entry.resident:
                 self._free(key)

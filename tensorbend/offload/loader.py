@@ -7,8 +7,9 @@ Usage (the session does this per policy run):
     loader.cancel_stale(now)                    # layer `now` started: older prefetches are moot
     loader.close()
 
-One priority queue: every demand load before any prefetch, prefetches by priority (the
-prediction's rank), then first come. A demand for a queued prefetch upgrades it. Prefetches
+One priority queue: every demand load before any prefetch, prefetches by the step they are
+needed at (soonest first: a prediction for the next token's layers waits behind this token's),
+then by the prediction's rank, then first come. A demand for a queued prefetch upgrades it. Prefetches
 whose step has come (`cancel_stale`) are cancelled; one is dropped when the emulated link is
 busy for more than `max_backlog_s` (wrong prefetches then use idle link time instead of
 delaying demand loads). Whether a prefetch may evict, and what, is the cache's question.
@@ -39,7 +40,7 @@ class Loader:
     ):
         self.store, self.cache = store, cache
         self.max_backlog_s = max_backlog_s
-        self._heap: list[list] = []  # [kind, priority, seq, key, when, alive]
+        self._heap: list[list] = []  # [kind, (when, rank), seq, key, when, alive]
         self._queued: dict[Key, list] = {}
         self._seq = 0
         self._cond = threading.Condition()
@@ -61,14 +62,14 @@ class Loader:
                 return
             if req is not None:
                 req[5] = False  # upgraded: the demand below replaces it
-            self._push(DEMAND, 0, key, INF)
+            self._push(DEMAND, (0, 0), key, INF)
 
     def prefetch(self, key: Key, priority: float, when: int) -> bool:
         """Queue a prefetch of key, used at step `when`; False if queued or cached already."""
         with self._cond:
             if key in self._queued or key in self.cache.entries:
                 return False
-            self._push(PREFETCH, priority, key, when)
+            self._push(PREFETCH, (when, priority), key, when)
             self.cache.stats.prefetch_issued += 1
             return True
 
@@ -89,7 +90,7 @@ class Loader:
         for t in self._threads:
             t.join()
 
-    def _push(self, kind: int, priority: float, key: Key, when: float) -> None:
+    def _push(self, kind: int, priority: tuple, key: Key, when: float) -> None:
         self._seq += 1
         req = [kind, priority, self._seq, key, when, True]
         heapq.heappush(self._heap, req)
