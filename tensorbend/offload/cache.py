@@ -15,6 +15,8 @@ Usage:
     >>> cache.stats.misses, cache.stats.bytes_read
     (1, 16)
 
+Shape legend: C slots (capacity resident + scratch staging), N elements of one packed expert.
+
 Keys are (MoE layer m, expert e). An entry is LOADING (a read is in flight into its slot) or
 READY; `pins` counts users that must not lose it. Which keys hold the `capacity` resident slots,
 which one is evicted and whether a miss is kept is decided by `resident.ResidentSet` (policy,

@@ -1,6 +1,6 @@
 """The offloaded experts forward: the family's eager math on weights fetched from the cache.
 
-Usage (runtime.py installs it; nothing else should need to):
+Usage (session.py installs it; nothing else should need to):
     fwd = OffloadedExperts(mod, spec.family, layout, m, get_active)
     mod.forward = fwd          # the module keeps its signature (hidden, ids, weights)
 
