@@ -14,6 +14,7 @@ from tensorbend.offload.policies import (
     AdmitPredicted,
     NextUse,
     Predicted,
+    Reuse,
     make_admission,
 )
 from tensorbend.offload.resident import ResidentSet
@@ -158,3 +159,22 @@ def test_make_admission_window_is_in_forwards():
     adm = make_admission("frequency", num_layers=4, window=2)
     assert isinstance(adm, AdmitFrequent) and adm.window == 8
     assert isinstance(make_admission("all", 4, window=2), AdmitAll)
+
+
+def test_reuse_next_use_by_hand_and_victim_choice():
+    """L = 2 layers, foresight 4. At step 5 (forward 2, layer 1): layer 0 is next visited at
+    step 6, layer 1 at step 7. p = 1 - 0.5^4 gives q = 0.5 per forward: next use = visit + 2 * 1;
+    p = 1 - 0.9^4 gives q = 0.1: visit + 2 * 9. A hint for an exact step wins."""
+    pol = Reuse(num_layers=2, foresight=4)
+    half, tenth = 1 - 0.5**4, 1 - 0.9**4
+    pol.set_reuse([[half, tenth], [tenth, half]])
+    assert pol.next_use((0, 0), 5) == pytest.approx(6 + 2)
+    assert pol.next_use((0, 1), 5) == pytest.approx(6 + 18)
+    assert pol.next_use((1, 1), 5) == pytest.approx(7 + 2)
+    pol.hint((0, 1), 6)
+    assert pol.next_use((0, 1), 5) == 6
+    rs = ResidentSet(capacity=2, num_layers=2, policy=Reuse(num_layers=2, foresight=4))
+    rs.policy.set_reuse([[half, tenth], [tenth, half]])
+    for key, step in (((0, 0), 0), ((0, 1), 0), ((1, 1), 1)):
+        rs.access(key, step)
+    assert sorted(rs) == [(0, 0), (1, 1)]  # (0, 1), unlikely to be reused, left

@@ -21,7 +21,8 @@ and is told two things: touch(key, now) at every demand use (hit or miss), and h
 for every prediction that key is used at step `when` (any later step, also in a later forward).
 
 Policies:  LRU (recency only), LFU (all-time use count), LFRU (count / (age + 1), age in steps
-since the last use), Predicted (farthest estimated next use from predictions + use rates) and
+since the last use), Predicted (farthest estimated next use from predictions + use rates),
+Reuse (the same from a cross-token predictor's reuse probabilities) and
 NextUse (Belady's MIN from a recorded routing; with `foresight` h it knows only the routing of
 steps < (now // L + h) * L: the rest of the current forward and the next h - 1; keys not used
 within that window rank by recency, so h = 0 is LRU and h >= the run's forwards is full MIN).
@@ -48,7 +49,7 @@ from typing import Literal
 
 Key = tuple[int, int]  # (MoE layer m, expert e)
 INF = float("inf")
-EvictionName = Literal["lru", "lfu", "lfru", "predicted", "next_use"]
+EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 AdmissionName = Literal["all", "frequency", "predicted"]
 
 
@@ -189,6 +190,46 @@ class Predicted(LRU):
     def _count(self, key: Key, now: int) -> float:
         c, t = self.use.get(key, (0.0, now))
         return c * self.decay ** ((now - t) / self.L)
+
+
+class Reuse(Predicted):
+    """Evict the farthest estimated next use, from per-forward reuse probabilities.
+
+    A cross-token predictor (`predictors.horizon`) says, after each forward, the probability
+    p[m][e] that expert e is used at layer m within the next `foresight` forwards
+    (`set_reuse`). Per forward that is q = 1 - (1 - p)^(1 / foresight); the estimated next use
+    is the next visit of layer m stretched by the odds against use, (1 - q) / q forwards (the
+    same reading `Predicted` gives a decayed use rate). Hints (within-token predictions of an
+    exact step) come first. Before the first set_reuse, it is `Predicted`.
+    """
+
+    name = "reuse"
+
+    def __init__(self, num_layers: int, foresight: int):
+        super().__init__(num_layers)
+        assert foresight >= 1
+        self.foresight = foresight
+        self.reuse: list[list[float]] | None = None
+
+    def set_reuse(self, reuse_LE: list[list[float]]) -> None:
+        """Probabilities for every (layer, expert), replacing the previous ones."""
+        self.reuse = reuse_LE
+
+    def next_use(self, key: Key, now: int) -> float:
+        if self.reuse is None:
+            return super().next_use(key, now)
+        h = self.hints.get(key)
+        if h is not None and h > now:
+            return h
+        m, L = key[0], self.L
+        visit = now - now % L + m
+        if visit <= now:
+            visit += L
+        if self.layer_hint.get(m, -1) >= visit:
+            visit += L  # the predicted set for that visit excludes this expert
+        p = min(max(self.reuse[m][key[1]], 1e-6), 1 - 1e-9)
+        q = 1 - (1 - p) ** (1 / self.foresight)
+        return visit + L * (1 - q) / q
 
 
 class AdmitAll:
