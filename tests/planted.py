@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tensorbend.models import RoutingSpec
-from tensorbend.trace import TraceWriter
+from tensorbend.trace_writer import TraceWriter
 
 
 def _spec(L: int, E: int, K: int, D: int) -> RoutingSpec:
@@ -111,6 +111,7 @@ def tiny_real_trace(d):
     from tiny_models import save_checkpoint, write_prompts
 
     from tensorbend.collect import CollectConfig, collect
+    from tensorbend.hf import DecodeConfig
 
     save_checkpoint("deepseek_v3", d / "model")
     write_prompts(d / "p.jsonl", n=16)
@@ -119,7 +120,7 @@ def tiny_real_trace(d):
             model=str(d / "model"),
             out=d / "t",
             prompts=d / "p.jsonl",
-            max_new_tokens=6,
+            decode=DecodeConfig(max_new_tokens=6),
             dtype="float32",
             features=("ids", "gate_input", "layer_input"),
         ),
