@@ -40,7 +40,7 @@ from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
-from tensorbend.predictors.baselines import NEEDS_TRAIN
+from tensorbend.offload.runner import NEEDS_TRAIN
 from tensorbend.prompts import load_prompts
 
 

@@ -12,6 +12,7 @@ Usage:
 
 Rules, from the field's annotation and default:
   `Literal[...]`          -> choices;     `bool` (default False) -> `--name`;
+  `bool | None` (None)    -> `--name` / `--no-name` / neither (None: the kind's default);
   `bool` (default True)   -> `--no-name`; `tuple[X, ...]` -> values, repeatable and/or
                              comma-separated (`--x a b`, `--x a --x b`, `--x a,b`; `none`: empty);
   `X | None`              -> optional X;  a nested config dataclass -> its fields, flattened;
@@ -61,6 +62,10 @@ def add_config_flags(
             continue
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
         kw: dict = {"dest": f.name, "help": help_text}
+        if kind == "bool" and default is None:  # unset, --name or --no-name
+            kw["action"] = argparse.BooleanOptionalAction
+            parser.add_argument(*names, default=None, **kw)
+            continue
         if kind == "bool":
             if default is True:
                 names = ["--no-" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]

@@ -157,8 +157,9 @@ def _meta(path):
 def test_train_options_are_checked_before_any_trace_is_read(tmp_path, capsys):
     missing = tmp_path / "no-trace"
     bad = [
-        ("tensorbend", ["--loss", "nope"], "expected one of listwise, bce"),
-        ("seed_mlp", ["--loss", "nope"], "expected one of weighted_bce, ranking, bce"),
+        ("tensorbend", ["--loss", "nope"], "--loss: invalid choice: 'nope'"),
+        ("tensorbend", ["--loss", "ranking"], "expected one of listwise, bce"),
+        ("seed_mlp", ["--loss", "listwise"], "expected one of weighted_bce, ranking, bce"),
         ("frequency", ["--loss", "bce"], "frequency has no option loss"),
         ("seed_mlp", ["--width", "0"], "width: expected a positive integer"),
     ]

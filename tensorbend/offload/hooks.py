@@ -149,6 +149,9 @@ class PredictionHooks:
         prev = self.history.prev.get(m)
         has_prev_T = torch.full((T,), prev is not None, dtype=torch.bool)
         prev_TK = prev.expand(T, K) if prev is not None else torch.zeros(T, K, dtype=torch.long)
+        if self.la.prev_in_pass and T > 1:  # same_layer: layer m routed every token already
+            prev_TK = torch.cat([prev_TK[:1], self.history.cur[m][:-1]])
+            has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
         with torch.no_grad():

@@ -26,9 +26,10 @@ from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
-from tensorbend.predictors.baselines import BASELINES, NEEDS_TRAIN
+from tensorbend.predictors.registry import BASELINES, KINDS
 
-RUN_BASELINES = tuple(b for b in BASELINES if b != "oracle")  # the oracle is --policy oracle
+RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
+NEEDS_TRAIN = tuple(b for b in BASELINES if KINDS[b].needs_train_data)
 
 
 @dataclass(frozen=True)
