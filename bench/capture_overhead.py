@@ -13,6 +13,7 @@ Targets (issue 2): ids-only <= 1.10x, with hidden states <= 1.25x.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -21,6 +22,7 @@ import torch
 from report import emit
 
 from tensorbend.capture import RoutingCapture
+from tensorbend.hf import DecodeConfig, PromptInput, decode_prompt
 from tensorbend.models import describe_model
 
 SETTINGS = {
@@ -35,7 +37,7 @@ SETTINGS = {
 
 def build_model(spec: str | None):
     if spec:
-        from tensorbend.collect import load_model
+        from tensorbend.hf import load_model
 
         try:
             return load_model(spec)[0], spec
@@ -73,26 +75,20 @@ def build_model(spec: str | None):
 
 
 def run_once(model, spec, features, ids, n_decode) -> float:
-    from tensorbend.collect import cache_kwarg, cache_of
-
-    kw = cache_kwarg(model)
-    ctx = RoutingCapture(model, spec, features) if features else None
+    """One prompt through the one decode loop (greedy, no EOS), capturing `features`."""
+    cfg = DecodeConfig(decode="greedy", max_new_tokens=n_decode, max_prompt_tokens=ids.shape[1])
+    inp = PromptInput("bench", ids, None)
+    ctx = RoutingCapture(model, spec, features) if features else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        if ctx:
-            ctx.__enter__()
-        try:
-            out = model(input_ids=ids, use_cache=True)
-            if ctx:
-                ctx.pop()
-            for _ in range(n_decode):
-                nxt = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=nxt, use_cache=True, **{kw: cache_of(out)})
-                if ctx:
-                    ctx.pop()
-        finally:
-            if ctx:
-                ctx.__exit__(None, None, None)
+    with torch.inference_mode(), ctx as cap:
+
+        def forward(phase, **kw):
+            out = model(**kw)
+            if cap is not None:
+                cap.pop()
+            return out
+
+        decode_prompt(model, inp, cfg, forward=forward)
     return time.perf_counter() - t0
 
 

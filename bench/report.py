@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tensorbend.atomic import atomic_write_text
+
 
 def emit(result: dict, path: str | None) -> int:
     """Print `result` as JSON and write it to `path` (parents created); returns exit code 0."""
     text = json.dumps(result, indent=2)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
+        atomic_write_text(Path(path), text + "\n")
     print(text)
     return 0

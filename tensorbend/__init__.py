@@ -1,17 +1,57 @@
 """tensorbend: predict MoE routing before the router runs, and prefetch experts with it.
 
-Example:
-    >>> from tensorbend.models import describe_model        # find MoE layers and routers
-    >>> from tensorbend.collect import collect, CollectConfig # capture exact routing to a trace
-    >>> from tensorbend.trace import Trace                    # read a trace back
+Usage (public names import lazily from the package; torch loads on first use):
+    >>> from pathlib import Path
+    >>> from tensorbend import CollectConfig, DecodeConfig, Trace, describe_model
+    >>> from tensorbend.collect import collect        # each verb's function lives in its module
+    >>> CollectConfig(model="zoo:default", out=Path("runs/t")).decode == DecodeConfig()
+    True
+
+The data flow: `collect.collect` (model -> trace) -> `train.train` (trace -> predictor) ->
+`evaluate.evaluate` (held-out report); `offload.runner.run` generates with offloaded experts.
+Each takes one config dataclass and returns a result dataclass with `to_json()`; the keys are
+documented in docs/formats.md. (The verb functions are not re-exported here because their
+names are also module names: `tensorbend.collect` must stay the module.)
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it
+_EXPORTS = {
+    "TensorbendError": "tensorbend.errors",
+    "load_model": "tensorbend.hf",
+    "DecodeConfig": "tensorbend.hf",
+    "describe_model": "tensorbend.models",
+    "RoutingSpec": "tensorbend.models",
+    "RouterHooks": "tensorbend.models",
+    "RoutingCapture": "tensorbend.capture",
+    "Trace": "tensorbend.trace",
+    "TraceWriter": "tensorbend.trace_writer",
+    "load_prompts": "tensorbend.prompts",
+    "CollectConfig": "tensorbend.collect",
+    "CollectResult": "tensorbend.collect",
+    "TrainConfig": "tensorbend.train",
+    "EvalConfig": "tensorbend.evaluate",
+    "LOOKAHEADS": "tensorbend.predictors",
+    "load_predictor": "tensorbend.predictors",
+    "build_baseline": "tensorbend.predictors",
+    "RunConfig": "tensorbend.offload.runner",
+    "ExpertPredictorSet": "tensorbend.compat",
+}
+__all__ = sorted(_EXPORTS)
+
 
 def __getattr__(name: str):
-    if name == "ExpertPredictorSet":  # the seed's API, imported lazily (pulls in torch)
-        from tensorbend.compat import ExpertPredictorSet
-
-        return ExpertPredictorSet
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'tensorbend' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

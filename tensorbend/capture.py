@@ -1,14 +1,20 @@
-"""Hooks that record exact routing (and the hidden states predictors learn from) per MoE layer.
+"""Record exact routing (and the hidden states predictors learn from) per MoE layer.
 
 Usage:
+    >>> from tensorbend.hf import load_model
+    >>> from tensorbend.models import describe_model
+    >>> model, tok = load_model("zoo:default")
     >>> spec = describe_model(model)
     >>> with RoutingCapture(model, spec, features=("ids", "gate_input")) as cap:
-    ...     model(input_ids)
-    ...     rows = cap.pop()        # {"expert_ids_TLK": [T, L, K] int16, "gate_input_TLD": ...}
+    ...     _ = model(tok("In the beginning", return_tensors="pt").input_ids)
+    ...     rows = cap.pop()
+    >>> sorted(rows), rows["expert_ids_TLK"].shape[1:]
+    (['expert_ids_TLK', 'gate_input_TLD'], torch.Size([6, 4]))
 
 Ids and weights come from the router's own output (the tensors the experts consume), never
-recomputed from logits. Hooks are removed on exit, also after an exception.
-Rows are in the order the model saw the tokens (batch 1: sequence order).
+recomputed from logits. Hooks go through `models.RouterHooks`, so they are removed on exit,
+also after an exception. Rows are in the order the model saw the tokens (batch 1: sequence
+order). Feature names and their tensor names are the trace format's (`trace.FEATURE_TENSORS`).
 """
 
 from __future__ import annotations
@@ -16,21 +22,12 @@ from __future__ import annotations
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.models import RoutingSpec, decoder_layers, router_module, router_outputs
-
-# feature name -> tensor name in a trace shard
-FEATURE_TENSORS = {
-    "ids": "expert_ids_TLK",
-    "weights": "weights_TLK",
-    "logits": "logits_TLE",
-    "gate_input": "gate_input_TLD",
-    "layer_input": "layer_input_TLD",
-}
-FEATURES = tuple(FEATURE_TENSORS)
+from tensorbend.models import RouterCall, RouterHooks, RoutingSpec
+from tensorbend.trace import FEATURE_TENSORS, FEATURES
 
 
 class RoutingCapture:
-    """Context manager installing forward hooks on every router (and decoder layer if needed)."""
+    """Context manager buffering per-layer rows of the chosen features until `pop()`."""
 
     def __init__(
         self,
@@ -44,29 +41,23 @@ class RoutingCapture:
             raise TensorbendError(
                 f"unknown capture features {sorted(unknown)}: expected some of {list(FEATURES)}"
             )
-        self.model, self.spec = model, spec
+        self.spec = spec
         self.features = tuple(dict.fromkeys(("ids", *features)))  # ids always
         self.store_dtype = store_dtype
-        self._handles: list = []
-        self._buf: dict[str, list[list[torch.Tensor]]] = {}
+        self._hooks = RouterHooks(
+            model,
+            spec,
+            on_route=self._on_route,
+            on_layer_input=self._on_layer_input if "layer_input" in self.features else None,
+        )
         self._reset()
 
     def __enter__(self) -> RoutingCapture:
-        layers = decoder_layers(self.model)
-        for m, lid in enumerate(self.spec.moe_layer_ids):
-            self._handles.append(
-                router_module(self.model, self.spec, m).register_forward_hook(self._router_hook(m))
-            )
-            if "layer_input" in self.features:
-                self._handles.append(
-                    layers[lid].register_forward_pre_hook(self._layer_hook(m), with_kwargs=True)
-                )
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._hooks.__exit__(*exc)
 
     def pop(self) -> dict[str, torch.Tensor]:
         """Rows captured since the last pop, stacked over MoE layers: {tensor_name: [T, L, ...]}."""
@@ -88,35 +79,20 @@ class RoutingCapture:
         L = self.spec.num_moe_layers
         self._buf = {f: [[] for _ in range(L)] for f in self.features}
 
-    def _router_hook(self, m: int):
-        D = self.spec.hidden_size
+    def _keep(self, x: torch.Tensor, last_dim: int) -> torch.Tensor:
+        return x.detach().reshape(-1, last_dim).to("cpu", self.store_dtype, copy=True)
 
-        def hook(module, args, output):
-            logits_TE, weights_TK, ids_TK = router_outputs(self.spec, output)
-            buf = self._buf
-            buf["ids"][m].append(ids_TK.detach().to("cpu", torch.int16))
-            if "weights" in buf:
-                buf["weights"][m].append(weights_TK.detach().to("cpu", self.store_dtype, copy=True))
-            if "logits" in buf:
-                buf["logits"][m].append(
-                    logits_TE.detach()
-                    .reshape(-1, logits_TE.shape[-1])
-                    .to("cpu", self.store_dtype, copy=True)
-                )
-            if "gate_input" in buf:
-                buf["gate_input"][m].append(
-                    args[0].detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True)
-                )
+    def _on_route(self, call: RouterCall) -> None:
+        buf, m = self._buf, call.m
+        buf["ids"][m].append(
+            call.ids_TK.detach().reshape(-1, call.ids_TK.shape[-1]).to("cpu", torch.int16)
+        )
+        if "weights" in buf:
+            buf["weights"][m].append(self._keep(call.weights_TK, call.weights_TK.shape[-1]))
+        if "logits" in buf:
+            buf["logits"][m].append(self._keep(call.logits_TE, call.logits_TE.shape[-1]))
+        if "gate_input" in buf:
+            buf["gate_input"][m].append(self._keep(call.gate_input, self.spec.hidden_size))
 
-        return hook
-
-    def _layer_hook(self, m: int):
-        D = self.spec.hidden_size
-
-        def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            self._buf["layer_input"][m].append(
-                h.detach().reshape(-1, D).to("cpu", self.store_dtype, copy=True)
-            )
-
-        return hook
+    def _on_layer_input(self, m: int, hidden: torch.Tensor) -> None:
+        self._buf["layer_input"][m].append(self._keep(hidden, self.spec.hidden_size))

@@ -1,10 +1,20 @@
 """Find the MoE layers and routers of a loaded HF transformers model, and describe its routing.
 
 Usage:
-    >>> from tensorbend.models import describe_model, router_params, select_experts
+    >>> from tensorbend.hf import load_model
+    >>> model, tok = load_model("zoo:default")
     >>> spec = describe_model(model)            # RoutingSpec: layers, experts, top-k, router kind
+    >>> spec.family, spec.num_moe_layers, spec.num_experts, spec.top_k
+    ('deepseek_v3', 6, 32, 4)
     >>> params = router_params(model, spec)     # {"layers.3.weight": [E, D], ...} for spec_gate
-    >>> ids_TK = select_experts(spec, params, m, gate_input_TD)   # the router's own selection
+    >>> calls = []
+    >>> with RouterHooks(model, spec, on_route=calls.append):   # the one router-hook helper
+    ...     _ = model(tok("In the beginning", return_tensors="pt").input_ids)
+    >>> [c.m for c in calls] == list(range(spec.num_moe_layers))
+    True
+    >>> ids_TK = select_experts(spec, params, 2, calls[2].gate_input_TD())  # router 2, rerun
+    >>> bool((ids_TK.sort(-1).values == calls[2].ids_TK.sort(-1).values).all())
+    True
 
 Shape legend: T tokens, L MoE layers, E routed experts, K top-k, D hidden size.
 
@@ -19,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +203,80 @@ def router_outputs(spec: RoutingSpec, output) -> tuple[torch.Tensor, torch.Tenso
         return logits_TE, scores_TE.gather(1, ids_TK), ids_TK
     logits_TE, weights_TK, ids_TK = output[0], output[1], output[2]
     return logits_TE, weights_TK, ids_TK
+
+
+@dataclass(frozen=True)
+class RouterCall:
+    """One forward of MoE layer m's router, as the experts module will consume it.
+
+    `gate_input` is the router's input exactly as received ([B, S, D] for DeepSeek-V3, [T, D]
+    for the others); `logits_TE`, `weights_TK`, `ids_TK` are its outputs (not detached: the zoo
+    trainer takes gradients through the logits). Consumers detach/copy what they keep.
+    """
+
+    m: int
+    gate_input: torch.Tensor
+    logits_TE: torch.Tensor
+    weights_TK: torch.Tensor
+    ids_TK: torch.Tensor
+
+    def gate_input_TD(self) -> torch.Tensor:
+        return self.gate_input.reshape(-1, self.gate_input.shape[-1])
+
+
+class RouterHooks:
+    """The one place that hooks routers: a context manager calling back on every MoE layer.
+
+    on_route(call: RouterCall) runs after each router forward (before its experts run);
+    on_layer_input(m, hidden) runs before MoE layer m's decoder layer (the residual stream
+    entering attention, the `pre_attn` source point). Hooks are removed on exit, also after an
+    exception. Used by capture, the offload runtime's prefetch hooks, the zoo trainer and card.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: RoutingSpec,
+        on_route: Callable[[RouterCall], None] | None = None,
+        on_layer_input: Callable[[int, torch.Tensor], None] | None = None,
+    ):
+        self.model, self.spec = model, spec
+        self.on_route, self.on_layer_input = on_route, on_layer_input
+        self._handles: list = []
+
+    def __enter__(self) -> RouterHooks:
+        layers = decoder_layers(self.model)
+        try:
+            for m, lid in enumerate(self.spec.moe_layer_ids):
+                if self.on_route is not None:
+                    router = router_module(self.model, self.spec, m)
+                    self._handles.append(router.register_forward_hook(self._route_hook(m)))
+                if self.on_layer_input is not None:
+                    self._handles.append(
+                        layers[lid].register_forward_pre_hook(self._layer_hook(m), with_kwargs=True)
+                    )
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _route_hook(self, m: int):
+        def hook(module, args, output):
+            logits_TE, weights_TK, ids_TK = router_outputs(self.spec, output)
+            self.on_route(RouterCall(m, args[0], logits_TE, weights_TK, ids_TK))
+
+        return hook
+
+    def _layer_hook(self, m: int):
+        def hook(module, args, kwargs):
+            self.on_layer_input(m, args[0] if args else kwargs["hidden_states"])
+
+        return hook
 
 
 def router_params(model: torch.nn.Module, spec: RoutingSpec) -> dict[str, torch.Tensor]:

@@ -3,7 +3,10 @@
 Usage:
     >>> from tensorbend.prompts import load_prompts, split_of
     >>> prompts = load_prompts()                  # the shipped calibration prompts
-    >>> [p.id for p in prompts if p.split == "test"][:3]
+    >>> len(prompts), {s: sum(p.split == s for p in prompts) for s in SPLITS}
+    (336, {'train': 247, 'val': 30, 'test': 59})
+    >>> split_of("any prompt id") in SPLITS       # a pure function of the id
+    True
 
 One JSON object per line: {"id": str, "text": str, "topic": str?, "continuation": str?}.
 `continuation` feeds teacher-forced decode. Blank lines are ignored.

@@ -1,43 +1,54 @@
-"""On-disk routing traces: a JSON manifest plus safetensors shards, append-only and resumable.
+"""On-disk routing traces: the format, and reading rows back (writing: `trace_writer.py`).
 
-Usage:
-    >>> tr = Trace.open("runs/trace")
-    >>> tr.info()["tokens"]                        # {"prefill": n, "decode": n}
-    >>> rows = tr.load(("ids", "gate_input"), split="test", phase="decode")
-    >>> rows["expert_ids_TLK"].shape                # [T, L, K]
+Usage (a runnable example that writes and reads a trace is in `trace_writer.py`):
+    tr = Trace.open("runs/trace")
+    tr.info()["tokens"]                                   # {"prefill": n, "decode": n}
+    rows = tr.load(("ids", "gate_input"), split="test", phase="decode")
+    rows["expert_ids_TLK"].shape                          # [T, L, K]
 
-Layout of a trace directory:
-    manifest.json             format_version, model, routing spec, features, prompts done, shards
+Layout of a trace directory (format_version 2; docs/formats.md has every key):
+    manifest.json             format_version, model, routing spec, features, collection,
+                              prompts done (in row order), shards (file, tokens, bytes, sha256)
     router.safetensors        router weights per MoE layer (spec_gate reruns the routers)
-    shard-00000.safetensors   rows of whole prompts: expert_ids_TLK [T, L, K] int16, optional
-                              weights_TLK, logits_TLE, gate_input_TLD, layer_input_TLD, and
-                              token_ids_T, positions_T, prompt_index_T (int32), phase_T (int8)
+    shard-00000.safetensors   rows of whole prompts: the features below, plus token_ids_T,
+    part-000123.safetensors   positions_T, prompt_index_T (int32), phase_T (int8: 0 prefill,
+                              1 decode). A `part-` shard holds one prompt written the moment it
+                              finished; parts are merged into `shard-` files as they accumulate.
 
-Every file is written to a temporary name and renamed into place, shard first, manifest last,
-so a killed collection leaves only whole prompts behind; `resume` skips them.
-Row order: prompts in manifest order; within a prompt, prefill tokens then decode steps.
+Rows are whole prompts in manifest order; within a prompt, prefill tokens then decode steps.
+A shard's bytes are checked against the manifest (size on open, sha256 on load), so a
+truncated or altered shard is named, not read as garbage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
 
-from tensorbend.capture import FEATURE_TENSORS
 from tensorbend.errors import TraceError
 from tensorbend.models import RoutingSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no shard checksums
 MANIFEST = "manifest.json"
 ROUTER_FILE = "router.safetensors"
 PHASES = ("prefill", "decode")  # phase_T codes 0, 1
+SPLITS = ("train", "val", "test")
 ROW_TENSORS = ("token_ids_T", "positions_T", "prompt_index_T", "phase_T")
+# Feature name (what `collect --features` records) -> tensor name in a shard.
+FEATURE_TENSORS = {
+    "ids": "expert_ids_TLK",  # int16 [T, L, K]: the router's own selection
+    "weights": "weights_TLK",  # [T, L, K]: the router's combine weights
+    "logits": "logits_TLE",  # [T, L, E]: raw router logits
+    "gate_input": "gate_input_TLD",  # [T, L, D]: the exact tensor each router received
+    "layer_input": "layer_input_TLD",  # [T, L, D]: residual stream entering the decoder layer
+}
+FEATURES = tuple(FEATURE_TENSORS)
 
 
 class Trace:
@@ -50,21 +61,17 @@ class Trace:
     @classmethod
     def open(cls, root: str | Path) -> Trace:
         root = Path(root)
-        manifest = _read_manifest(root)
-        tr = cls(root, manifest)
-        for sh in manifest["shards"]:
+        tr = cls(root, read_manifest(root))
+        for sh in tr.manifest["shards"]:
             path = root / sh["file"]
             if not path.is_file():
                 raise TraceError(
-                    f"trace {root}: shard {path.name} listed in the manifest is missing"
+                    f"trace {root}: shard {path.name} listed in the manifest is missing; "
+                    "recollect with `tensorbend collect --overwrite`"
                 )
             size = path.stat().st_size
             if size != sh["bytes"]:
-                raise TraceError(
-                    f"shard {path}: expected {sh['bytes']} bytes, found {size} (truncated or "
-                    "overwritten); other shards are intact: `Trace.load(..., skip_bad=True)` reads them, "
-                    "or recollect with `tensorbend collect --resume` after deleting its prompts"
-                )
+                raise _damaged(path, f"expected {sh['bytes']} bytes, found {size}")
         return tr
 
     # ------------------------------------------------------------ metadata
@@ -79,7 +86,7 @@ class Trace:
         return list(self.manifest["features"])
 
     def info(self) -> dict:
-        """Summary with the keys of `trace info --json` (DESIGN.md)."""
+        """Summary with the keys of `trace info --json` (docs/formats.md)."""
         m, spec = self.manifest, self.spec
         return {
             "format_version": m["format_version"],
@@ -88,30 +95,27 @@ class Trace:
             "num_experts": spec.num_experts,
             "top_k": spec.top_k,
             "hidden_size": spec.hidden_size,
-            "tokens": {
-                "prefill": sum(p["prefill"] for p in m["prompts"]),
-                "decode": sum(p["decode"] for p in m["prompts"]),
-            },
+            "tokens": {ph: sum(p[ph] for p in m["prompts"]) for ph in PHASES},
             "prompts": len(m["prompts"]),
             "features": self.features,
             "shards": len(m["shards"]),
             "family": spec.family,
             "router_kind": spec.router_kind,
             "decode_mode": m["collection"]["decode"],
-            "splits": {
-                s: sum(p["split"] == s for p in m["prompts"]) for s in ("train", "val", "test")
-            },
+            "splits": {s: sum(p["split"] == s for p in m["prompts"]) for s in SPLITS},
             "fingerprint": m["model"]["fingerprint"],
             "complete": m.get("complete", False),
         }
 
     def router_params(self) -> dict[str, torch.Tensor]:
-        return _load_checked(self.root / ROUTER_FILE)
+        return _read_tensors(self.root / ROUTER_FILE)
 
     # ------------------------------------------------------------ rows
 
     def load_shard(self, i: int) -> dict[str, torch.Tensor]:
-        return _load_checked(self.root / self.manifest["shards"][i]["file"])
+        """Shard i's tensors, after checking its size and (format 2) its sha256."""
+        sh = self.manifest["shards"][i]
+        return _read_tensors(self.root / sh["file"], sh.get("bytes"), sh.get("sha256"))
 
     def load(
         self,
@@ -126,29 +130,21 @@ class Trace:
         prompt_index_T (index into `self.prompts`), phase_T (0 prefill, 1 decode) and
         prev_row_T: the row of the previous token of the same prompt within the returned
         rows, -1 at a prompt's first token (or when that row was filtered out).
+        With skip_bad, unreadable shards are skipped (their prompts are missing).
         """
-        names = []
-        for f in features:
-            if f not in self.manifest["features"]:
-                raise TraceError(
-                    f"trace {self.root} has no feature {f!r}: found {self.features}; "
-                    f"recollect with `tensorbend collect --features {' '.join(sorted({*self.features, f}))}`"
-                )
-            names.append(FEATURE_TENSORS[f])
-        split_ok = (
-            None
-            if split in (None, "all")
-            else torch.tensor([p["split"] == split for p in self.prompts])
-        )
+        names = [self._tensor_name(f) for f in features]
+        split_ok = None
+        if split not in (None, "all"):
+            split_ok = torch.tensor([p["split"] == split for p in self.prompts], dtype=torch.bool)
         parts: dict[str, list[torch.Tensor]] = {n: [] for n in (*names, *ROW_TENSORS, "row_T")}
         offset = 0
-        for i in range(len(self.manifest["shards"])):
+        for i, sh_meta in enumerate(self.manifest["shards"]):
             try:
                 sh = self.load_shard(i)
             except TraceError:
                 if not skip_bad:
                     raise
-                offset += self.manifest["shards"][i]["tokens"]
+                offset += sh_meta["tokens"]
                 continue
             keep = torch.ones(sh["phase_T"].shape[0], dtype=torch.bool)
             if split_ok is not None:
@@ -164,178 +160,84 @@ class Trace:
         del out["row_T"]
         return out
 
-
-class TraceWriter:
-    """Appends whole prompts to a trace directory; see module docstring for the guarantees."""
-
-    def __init__(
-        self,
-        root: str | Path,
-        *,
-        model_meta: dict,
-        spec: RoutingSpec,
-        features: dict[str, str],
-        collection: dict,
-        router_params: dict[str, torch.Tensor],
-        shard_tokens: int = 4096,
-        resume: bool = False,
-        overwrite: bool = False,
-    ):
-        self.root = Path(root)
-        self.shard_tokens = shard_tokens
-        self._buf: list[tuple[dict, dict[str, torch.Tensor]]] = []
-        self._buf_tokens = 0
-        existing = self.root / MANIFEST
-        if existing.is_file() and not overwrite:
-            old = _read_manifest(self.root)
-            if old["model"]["fingerprint"] != model_meta["fingerprint"]:
-                raise TraceError(
-                    f"{self.root} holds a trace of another model ({old['model']['name']}, fingerprint "
-                    f"{old['model']['fingerprint']}), not {model_meta['name']} ({model_meta['fingerprint']}): "
-                    "choose another --out or pass --overwrite to replace it"
-                )
-            if not resume:
-                raise TraceError(
-                    f"{self.root} already holds a trace ({len(old['prompts'])} prompts): pass --resume to "
-                    "continue it or --overwrite to replace it"
-                )
-            for key, want in (("features", features), ("collection", collection)):
-                if old[key] != want:
-                    raise TraceError(
-                        f"cannot resume {self.root}: its {key} are {old[key]}, this run asks for {want}; "
-                        "rerun with the original options or pass --overwrite"
-                    )
-            self.manifest = old
-            self.manifest["complete"] = False
-        else:
-            if overwrite and self.root.is_dir():
-                _remove_trace_files(self.root)
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.manifest = {
-                "format_version": FORMAT_VERSION,
-                "model": model_meta,
-                "routing": spec.to_dict(),
-                "features": features,
-                "collection": collection,
-                "prompts": [],
-                "shards": [],
-                "complete": False,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            _atomic_save(
-                router_params, self.root / ROUTER_FILE, {"format_version": str(FORMAT_VERSION)}
-            )
-            self._write_manifest()
-
-    @property
-    def done_ids(self) -> set[str]:
-        return {p["id"] for p in self.manifest["prompts"]} | {rec["id"] for rec, _ in self._buf}
-
-    def add_prompt(self, record: dict, rows: dict[str, torch.Tensor]) -> None:
-        """Buffer one whole prompt: record {id, split, topic, prefill, decode}, rows [T, ...]."""
-        T = rows["phase_T"].shape[0]
-        assert all(v.shape[0] == T for v in rows.values()), {k: v.shape for k, v in rows.items()}
-        assert T == record["prefill"] + record["decode"]
-        self._buf.append((record, rows))
-        self._buf_tokens += T
-        if self._buf_tokens >= self.shard_tokens:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write buffered prompts as one shard, then the manifest that lists it."""
-        if not self._buf:
-            return
-        first = len(self.manifest["prompts"])
-        shard_idx = len(self.manifest["shards"])
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for j, (_rec, rows) in enumerate(self._buf):
-            T = rows["phase_T"].shape[0]
-            rows = {**rows, "prompt_index_T": torch.full((T,), first + j, dtype=torch.int32)}
-            for k, v in rows.items():
-                tensors.setdefault(k, []).append(v)
-        cat = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
-        name = f"shard-{shard_idx:05d}.safetensors"
-        meta = {
-            "format_version": str(FORMAT_VERSION),
-            "fingerprint": self.manifest["model"]["fingerprint"],
-        }
-        _atomic_save(cat, self.root / name, meta)
-        self.manifest["shards"].append(
-            {
-                "file": name,
-                "tokens": int(cat["phase_T"].shape[0]),
-                "bytes": (self.root / name).stat().st_size,
-                "prompts": [first, first + len(self._buf) - 1],
-            }
+    def _tensor_name(self, feature: str) -> str:
+        if feature in self.manifest["features"]:
+            return FEATURE_TENSORS[feature]
+        imported = "imported" in str(self.manifest["collection"].get("decode", ""))
+        fix = (
+            "this trace was imported with routing only: use a routing-only predictor "
+            "(frequency, transition, prev_token)"
+            if imported
+            else "recollect with `tensorbend collect --features "
+            f"{' '.join(sorted({*self.features, feature}))}`"
         )
-        for rec, _ in self._buf:
-            self.manifest["prompts"].append({**rec, "shard": shard_idx})
-        self._buf, self._buf_tokens = [], 0
-        self._write_manifest()
-
-    def close(self, complete: bool = True) -> None:
-        self.flush()
-        self.manifest["complete"] = complete
-        self._write_manifest()
-
-    def _write_manifest(self) -> None:
-        _atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=1))
+        raise TraceError(
+            f"trace {self.root} has no feature {feature!r}: found {self.features}; {fix}"
+        )
 
 
-# ---------------------------------------------------------------- helpers
+def subset_rows(rows: dict[str, torch.Tensor], keep_T: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows where keep_T is True, with prev_row_T re-pointed into the subset (-1 where the
+    previous token's row was dropped)."""
+    if bool(keep_T.all()):
+        return rows
+    new_index_T = torch.cumsum(keep_T.long(), 0) - 1
+    prev_T = rows["prev_row_T"]
+    prev_kept_T = (prev_T >= 0) & keep_T[prev_T.clamp(min=0)]
+    out = {k: v[keep_T] for k, v in rows.items()}
+    out["prev_row_T"] = torch.where(
+        prev_kept_T, new_index_T[prev_T.clamp(min=0)], torch.full_like(prev_T, -1)
+    )[keep_T]
+    return out
 
 
-def _read_manifest(root: Path) -> dict:
-    path = root / MANIFEST
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
     if not path.is_file():
         raise TraceError(
-            f"{root}: no trace here (expected {MANIFEST}); create one with `tensorbend collect --out {root}`"
+            f"{root}: no trace here (expected {MANIFEST}); create one with "
+            f"`tensorbend collect --out {root}`"
         )
     try:
         m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: corrupt manifest ({e.msg} at line {e.lineno})") from e
-    if m.get("format_version") != FORMAT_VERSION:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{path}: corrupt manifest ({e}); recollect the trace") from e
+    if not isinstance(m, dict) or m.get("format_version") not in READABLE_VERSIONS:
+        found = m.get("format_version") if isinstance(m, dict) else type(m).__name__
         raise TraceError(
-            f"{path}: trace format_version {m.get('format_version')!r}, this tensorbend reads {FORMAT_VERSION}; "
-            "recollect the trace or use the matching tensorbend version"
+            f"{path}: expected trace format_version {' or '.join(map(str, READABLE_VERSIONS))}, "
+            f"found {found!r}; recollect the trace or use the matching tensorbend version"
         )
     return m
 
 
-def _load_checked(path: Path) -> dict[str, torch.Tensor]:
+def file_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_tensors(
+    path: Path, nbytes: int | None = None, sha256: str | None = None
+) -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise TraceError(
-            f"{path}: unreadable safetensors file ({e}); it is truncated or corrupt"
-        ) from e
+        data = path.read_bytes()
+    except OSError as e:
+        raise _damaged(path, f"cannot read it ({e})") from e
+    if nbytes is not None and len(data) != nbytes:
+        raise _damaged(path, f"expected {nbytes} bytes, found {len(data)}")
+    if sha256 is not None and file_sha256(data) != sha256:
+        raise _damaged(path, f"expected sha256 {sha256[:16]}..., found {file_sha256(data)[:16]}...")
+    try:
+        return load_bytes(data)
+    except (SafetensorError, ValueError) as e:
+        raise _damaged(path, f"unreadable safetensors ({e})") from e
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    _fsync_replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _fsync_replace(tmp, path)
-
-
-def _fsync_replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_trace_files(root: Path) -> None:
-    for p in root.iterdir():
-        if p.name in (MANIFEST, ROUTER_FILE) or (
-            p.name.startswith("shard-") and ".safetensors" in p.name
-        ):
-            p.unlink()
+def _damaged(path: Path, what: str) -> TraceError:
+    return TraceError(
+        f"shard {path}: {what} (truncated or overwritten); other shards are intact: "
+        "`Trace.load(..., skip_bad=True)` reads them, or delete the trace directory and "
+        "recollect"
+    )
 
 
 def _prev_rows(row_T: torch.Tensor, prompt_T: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:

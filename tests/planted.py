@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tensorbend.models import RoutingSpec
-from tensorbend.trace import TraceWriter
+from tensorbend.trace_writer import TraceWriter
 
 
 def permutation_trace(root, *, L=4, E=16, K=2, D=16, prompts=40, tokens=24, decode=8, seed=0):

@@ -224,7 +224,7 @@ def test_run_verb_writes_design_json(tmp_path, capsys):
     not any(m["default"] for m in list_models()), reason="zoo:default not bundled yet"
 )
 def test_zoo_default_matches_resident():
-    from tensorbend.collect import load_model
+    from tensorbend.hf import load_model
 
     model, tok = load_model("zoo:default")
     spec = describe_model(model)

@@ -218,6 +218,7 @@ def real_trace(tmp_path_factory):
     from tiny_models import save_checkpoint, write_prompts
 
     from tensorbend.collect import CollectConfig, collect
+    from tensorbend.hf import DecodeConfig
 
     d = tmp_path_factory.mktemp("real")
     save_checkpoint("deepseek_v3", d / "model")
@@ -227,7 +228,7 @@ def real_trace(tmp_path_factory):
             model=str(d / "model"),
             out=d / "t",
             prompts=d / "p.jsonl",
-            max_new_tokens=6,
+            decode=DecodeConfig(max_new_tokens=6),
             dtype="float32",
             features=("ids", "gate_input", "layer_input"),
         ),

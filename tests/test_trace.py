@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import torch
 from tiny_models import save_checkpoint, write_prompts
 
 from tensorbend.cli import main
-from tensorbend.collect import CollectConfig, collect, load_model
+from tensorbend.collect import CollectConfig, collect
 from tensorbend.errors import PromptFileError, TraceError
+from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.prompts import load_prompts, split_of
-from tensorbend.trace import Trace
+from tensorbend.trace import FORMAT_VERSION, Trace
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,11 @@ def ckpt(tmp_path_factory):
 
 
 def _collect(ckpt, out, **kw):
-    cfg = dict(model=str(ckpt / "model"), out=out, prompts=ckpt / "prompts.jsonl", max_new_tokens=4)
+    dec = {k: kw.pop(k) for k in ("decode", "max_new_tokens", "seed") if k in kw}
+    cfg = dict(model=str(ckpt / "model"), out=out, prompts=ckpt / "prompts.jsonl")
     cfg.update(kw)
-    return collect(CollectConfig(**cfg), progress=False)
+    dc = DecodeConfig(**{"max_new_tokens": 4, **dec})
+    return collect(CollectConfig(**cfg, decode=dc), progress=False)
 
 
 def test_collect_and_trace_info_json(ckpt, tmp_path, capsys):
@@ -54,7 +58,7 @@ def test_collect_and_trace_info_json(ckpt, tmp_path, capsys):
     assert main(["trace", "info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     prompts = load_prompts(ckpt / "prompts.jsonl")
-    assert info["format_version"] == 1
+    assert info["format_version"] == FORMAT_VERSION
     assert (info["num_moe_layers"], info["num_experts"], info["top_k"], info["hidden_size"]) == (
         3,
         16,
@@ -90,7 +94,7 @@ def test_decode_rows_equal_full_sequence_routing(ckpt, tmp_path):
 def test_teacher_forcing_feeds_the_continuation(ckpt, tmp_path):
     s = _collect(ckpt, tmp_path / "t", decode="teacher", max_new_tokens=8)
     prompts = load_prompts(ckpt / "prompts.jsonl")
-    assert s["prompts_without_continuation"] == sum(p.continuation is None for p in prompts)
+    assert s.prompts_without_continuation == sum(p.continuation is None for p in prompts)
     tr = Trace.open(tmp_path / "t")
     rows = tr.load(("ids",), phase="decode")
     from transformers import AutoTokenizer
@@ -132,7 +136,7 @@ def test_existing_trace_refused_without_resume_or_overwrite(ckpt, tmp_path):
     with pytest.raises(TraceError, match="pass --resume to continue it or --overwrite"):
         _collect(ckpt, tmp_path / "t", max_prompts=2)
     s = _collect(ckpt, tmp_path / "t", resume=True)
-    assert s["prompts_skipped_done"] == 2 and s["prompts_total"] == 12
+    assert s.prompts_skipped_done == 2 and s.prompts_total == 12
     with pytest.raises(TraceError, match="resume .*features"):
         _collect(ckpt, tmp_path / "t", resume=True, features=("ids",))
 
@@ -147,7 +151,7 @@ def test_trace_of_another_model_refused(ckpt, tmp_path):
                 model=str(other),
                 out=tmp_path / "t",
                 prompts=ckpt / "prompts.jsonl",
-                max_new_tokens=2,
+                decode=DecodeConfig(max_new_tokens=2),
                 resume=True,
             ),
             progress=False,
@@ -176,6 +180,52 @@ def test_truncated_shard_names_the_file_and_others_stay_readable(ckpt, tmp_path)
     )
 
 
+def test_flipped_byte_in_a_shard_fails_its_checksum(ckpt, tmp_path):
+    """Same size, valid header, one data byte changed: only the sha256 can tell."""
+    _collect(ckpt, tmp_path / "t", max_prompts=2)
+    tr = Trace.open(tmp_path / "t")
+    victim = tmp_path / "t" / tr.manifest["shards"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x01
+    victim.write_bytes(bytes(data))
+    tr = Trace.open(tmp_path / "t")  # sizes match
+    with pytest.raises(TraceError, match=f"{victim.name}: expected sha256"):
+        tr.load(("ids",))
+
+
+def test_every_finished_prompt_is_on_disk_and_parts_merge(ckpt, tmp_path):
+    """Each prompt is durable as soon as it finishes (a part shard listed in the manifest);
+    parts merge into one shard once shard_tokens rows accumulate, and at close."""
+    from tensorbend.trace_writer import TraceWriter
+
+    _collect(ckpt, tmp_path / "t", max_prompts=3)
+    tr = Trace.open(tmp_path / "t")
+    w = TraceWriter(tmp_path / "t", model_meta=tr.manifest["model"], spec=tr.spec,
+                    features=tr.manifest["features"], collection=tr.manifest["collection"],
+                    resume=True, shard_tokens=10**9)  # fmt: skip
+    before = tr.load(("ids",))
+    sh0 = tr.load_shard(0)
+    for i in range(2):  # two more prompts: copies of prompt 0's rows
+        rows = {k: v[sh0["prompt_index_T"] == 0] for k, v in sh0.items() if k != "prompt_index_T"}
+        rec = {**tr.prompts[0], "id": f"extra{i}"}
+        w.add_prompt({k: rec[k] for k in ("id", "split", "topic", "prefill", "decode")}, rows)
+        on_disk = Trace.open(tmp_path / "t")  # what a kill -9 right now would leave
+        assert [p["id"] for p in on_disk.prompts][-1] == f"extra{i}"
+        assert on_disk.manifest["shards"][-1]["file"] == f"part-{3 + i:06d}.safetensors"
+    (tmp_path / "t" / "shard-00042.safetensors").write_bytes(b"orphan of a killed merge")
+    w.close()
+    tr = Trace.open(tmp_path / "t")
+    assert [s["file"] for s in tr.manifest["shards"]] == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+    assert not list((tmp_path / "t").glob("part-*"))
+    after = tr.load(("ids",))
+    n = before["expert_ids_TLK"].shape[0]
+    assert torch.equal(after["expert_ids_TLK"][:n], before["expert_ids_TLK"])
+    assert after["prompt_index_T"].max() == 4
+
+
 def test_malformed_prompt_file_names_the_line(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": "a", "text": "hello"}\n\n{"id": "b", "text": }\n')
@@ -196,9 +246,10 @@ def test_cli_user_error_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
-    """kill -9 in the middle of a collection, then --resume: every prompt exactly once, same rows."""
+    """kill -9 in the middle of a collection at the default shard size, then --resume: every
+    prompt finished before the kill is kept (not redone), every prompt exactly once, same rows."""
     ref = tmp_path / "ref"
-    _collect(ckpt, ref, max_new_tokens=6, shard_tokens=1)
+    _collect(ckpt, ref, max_new_tokens=6)
     out = tmp_path / "killed"
     cmd = [
         sys.executable,
@@ -213,8 +264,6 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
         str(ckpt / "prompts.jsonl"),
         "--max-new-tokens",
         "6",
-        "--shard-tokens",
-        "1",
         "--quiet",
     ]
     # Same thread count as this process (conftest): float reductions then match bit for bit.
@@ -230,10 +279,9 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
     proc.wait()
     done_before = len(json.loads((out / "manifest.json").read_text())["prompts"])
     assert 3 <= done_before < 12, "the kill should land mid-collection"
-    rc = subprocess.run(
-        [*cmd, "--resume"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    rc = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True)
     assert rc.returncode == 0, rc.stderr
+    assert re.search(rf"prompts_skipped_done\s+{done_before}\n", rc.stdout), rc.stdout
     a, b = Trace.open(ref), Trace.open(out)
     assert [p["id"] for p in b.prompts] == [p["id"] for p in a.prompts]
     ra, rb = a.load(("ids", "gate_input")), b.load(("ids", "gate_input"))

@@ -53,7 +53,7 @@ class RunConfig:
 
 def run(cfg: RunConfig) -> dict:
     """Resident reference + one offloaded run; returns the `run --json` dict (DESIGN.md)."""
-    from tensorbend.collect import load_model
+    from tensorbend.hf import load_model
     from tensorbend.prompts import load_prompts
 
     model, tok = load_model(cfg.model)

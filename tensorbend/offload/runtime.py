@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tensorbend.collect import cache_kwarg, cache_of
 from tensorbend.errors import TensorbendError
+from tensorbend.hf import cache_kwarg, cache_of
 from tensorbend.models import describe_model, model_fingerprint, moe_block
 from tensorbend.offload import POLICIES
 from tensorbend.offload.cache import (

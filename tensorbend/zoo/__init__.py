@@ -2,8 +2,10 @@
 
 Usage:
     >>> from tensorbend.zoo import resolve_model, list_models
-    >>> resolve_model("zoo:default")      # -> Path to an HF checkpoint directory
+    >>> resolve_model("zoo:default").name      # an HF checkpoint directory, never downloaded
+    'dsv3-tiny'
     >>> [m["name"] for m in list_models()]
+    ['dsv3-tiny', 'qwen3moe-tiny']
 
 A bundled model is a standard HF checkpoint directory (config.json, model.safetensors,
 tokenizer files) plus `model_card.json`. `zoo:default` names DEFAULT_MODEL.
@@ -43,6 +45,19 @@ def list_models() -> list[dict]:
             }
         )
     return rows
+
+
+def format_models(rows: list[dict]) -> str:
+    """`tensorbend zoo list` as a terminal table."""
+    cols = ("name", "arch", "params", "num_experts", "top_k", "num_moe_layers", "heldout_loss")
+    lines = ["  ".join(f"{c:>14}" for c in cols)]
+    for r in rows:
+        loss = f"{r['heldout_loss']:.3f}" if r["heldout_loss"] is not None else "-"
+        vals = [r[c] for c in cols[:-1]] + [loss]
+        lines.append(
+            "  ".join(f"{str(v):>14}" for v in vals) + (" (default)" if r["default"] else "")
+        )
+    return "\n".join(lines)
 
 
 def model_path(name: str) -> Path:

@@ -1,8 +1,8 @@
 """Model cards for zoo models: held-out quality and routing statistics, as JSON and Markdown.
 
-Usage (the trainer calls these after training):
-    >>> stats = evaluate(model, tok, train_ids_N, heldout_ids_N, seq_len=256, eval_tokens=131072)
-    >>> write_cards(out_dir, model, train_cfg, run, stats)
+Usage (the trainer calls these after training; tests/test_zoo.py runs them on a tiny corpus):
+    stats = evaluate(model, tok, train_ids_N, heldout_ids_N, seq_len=256, eval_tokens=131072)
+    write_cards(out_dir, model, train_cfg, run, stats)
 
 Statistics, all on held-out text (documents never seen in training):
     heldout_loss / perplexity   mean next-token cross-entropy (nats) of the model
@@ -33,6 +33,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from tensorbend.atomic import atomic_write_text
+from tensorbend.models import RouterCall, RouterHooks, describe_model
 from tensorbend.zoo import textdata
 
 GENERATION_PROMPTS = ("In the beginning", "The kernel", "def main():", "To be, or not to be")
@@ -50,15 +52,15 @@ def evaluate(
 ) -> dict:
     """Held-out loss next to the unigram baseline, routing statistics and sample generations."""
     windows_WS = textdata.heldout_windows(heldout_ids_N, seq_len, eval_tokens)
-    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-    captured: list[list[torch.Tensor]] = [[] for _ in gates]
-    handles = [
-        g.register_forward_hook(lambda m, a, o, i=i: captured[i].append(o[2].detach().cpu()))
-        for i, g in enumerate(gates)
-    ]
+    spec = describe_model(model)
+    captured: list[list[torch.Tensor]] = [[] for _ in range(spec.num_moe_layers)]
+
+    def on_route(call: RouterCall) -> None:
+        captured[call.m].append(call.ids_TK.detach().reshape(-1, spec.top_k).cpu())
+
     device = next(model.parameters()).device
     nll_sum, n_targets = 0.0, 0
-    try:
+    with RouterHooks(model, spec, on_route=on_route):
         for i in tqdm(range(0, len(windows_WS), 8), desc="evaluate held-out", unit="batch",
                       disable=not progress, file=sys.stderr):  # fmt: skip
             ids_BS = windows_WS[i : i + 8].to(device)
@@ -70,9 +72,6 @@ def evaluate(
             )
             nll_sum += float(nll)
             n_targets += ids_BS[:, 1:].numel()
-    finally:
-        for h in handles:
-            h.remove()
     vocab = model.config.vocab_size
     counts_V = np.bincount(np.asarray(train_ids_N), minlength=vocab).astype(np.float64) + 1.0
     logp_V = np.log(counts_V / counts_V.sum())
@@ -83,7 +82,7 @@ def evaluate(
     W, S = windows_WS.shape
     ids_LTK = torch.stack([torch.cat(c) for c in captured])  # [L, W*S, K]
     L, T, K = ids_LTK.shape
-    E = gates[0].weight.shape[0]
+    E = spec.num_experts
     layers = []
     for m in range(L):
         load_E = torch.bincount(ids_LTK[m].reshape(-1), minlength=E).double()
@@ -120,15 +119,15 @@ def write_cards(out: Path, model: torch.nn.Module, cfg, run: dict, stats: dict) 
     hf = model.config
     corpus_json = Path(cfg.corpus) / "corpus.json"
     corpus = json.loads(corpus_json.read_text()) if corpus_json.is_file() else {}
-    n_moe = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    spec = describe_model(model)
     card = {
         "name": Path(out).name,
         "arch": cfg.arch,
         "model_type": hf.model_type,
         "params": sum(p.numel() for p in model.parameters()),
         "num_layers": hf.num_hidden_layers,
-        "num_moe_layers": n_moe,
-        "num_experts": model.model.layers[-1].mlp.gate.weight.shape[0],
+        "num_moe_layers": spec.num_moe_layers,
+        "num_experts": spec.num_experts,
         "top_k": hf.num_experts_per_tok,
         "shared_experts": getattr(hf, "n_shared_experts", 0),
         "hidden_size": hf.hidden_size,
@@ -162,8 +161,8 @@ def write_cards(out: Path, model: torch.nn.Module, cfg, run: dict, stats: dict) 
             "python": platform.python_version(),
         },
     }
-    (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
-    (out / "model_card.md").write_text(_markdown(card))
+    atomic_write_text(out / "model_card.json", json.dumps(card, indent=2) + "\n")
+    atomic_write_text(out / "model_card.md", _markdown(card))
 
 
 _ROUTING_STYLE = {

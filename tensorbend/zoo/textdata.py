@@ -1,9 +1,9 @@
 """Text -> tokens for the zoo: a byte-level BPE tokenizer and cached token-id arrays.
 
-Usage:
-    >>> tok = train_tokenizer(Path("corpus"), vocab_size=8192)   # PreTrainedTokenizerFast
-    >>> ids_N = tokenize_split(tok, Path("corpus"), "train")     # uint16, documents end in EOS
-    >>> batch_BS = sample_batch(ids_N, batch_size=8, seq_len=256, seed=0, step=17)
+Usage (tests/test_zoo.py runs this on tests/data/corpus_sample):
+    tok = train_tokenizer(Path("corpus"), vocab_size=8192)   # PreTrainedTokenizerFast
+    ids_N = tokenize_split(tok, Path("corpus"), "train")     # uint16, documents end in EOS
+    batch_BS = sample_batch(ids_N, batch_size=8, seq_len=256, seed=0, step=17)
 
 The corpus directory is what `tensorbend zoo corpus` writes: `train/*.txt` and `heldout/*.txt`,
 documents separated by a form feed line. The tokenizer sees only the train split.

@@ -2,8 +2,8 @@
 
 Usage:
     tensorbend zoo train --arch deepseek_v3 --corpus corpus/ --out runs/zoo/dsv3 --minutes 50
-    >>> from tensorbend.zoo.trainer import ZooTrainConfig, train_zoo_model
-    >>> train_zoo_model(ZooTrainConfig("qwen3_moe", Path("corpus"), Path("out"), tokens=10**6))
+    from tensorbend.zoo.trainer import ZooTrainConfig, train_zoo_model
+    train_zoo_model(ZooTrainConfig("qwen3_moe", Path("corpus"), Path("out"), tokens=10**6))
 
 What it does, in order: trains a byte-level BPE tokenizer on the corpus train split, caches
 train/held-out token ids (uint16), builds the model from a size preset (`recipes.SIZES`), trains
@@ -36,18 +36,20 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+from tensorbend.atomic import atomic_save_tensors, atomic_write
 from tensorbend.errors import ZooError
 from tensorbend.zoo import card as zoo_card
 from tensorbend.zoo import textdata
+from tensorbend.zoo.balance import RouterLoad
 from tensorbend.zoo.recipes import ARCHS, SIZES, build_config, register_sorted_experts
 
 STATE_DIR = "train_state"
@@ -59,8 +61,8 @@ FORMAT_VERSION = "1"
 class ZooTrainConfig:
     """One training run. At least one of `minutes` and `tokens` bounds it; the first reached wins."""
 
-    arch: str
-    """Architecture: deepseek_v3, qwen3_moe or mixtral."""
+    arch: str = field(metadata={"choices": ARCHS})
+    """Architecture (a transformers model family)."""
     corpus: Path
     """Corpus directory written by `tensorbend zoo corpus` (train/ and heldout/)."""
     out: Path
@@ -141,7 +143,7 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
         run = _load_checkpoint(ckpt_path, cfg, model, opt)
 
     aux_coef = 0.0 if cfg.arch == "deepseek_v3" else cfg.aux_loss_coef
-    routers = _MoeRouters(model, keep_logits=aux_coef > 0)
+    routers = RouterLoad(model, keep_logits=aux_coef > 0)
     tokens_per_step = size.batch_size * size.seq_len
     total_steps = math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None
     budget_s = cfg.minutes * 60 if cfg.minutes else None
@@ -209,7 +211,7 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
 def _train_step(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
-    routers: _MoeRouters,
+    routers: RouterLoad,
     batch_BS: torch.Tensor,
     aux_coef: float,
 ) -> tuple[float, torch.Tensor]:
@@ -233,64 +235,6 @@ def _lr_factor(step: int, done: float, warmup_steps: int = 100) -> float:
     """Linear warmup over the first steps, then cosine from 1 to 0.1 over the budget."""
     warm = min(1.0, (step + 1) / warmup_steps)
     return warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
-
-
-class _MoeRouters:
-    """Forward hooks on every MoE router (`layers[i].mlp.gate`) that count selected experts."""
-
-    def __init__(self, model: torch.nn.Module, keep_logits: bool = False) -> None:
-        self.gates = [
-            layer.mlp.gate
-            for layer in model.model.layers
-            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
-        ]
-        self.num_experts = self.gates[0].weight.shape[0]
-        self.keep_logits = keep_logits
-        self._ids: list[torch.Tensor | None] = [None] * len(self.gates)
-        self._logits: list[torch.Tensor | None] = [None] * len(self.gates)
-        self._handles = [g.register_forward_hook(self._hook(i)) for i, g in enumerate(self.gates)]
-
-    def _hook(self, i: int):
-        def hook(module, args, output):
-            self._ids[i] = output[2].detach()  # [T, K] expert ids the experts module consumes
-            if self.keep_logits:
-                self._logits[i] = output[0]  # [T, E] raw router logits, with grad
-
-        return hook
-
-    def clear(self) -> None:
-        self._ids = [None] * len(self.gates)
-        self._logits = [None] * len(self.gates)
-
-    def aux_loss(self) -> torch.Tensor:
-        """Sum over MoE layers of the Switch loss E * sum_e f_e * P_e (1 per layer when even)."""
-        total = 0.0
-        for ids_TK, logits_TE in zip(self._ids, self._logits, strict=True):
-            T, E = logits_TE.shape
-            f_E = torch.bincount(ids_TK.reshape(-1), minlength=E).float() / ids_TK.numel()
-            P_E = torch.softmax(logits_TE.float(), dim=-1).mean(0)
-            total = total + E * (f_E.to(P_E.device) * P_E).sum()
-        return total
-
-    def load_LE(self) -> torch.Tensor:
-        return torch.stack(
-            [
-                torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
-                for ids in self._ids
-            ]
-        )
-
-    @torch.no_grad()
-    def update_bias(self, load_LE: torch.Tensor, gamma: float) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
-        for gate, load_E in zip(self.gates, load_LE, strict=True):
-            gate.e_score_correction_bias += gamma * torch.sign(load_E.mean() - load_E).to(
-                gate.e_score_correction_bias.device
-            )
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 class _StopFlag:
@@ -335,9 +279,7 @@ def _prepare_data(cfg: ZooTrainConfig, vocab_size: int, state_dir: Path, progres
         path = state_dir / f"tokens_{split}.npy"
         if not path.exists():
             arr = textdata.tokenize_split(tok, cfg.corpus, split, progress=progress)
-            tmp = path.with_suffix(".tmp.npy")
-            np.save(tmp, arr)
-            os.replace(tmp, path)
+            atomic_write(path, lambda f, arr=arr: np.save(f, arr))
         ids[split] = np.load(path, mmap_mode="r")
     return tok, ids["train"], ids["heldout"]
 
@@ -358,9 +300,7 @@ def _save_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt, run: dict) -> 
         "config": json.dumps({**asdict(cfg), "corpus": str(cfg.corpus), "out": str(cfg.out)}),
         "param_groups": json.dumps(opt_sd["param_groups"]),
     }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    atomic_save_tensors(tensors, path, meta)
 
 
 def _load_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt) -> dict:

@@ -1,0 +1,165 @@
+"""Command-line flags derived from config dataclasses: each default, choice and help text once.
+
+Usage:
+    >>> import argparse
+    >>> from tensorbend.hf import DecodeConfig
+    >>> p = argparse.ArgumentParser()
+    >>> add_config_flags(p, DecodeConfig)
+    >>> config_from_args(DecodeConfig, p.parse_args(["--decode", "teacher", "--seed", "3"]))
+    DecodeConfig(decode='teacher', max_new_tokens=32, max_prompt_tokens=256, temperature=0.8, seed=3)
+    >>> [a.help for a in p._actions if a.dest == "decode"][0].split(" (")[0][:33]
+    'How decode tokens are produced: g'
+
+Rules, from the field's annotation and default:
+  `Literal[...]`          -> choices;     `bool` (default False) -> `--name`;
+  `bool` (default True)   -> `--no-name`; `tuple[X, ...]` -> values, repeatable and/or
+                             comma-separated (`--x a b`, `--x a --x b`, `--x a,b`; `none`: empty);
+  `X | None`              -> optional X;  a nested config dataclass -> its fields, flattened;
+  no default              -> a required flag.
+The help text is the attribute docstring under the field (read from the source), followed by
+the default. `field(metadata={"choices": TABLE})` takes choices from a table defined elsewhere
+(e.g. the predictor registry), `{"flags": ("--old-spelling",)}` adds aliases, and
+`{"cli": False}` keeps a field off the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from functools import cache
+from pathlib import Path
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    skip: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+    positional: tuple[str, ...] = (),
+) -> None:
+    """Add one flag per field of dataclass `cls` (nested config dataclasses flattened)."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            add_config_flags(parser, hint, skip=skip)
+            continue
+        default = _default(f)
+        kind, base = _kind(hint)
+        help_text = docs.get(f.name, "")
+        if f.name in positional:
+            parser.add_argument(f.name, type=_converter(base), help=help_text)
+            continue
+        names = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
+        kw: dict = {"dest": f.name, "help": help_text}
+        if kind == "bool":
+            if default is True:
+                names = ["--no-" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
+                kw["action"] = "store_false"
+            else:
+                kw["action"] = "store_true"
+            parser.add_argument(*names, default=bool(default), **kw)
+            continue
+        choices = f.metadata.get("choices") or (
+            typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
+        )
+        kw["type"] = _converter(type(choices[0]) if choices else base)
+        if choices:
+            kw["choices"] = list(choices)
+        if kind == "tuple":
+            kw.update(nargs="+", action="extend")
+            kw["type"] = str  # split and converted in config_from_args
+        if default is dataclasses.MISSING or f.name in required:
+            kw["required"] = True
+        else:
+            kw["default"] = None if kind == "tuple" else default
+            shown = " ".join(map(str, default)) if kind == "tuple" else default
+            kw["help"] = f"{help_text} (default: {shown})".strip()
+        parser.add_argument(*names, **kw)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides):
+    """Build `cls` from parsed flags (nested configs too); `overrides` win over flags."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    ns = vars(args)
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = config_from_args(hints[f.name], args)
+        elif f.name in ns and ns[f.name] is not None:
+            value = ns[f.name]
+            if isinstance(value, list):
+                value = _tuple_value(value, _converter(_kind(hints[f.name])[1]))
+            values[f.name] = value
+    return cls(**values)
+
+
+def _tuple_value(values: list[str], convert) -> tuple:
+    """Repeated flags and comma-separated lists both work; a lone `none` is the empty tuple."""
+    items = [x for v in values for x in str(v).split(",") if x]
+    return () if items == ["none"] else tuple(convert(x) for x in items)
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its attribute docstring, whitespace-normalised} from the class source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # no source (e.g. built in a REPL): no help text
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _kind(hint) -> tuple[str, object]:
+    """("bool" | "tuple" | "scalar", the base type without None / tuple wrapping)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        assert len(args) == 1, f"unsupported config annotation {hint}"
+        return _kind(args[0])
+    if hint is bool:
+        return "bool", bool
+    if origin is tuple:
+        return "tuple", typing.get_args(hint)[0]
+    return "scalar", hint
+
+
+def _converter(base):
+    if base in (int, float, str):
+        return base
+    if base is Path or (isinstance(base, type) and issubclass(base, Path)):
+        return Path
+    return str

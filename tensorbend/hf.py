@@ -1,0 +1,199 @@
+"""HF transformers plumbing: load a local model, and the ONE prefill/decode loop.
+
+Usage:
+    >>> from tensorbend.prompts import Prompt
+    >>> model, tok = load_model("zoo:default")
+    >>> cfg = DecodeConfig(decode="greedy", max_new_tokens=4)
+    >>> run = decode_prompt(model, encode_prompt(tok, Prompt("p", "In the beginning"), cfg), cfg)
+    >>> len(run.fed_ids), run.n_forwards      # 4 decode tokens fed, 1 prefill + 4 decode forwards
+    (4, 5)
+
+Every user of a model's forward pass (`collect`, the offload runtime, the benches) runs
+prompts through `decode_prompt`: one prefill forward over the (truncated) prompt, then one
+forward per decode step with the KV cache, at batch 1, so decode rows are real single-token
+steps. Decode tokens come from greedy argmax, seeded sampling (per prompt: `seed + index`), or
+teacher forcing (the prompt's reference `continuation`, fed one token at a time; prompts
+without one get no decode steps). Greedy and sampling stop at EOS; teacher forcing does not.
+
+A caller that needs to act around each forward (hooks, timing, counters) passes
+`forward(phase, **kwargs) -> output`; the default is `model(**kwargs)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from tensorbend.errors import TensorbendError
+from tensorbend.zoo import resolve_model
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    decode: Literal["greedy", "sample", "teacher"] = "greedy"
+    """How decode tokens are produced: greedy argmax, seeded sampling, or teacher forcing
+    (feed each prompt's `continuation`, one token per step)."""
+    max_new_tokens: int = 32
+    """Decode steps per prompt (greedy and sample stop earlier at EOS)."""
+    max_prompt_tokens: int = 256
+    """Prompts are truncated to this many tokens."""
+    temperature: float = 0.8
+    """Softmax temperature for --decode sample."""
+    seed: int = 0
+    """Sampling seed (prompt i uses seed + i)."""
+
+    def __post_init__(self) -> None:
+        if self.decode not in ("greedy", "sample", "teacher"):
+            raise TensorbendError(
+                f"--decode {self.decode!r}: expected one of greedy, sample, teacher"
+            )
+        if self.max_new_tokens < 0:
+            raise TensorbendError(f"--max-new-tokens {self.max_new_tokens}: expected a count >= 0")
+        if self.max_prompt_tokens < 1:
+            raise TensorbendError(
+                f"--max-prompt-tokens {self.max_prompt_tokens}: expected a count >= 1"
+            )
+        if not self.temperature > 0:
+            raise TensorbendError(f"--temperature {self.temperature}: expected a number > 0")
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A tokenised prompt: ids [1, S] (truncated) and the teacher-forced tokens (or None)."""
+
+    prompt_id: str
+    ids_1S: torch.Tensor
+    forced: list[int] | None
+
+
+@dataclass
+class Decoded:
+    """What one prompt's run produced.
+
+    fed_ids: the decode tokens fed to the model, in order (generated, sampled or forced).
+    argmax_ids: argmax of the last position's logits after every forward (prefill first):
+        what greedy decoding would emit next; the offload runtime compares these and the logits.
+    """
+
+    prompt_ids: list[int]
+    fed_ids: list[int] = field(default_factory=list)
+    argmax_ids: list[int] = field(default_factory=list)
+
+    @property
+    def n_prefill(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def n_forwards(self) -> int:
+        return 1 + len(self.fed_ids)
+
+
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
+    """Load (model, tokenizer) from a local directory or zoo:NAME, offline, in eval mode.
+
+    The experts run through transformers' per-expert `eager` implementation where the family
+    supports a choice: several times faster on CPU than the default grouped_mm, and the
+    implementation the offload runtime reproduces bit for bit.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    path = resolve_model(spec)
+    kw = {"dtype": dtype, "local_files_only": True}
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
+        except (TypeError, ValueError):  # families / versions without pluggable experts
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TensorbendError(f"cannot load model from {path}: {e}") from e
+    if device != "cpu":
+        _check_device(device)
+        model = model.to(device)
+    model.eval()
+    return model, tok
+
+
+def encode_prompt(tok, prompt, cfg: DecodeConfig) -> PromptInput:
+    """Tokenise prompt.text (truncated to cfg.max_prompt_tokens) and, for teacher forcing,
+    prompt.continuation (truncated to cfg.max_new_tokens)."""
+    ids = tok(prompt.text, return_tensors="pt").input_ids[:, : cfg.max_prompt_tokens]
+    if ids.shape[1] == 0:
+        raise TensorbendError(
+            f"prompt {prompt.id!r} tokenizes to nothing: remove it or give it text"
+        )
+    forced = None
+    if cfg.decode == "teacher":
+        text = prompt.continuation or ""
+        forced = tok(text, add_special_tokens=False).input_ids[: cfg.max_new_tokens]
+    return PromptInput(prompt.id, ids, forced)
+
+
+def decode_prompt(
+    model,
+    inp: PromptInput,
+    cfg: DecodeConfig,
+    *,
+    index: int = 0,
+    eos_id: int | None = None,
+    forward: Callable | None = None,
+) -> Decoded:
+    """Prefill `inp`, then decode per cfg; returns the tokens fed and the argmax after each
+    forward. `forward(phase, **kwargs)` wraps every model call ("prefill" or "decode")."""
+    forward = forward or (lambda phase, **kw: model(**kw))
+    device = _device_of(model)
+    cache_kw = cache_kwarg(model)
+    gen = torch.Generator().manual_seed(cfg.seed + index) if cfg.decode == "sample" else None
+    out = forward("prefill", input_ids=inp.ids_1S.to(device), use_cache=True)
+    run = Decoded(prompt_ids=inp.ids_1S[0].tolist())
+    logits_V = out.logits[0, -1]
+    run.argmax_ids.append(int(logits_V.argmax()))
+    n_steps = len(inp.forced) if inp.forced is not None else cfg.max_new_tokens
+    for step in range(n_steps):
+        if inp.forced is not None:
+            nxt = inp.forced[step]
+        elif cfg.decode == "greedy":
+            nxt = run.argmax_ids[-1]
+        else:
+            probs_V = torch.softmax(logits_V.float().cpu() / cfg.temperature, dim=-1)
+            nxt = int(torch.multinomial(probs_V, 1, generator=gen))
+        if inp.forced is None and eos_id is not None and nxt == eos_id:
+            break
+        step_ids = torch.tensor([[nxt]], device=device)
+        out = forward("decode", input_ids=step_ids, use_cache=True, **{cache_kw: cache_of(out)})
+        run.fed_ids.append(nxt)
+        logits_V = out.logits[0, -1]
+        run.argmax_ids.append(int(logits_V.argmax()))
+    return run
+
+
+def cache_of(out):
+    """The KV cache of a model output (`cache` since transformers 5.2x, `past_key_values` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def cache_kwarg(model) -> str:
+    """The forward() keyword that takes the KV cache in this transformers version."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TensorbendError(
+            f"--device {device}: expected a CUDA device, found none (torch "
+            f"{torch.__version__}, cuda available: False); use --device cpu"
+        )
