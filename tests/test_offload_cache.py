@@ -1,4 +1,6 @@
-"""Expert cache: hand-counted hits and misses per policy, capacity under stress, no deadlock."""
+"""Expert cache mechanism: hand-counted counters, bypass, capacity under stress, no deadlock.
+
+Policies alone (no threads) are tested in test_offload_policies.py."""
 
 import random
 import threading
@@ -8,19 +10,14 @@ import pytest
 import torch
 
 from tensorbend.errors import StoreError
-from tensorbend.offload.cache import (
-    LFU,
-    LRU,
-    CacheConfig,
-    ExpertCache,
-    NextUse,
-    Predicted,
-    trace_next_use,
-)
+from tensorbend.offload.cache import CacheConfig, ExpertCache
+from tensorbend.offload.policies import LFU, LRU, AdmitFrequent, NextUse, Predicted
+from tensorbend.offload.resident import ResidentSet
 
 
-def _cache(capacity, policy, keep=True):
-    return ExpertCache(CacheConfig(capacity, keep=keep), 4, torch.float32, policy, nbytes=16)
+def _cache(capacity, policy, num_layers=1, scratch=1, **kw):
+    rs = ResidentSet(capacity, num_layers, policy, **kw)
+    return ExpertCache(CacheConfig(scratch=scratch), rs, 4, torch.float32, nbytes=16)
 
 
 def _demand(cache, key):
@@ -61,28 +58,39 @@ def test_belady_is_optimal_on_a_known_sequence():
     steps = {}
     for t, e in enumerate(seq):
         steps.setdefault((0, e), []).append(t)
-    s = _replay(_cache(3, NextUse(trace_next_use(steps))), seq)
+    s = _replay(_cache(3, NextUse(steps, num_layers=1)), seq)
     # MIN with 3 slots: misses 0 1 2 3(evicts 2) 2(evicts 0 or 1, both unused later) -> 5 misses
     assert (s.hits, s.misses) == (5, 5)
 
 
 def test_on_demand_keeps_nothing_after_use():
-    cache = _cache(4, LRU(), keep=False)
+    cache = _cache(0, LRU(), scratch=2)  # no resident slots: every miss uses a staging slot
     s = _replay(cache, [0, 0, 1, 1])
-    assert (s.hits, s.misses) == (0, 4) and not cache.entries
+    assert (s.hits, s.misses, s.bypassed) == (0, 4, 4) and not cache.entries
+    assert sorted(cache.scratch_free) == [0, 1]
+
+
+def test_bypassed_miss_is_computed_and_not_kept():
+    # capacity 1, TinyLFU window 3 steps: A B A B C A B (hand count in test_offload_policies)
+    cache = _cache(1, LRU(), admission=AdmitFrequent(3))
+    s = _replay(cache, [0, 1, 0, 1, 2, 0, 1])
+    assert (s.hits, s.misses, s.bypassed, s.evictions) == (2, 5, 3, 1)
+    assert s.bytes_read == 5 * 16  # a bypassed expert is read (into staging) all the same
+    assert list(cache.entries) == [(0, 1)] and cache.scratch_free == [1]
 
 
 def test_prefetch_counters_used_and_wasted():
     cache = _cache(2, Predicted(num_layers=10))
     for e in (0, 1):
         cache.hint((0, e), 5)
-        assert cache.start_load((0, e), demand=False, block=False) is not None
+        assert cache.start_load((0, e), demand=False, block=False, when=5) is not None
         cache.finish_load((0, e), 16)
+    # a prefetch for step 9 must not evict experts predicted for step 5 ... until step 5 passes;
+    cache.now = 4
+    assert cache.start_load((0, 2), demand=False, block=False, when=9) is None
     cache.now = 5
     _demand(cache, (0, 0))  # used prefetch: a hit
-    # a prefetch for step 9 must not evict experts predicted for step 5 ... until step 5 passes;
     # then the never-used prefetched expert 1 has the farthest estimated next use
-    assert cache.start_load((0, 2), demand=False, block=False, when=9) is None
     cache.now = 6
     assert cache.start_load((0, 2), demand=False, block=False, when=9) is not None
     cache.finish_load((0, 2), 16)
@@ -170,7 +178,7 @@ def test_stress_capacity_never_exceeded_and_no_deadlock(policy):
     assert demand_done.is_set(), "demand thread deadlocked"
     assert not errors and not violations
     s = cache.stats
-    assert s.peak_entries <= cap and s.demands == 1200
+    assert s.peak_entries <= cap and s.demands == 1200 and len(cache.resident) <= cap
     assert s.prefetch_loaded > 0 and s.evictions > 0  # the I/O threads really competed
     assert all(e.pins == 0 for e in cache.entries.values())
 

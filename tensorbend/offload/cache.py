@@ -1,61 +1,60 @@
-"""A bounded pool of expert slots in fast memory, with eviction policies kept apart from it.
+"""A bounded pool of expert slots in fast memory: states, pins, locks and counters.
 
 Usage:
-    >>> cache = ExpertCache(CacheConfig(capacity=48), layout, LRU())
-    >>> cache.now = step                          # logical clock: one step per (forward, MoE layer)
-    >>> state = cache.claim((m, e))               # "ready" | "loading" | "absent"; pins if present
-    >>> slot = cache.start_load((m, e), demand=True, block=True)   # I/O thread: reserve a slot
-    >>> cache.finish_load((m, e), nbytes)         # ... after reading into cache.buffer(slot)
-    >>> ready = cache.wait_ready(keys)            # compute thread: blocks (stall) until >= 1 ready
-    >>> cache.release((m, e))                     # unpin after the expert ran
+    >>> import torch
+    >>> from tensorbend.offload.policies import LRU
+    >>> cache = ExpertCache(CacheConfig(), ResidentSet(2, 1, LRU()), 4, torch.float32, 16)
+    >>> cache.now = 0                               # logical clock: step = forward * L + m
+    >>> cache.claim((0, 5))                         # compute thread: "ready" | "loading" | "absent"
+    'absent'
+    >>> slot = cache.start_load((0, 5), demand=True, block=True)   # I/O thread: reserve a slot
+    >>> cache.finish_load((0, 5), 16)               # ... after reading into cache.buffer(slot)
+    >>> cache.wait_ready([(0, 5)])                  # compute thread: blocks (the stall) until ready
+    [(0, 5)]
+    >>> cache.release((0, 5))                       # unpin after the expert ran
+    >>> cache.stats.misses, cache.stats.bytes_read
+    (1, 16)
 
 Keys are (MoE layer m, expert e). An entry is LOADING (a read is in flight into its slot) or
-READY; `pins` counts users that must not lose it. Invariant: entries (loading or ready) never
-exceed `capacity`; only READY entries with no pins are evicted. Demand loads block for a slot
-(one frees as soon as the compute thread finishes an expert, so they cannot deadlock);
-prefetches never block: with no evictable slot, or when the policy says the victim is worth more
-than the prefetch, they are dropped.
+READY; `pins` counts users that must not lose it. Which keys hold the `capacity` resident slots,
+which one is evicted and whether a miss is kept is decided by `resident.ResidentSet` (policy,
+pool, admission: see policies.py); this module never looks at the policy's type. Only READY
+entries with no pins are evictable. A demand miss the admission rule refuses (bypass) is read
+into one of `scratch` staging slots and freed as soon as its layer ran.
 
-Policies decide only *which* entry goes: `LRU`, `LFU` (all-time counts per key), `Predicted`
-(farthest estimated next use: predictions first, then layer cycle and recent use rate) and
-`NextUse` (farthest exact next use from a recorded trace: Belady's MIN). Counters live in
-`CacheStats`.
+Invariants: resident entries never exceed `capacity`; demand loads block for a slot (one frees
+as soon as the compute thread finishes an expert, so they cannot deadlock); prefetches never
+block: refused or blocked, they are dropped. On CUDA a slot is overwritten only after the
+compute stream has finished the kernels that read its previous expert (`slot_free_event`).
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
 from tensorbend.errors import StoreError
+from tensorbend.offload.policies import INF, Key
+from tensorbend.offload.resident import ResidentSet
 
-Key = tuple[int, int]  # (MoE layer m, expert e)
 LOADING, READY = 0, 1
-INF = float("inf")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    capacity: int
-    """Expert slots in fast memory (all routed experts are the same size)."""
-    keep: bool = True
-    """Keep experts after use; False frees a slot as soon as its expert ran (policy on_demand)."""
+    scratch: int = 1
+    """Staging slots for demand loads that are not kept (bypassed misses, policy on_demand);
+    not counted in the cache's capacity."""
     device: str = "cpu"
-    """Where slots live: cpu, or cuda (copies then go through pinned staging + a copy stream)."""
+    """Where slots live: cpu, or cuda[:N] (reads then go through pinned staging + a copy stream)."""
     wait_timeout_s: float = 300.0
     """A wait longer than this means a bug or a dead disk: raise instead of hanging."""
 
     def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise StoreError(
-                f"expert cache capacity: expected >= 1 slot, found {self.capacity} "
-                f"(raise --cache-frac)"
-            )
+        assert self.scratch >= 1 and self.wait_timeout_s > 0, self
 
 
 @dataclass
@@ -63,6 +62,7 @@ class CacheStats:
     hits: int = 0  # needed expert READY when its layer asked
     late: int = 0  # needed expert still LOADING (prefetched, not in time)
     misses: int = 0  # needed expert absent: demand load
+    bypassed: int = 0  # ... of which computed from a staging slot and not kept (admission)
     bytes_read: int = 0
     demand_loads: int = 0
     prefetch_issued: int = 0  # prefetch requests queued
@@ -71,10 +71,10 @@ class CacheStats:
     prefetch_wasted: int = 0  # ... read and evicted (or left at the end) unused
     prefetch_wasted_bytes: int = 0
     prefetch_cancelled: int = 0  # stale before their read started
-    prefetch_dropped: int = 0  # no slot worth taking
+    prefetch_dropped: int = 0  # no slot worth taking, or the link was busy
     evictions: int = 0
     stall_s: float = 0.0  # compute thread waiting for experts
-    peak_entries: int = 0
+    peak_entries: int = 0  # resident entries (<= capacity)
 
     @property
     def demands(self) -> int:
@@ -87,123 +87,52 @@ class CacheStats:
     def copy(self) -> CacheStats:
         return CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-    def minus(self, other: CacheStats) -> CacheStats:
-        out = self.copy()
+    def add(self, other: CacheStats, minus: CacheStats | None = None) -> None:
+        """self += other - minus (peak_entries: the max)."""
         for f in fields(self):
-            if f.name != "peak_entries":
-                setattr(out, f.name, getattr(self, f.name) - getattr(other, f.name))
-        return out
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "peak_entries":
+                setattr(self, f.name, max(a, b))
+            else:
+                setattr(self, f.name, a + b - (getattr(minus, f.name) if minus else 0))
 
 
 @dataclass
 class _Entry:
     slot: int
+    resident: bool  # holds a resident slot (False: a scratch slot, freed after use)
     state: int = LOADING
     pins: int = 0
     prefetched: bool = False
     used: bool = False
-    last: tuple[int, int] = (0, 0)  # (clock, sequence) of the last access
-
-
-class LRU:
-    name = "lru"
-
-    def touch(self, key: Key, now: int) -> None:
-        pass
-
-    def rank(self, key: Key, entry: _Entry, now: int):  # the highest rank is evicted
-        return (0, _neg(entry.last))
-
-    def hint(self, key: Key, when: int) -> None:
-        pass
-
-
-class LFU(LRU):
-    name = "lfu"
-
-    def __init__(self) -> None:
-        self.counts: dict[Key, int] = {}
-
-    def touch(self, key: Key, now: int) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def rank(self, key: Key, entry: _Entry, now: int):
-        return (-self.counts.get(key, 0), _neg(entry.last))
-
-
-class NextUse(LRU):
-    """Belady's MIN: evict the entry whose exact next use (from a recorded trace) is farthest."""
-
-    name = "belady"
-
-    def __init__(self, next_use: Callable[[Key, int], float]):
-        self.next_use = next_use
-
-    def when(self, key: Key, now: int) -> float:
-        return self.next_use(key, now)
-
-    def rank(self, key: Key, entry: _Entry, now: int):
-        return (self.when(key, now), _neg(entry.last))
-
-
-class Predicted(NextUse):
-    """Evict the farthest *estimated* next use; keep what is predicted soon.
-
-    A predicted expert (`hint(key, step)`, step not passed yet) is next used at that step. Any
-    other expert of MoE layer m can next be used when layer m comes round again, which is
-    one forward later if a prediction for that visit left it out; we stretch that visit by the
-    odds against use, (1 - p) / p visits, where p is the expert's recent use rate per visit
-    (decayed count, `decay` per forward). Without predictions this is a layer-cycle-aware LFU.
-    """
-
-    name = "predicted"
-
-    def __init__(self, num_layers: int, decay: float = 0.9):
-        self.L, self.decay = num_layers, decay
-        self.hints: dict[Key, int] = {}
-        self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
-        self.use: dict[Key, tuple[float, int]] = {}  # key -> (decayed count, step of last use)
-
-    def touch(self, key: Key, now: int) -> None:
-        self.use[key] = (self._count(key, now) + 1.0, now)
-
-    def hint(self, key: Key, when: int) -> None:
-        self.hints[key] = when
-        self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
-
-    def when(self, key: Key, now: int) -> float:
-        h = self.hints.get(key)
-        if h is not None and h >= now:
-            return h
-        m, L = key[0], self.L
-        visit = now - now % L + m
-        if visit <= now:
-            visit += L
-        if self.layer_hint.get(m, -1) >= visit:
-            visit += L  # predicted set for that visit excludes this expert
-        p = min(1.0, self._count(key, now) * (1 - self.decay))
-        return visit + L * (1 - p) / max(p, 1e-3)
-
-    def _count(self, key: Key, now: int) -> float:
-        c, t = self.use.get(key, (0.0, now))
-        return c * self.decay ** ((now - t) / self.L)
 
 
 class ExpertCache:
     """Slots + entries + counters; every method is thread-safe."""
 
-    def __init__(self, cfg: CacheConfig, numel: int, dtype: torch.dtype, policy: LRU, nbytes: int):
-        self.cfg, self.policy, self.nbytes = cfg, policy, nbytes
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        resident: ResidentSet,
+        numel: int,
+        dtype: torch.dtype,
+        nbytes: int,
+    ):
+        self.cfg, self.resident, self.nbytes = cfg, resident, nbytes
+        self.capacity = resident.capacity
         self.device = torch.device(cfg.device)
-        self.pool_CN = torch.empty(cfg.capacity, numel, dtype=dtype, device=self.device)
+        self.pool_CN = torch.empty(
+            self.capacity + cfg.scratch, numel, dtype=dtype, device=self.device
+        )
         self.entries: dict[Key, _Entry] = {}
-        self.free = list(range(cfg.capacity - 1, -1, -1))
+        self.free = list(range(self.capacity - 1, -1, -1))
+        self.scratch_free = list(range(self.capacity + cfg.scratch - 1, self.capacity - 1, -1))
         self.stats = CacheStats()
         self.now = 0
-        self._seq = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._wanted: dict[Key, int] = {}  # claims of absent experts: pins for their entry
+        self._slot_events: dict[int, torch.cuda.Event] = {}
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.pool_CN[slot]
@@ -216,14 +145,13 @@ class ExpertCache:
     def claim(self, key: Key) -> str:
         """Count a demand for key; pin it if present. Returns ready, loading or absent."""
         with self._cond:
-            self.policy.touch(key, self.now)
+            self.resident.use(key, self.now)
             entry = self.entries.get(key)
             if entry is None:
                 self.stats.misses += 1
                 self._wanted[key] = self._wanted.get(key, 0) + 1  # pinned once it is created
                 return "absent"
             entry.pins += 1
-            self._touch(entry)
             if entry.prefetched and not entry.used:
                 self.stats.prefetch_used += 1
             entry.used = True
@@ -244,25 +172,25 @@ class ExpertCache:
                 if ready:
                     self.stats.stall_s += time.perf_counter() - t0
                     return ready
-                if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
-                    raise StoreError(
-                        f"expert loads for {sorted(keys)[:4]} did not finish in "
-                        f"{self.cfg.wait_timeout_s:.0f} s: the store's disk is stuck"
-                    )
-                self._cond.wait(timeout=1.0)
+                self._wait(t0, f"expert loads for {sorted(keys)[:4]} did not finish")
 
     def release(self, key: Key) -> None:
+        """The expert ran (its kernels are queued): unpin; a scratch entry frees its slot."""
         with self._cond:
             entry = self.entries[key]
             assert entry.pins > 0, f"release of unpinned expert {key}"
             entry.pins -= 1
-            if entry.pins == 0 and not self.cfg.keep:
-                self._evict(key)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()  # on the compute stream, after the kernels reading the slot
+                self._slot_events[entry.slot] = event
+            if entry.pins == 0 and not entry.resident:
+                self._free(key)
             self._cond.notify_all()
 
     def hint(self, key: Key, when: int) -> None:
         with self._cond:
-            self.policy.hint(key, when)
+            self.resident.hint(key, when)
 
     def finalize(self) -> None:
         """End of a run: prefetched experts never used count as wasted."""
@@ -276,45 +204,42 @@ class ExpertCache:
     # ------------------------------------------------------------ I/O threads
 
     def start_load(self, key: Key, demand: bool, block: bool, when: float = INF) -> int | None:
-        """Reserve a slot for key (LOADING). None when present already or (prefetch) no slot.
+        """Reserve a slot for key (LOADING); None when present already or no slot is taken.
 
-        Whoever creates the entry (demand or prefetch) hands it the pins of the claims made
-        while it was absent, so the compute thread never sees an unpinned needed expert.
+        A prefetch (used at step `when`) never waits. Whoever creates the entry (demand or
+        prefetch) hands it the pins of the claims made while it was absent, so the compute
+        thread never sees an unpinned needed expert.
         """
         t0 = time.perf_counter()
         with self._cond:
             while True:
-                entry = self.entries.get(key)
-                if entry is not None:
+                if key in self.entries:
                     return None  # the claim's pin was handed over when it was created
-                if self.free:
+                slot = self._reserve(key, demand, when)
+                if slot is not None:
                     break
-                victim = self._victim()
-                if victim is not None and (demand or self._worth(victim, when)):
-                    self._evict(victim)
-                    break
-                if not block:
+                if not demand:
                     self.stats.prefetch_dropped += 1
                     return None
-                if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
-                    raise StoreError(
-                        f"no cache slot for expert {key} in {self.cfg.wait_timeout_s:.0f} s: "
-                        f"all {self.cfg.capacity} slots stay pinned (raise --cache-frac)"
-                    )
-                self._cond.wait(timeout=1.0)
-                if self._error is not None:
-                    raise self._error
-            slot = self.free.pop()
+                if not block:
+                    return None
+                self._wait(t0, f"no cache slot for expert {key}")
             pins = self._wanted.pop(key, 0)  # claims made while it was absent
             assert pins > 0 or not demand, f"demand load of unclaimed expert {key}"
-            entry = _Entry(slot, LOADING, pins=pins, prefetched=not demand, used=pins > 0)
+            resident = slot < self.capacity
+            entry = _Entry(slot, resident, pins=pins, prefetched=not demand, used=pins > 0)
             if pins and not demand:
                 self.stats.prefetch_used += 1
-            self._touch(entry)
             self.entries[key] = entry
-            self.stats.peak_entries = max(self.stats.peak_entries, len(self.entries))
-            assert len(self.entries) <= self.cfg.capacity
+            n_resident = len(self.resident)
+            self.stats.peak_entries = max(self.stats.peak_entries, n_resident)
+            assert n_resident <= self.capacity and len(self.free) == self.capacity - n_resident
             return slot
+
+    def slot_free_event(self, slot: int):
+        """CUDA: the event after which the compute stream no longer reads `slot` (or None)."""
+        with self._cond:
+            return self._slot_events.get(slot)
 
     def finish_load(self, key: Key, nbytes: int) -> None:
         with self._cond:
@@ -325,8 +250,6 @@ class ExpertCache:
                 self.stats.prefetch_loaded += 1
             else:
                 self.stats.demand_loads += 1
-            if entry.pins == 0 and not self.cfg.keep and not entry.prefetched:
-                self._evict(key)
             self._cond.notify_all()
 
     def abort(self) -> None:
@@ -338,31 +261,31 @@ class ExpertCache:
     def fail_load(self, key: Key, error: BaseException) -> None:
         """A read failed: drop the entry and hand the error to the compute thread."""
         with self._cond:
-            entry = self.entries.pop(key, None)
-            if entry is not None:
-                self.free.append(entry.slot)
+            if key in self.entries:
+                self._free(key)
             self._error = self._error or error
             self._cond.notify_all()
 
     # ------------------------------------------------------------ helpers (lock held)
 
-    def _touch(self, entry: _Entry) -> None:
-        self._seq += 1
-        entry.last = (self.now, self._seq)
+    def _reserve(self, key: Key, demand: bool, when: float) -> int | None:
+        """A slot for key: resident (admitted, maybe evicting), scratch (bypass), or None."""
+        p = self.resident.place(key, self.now, None if demand else when, self._evictable)
+        if p.outcome == "admitted":
+            if p.victim is not None:
+                self._evict(p.victim)
+            return self.free.pop()
+        if p.outcome == "refused" and demand and self.scratch_free:
+            self.stats.bypassed += 1
+            return self.scratch_free.pop()
+        return None
 
-    def _victim(self) -> Key | None:
-        cands = [(k, e) for k, e in self.entries.items() if e.state == READY and e.pins == 0]
-        if not cands:
-            return None
-        return max(cands, key=lambda ke: self.policy.rank(ke[0], ke[1], self.now))[0]
-
-    def _worth(self, victim: Key, when: float) -> bool:
-        """Evict victim for a prefetch needed at `when` only if victim is needed later."""
-        if not isinstance(self.policy, NextUse):
-            return True  # LRU / LFU: no notion of when
-        return self.policy.when(victim, self.now) > when
+    def _evictable(self, key: Key) -> bool:
+        entry = self.entries[key]
+        return entry.state == READY and entry.pins == 0
 
     def _evict(self, key: Key) -> None:
+        """`key` left the resident set (ResidentSet.place chose it): free its slot."""
         entry = self.entries.pop(key)
         self.free.append(entry.slot)
         self.stats.evictions += 1
@@ -370,19 +293,21 @@ class ExpertCache:
             self.stats.prefetch_wasted += 1
             self.stats.prefetch_wasted_bytes += self.nbytes
 
+    def _free(self, key: Key) -> None:
+        """Drop a scratch entry after use, or any entry whose read failed."""
+        entry = self.entries.pop(key)
+        if entry.resident:
+            self.resident.remove(key)
+            self.free.append(entry.slot)
+        else:
+            self.scratch_free.append(entry.slot)
 
-def trace_next_use(steps_by_key: dict[Key, list[int]]) -> Callable[[Key, int], float]:
-    """Exact next use after `now` from sorted access steps per key (Belady's MIN)."""
-
-    def next_use(key: Key, now: int) -> float:
-        steps = steps_by_key.get(key)
-        if not steps:
-            return INF
-        i = bisect.bisect_right(steps, now)
-        return steps[i] if i < len(steps) else INF
-
-    return next_use
-
-
-def _neg(last: tuple[int, int]) -> tuple[int, int]:
-    return (-last[0], -last[1])
+    def _wait(self, t0: float, what: str) -> None:
+        if time.perf_counter() - t0 > self.cfg.wait_timeout_s:
+            raise StoreError(
+                f"{what} in {self.cfg.wait_timeout_s:.0f} s: expected loads to finish; the "
+                f"store's disk is stuck or every slot stays pinned (raise --cache-frac)"
+            )
+        self._cond.wait(timeout=1.0)
+        if self._error is not None:
+            raise self._error

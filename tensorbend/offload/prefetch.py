@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorbend.models import RoutingSpec, decoder_layers, router_module, router_outputs
-from tensorbend.offload.cache import INF, ExpertCache, Key
+from tensorbend.offload.cache import ExpertCache
+from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import Lookahead, SourceBatch, multi_hot
 

@@ -37,18 +37,9 @@ from tensorbend.errors import TensorbendError
 from tensorbend.hf import cache_kwarg, cache_of
 from tensorbend.models import describe_model, model_fingerprint, moe_block
 from tensorbend.offload import POLICIES
-from tensorbend.offload.cache import (
-    INF,
-    LFU,
-    LRU,
-    CacheConfig,
-    CacheStats,
-    ExpertCache,
-    NextUse,
-    Predicted,
-    trace_next_use,
-)
+from tensorbend.offload.cache import CacheConfig, CacheStats, ExpertCache
 from tensorbend.offload.layer import OffloadedExperts, check_supported
+from tensorbend.offload.policies import INF, LFU, LRU, NextUse, Predicted
 from tensorbend.offload.prefetch import (
     Loader,
     PredictionHooks,
@@ -56,6 +47,7 @@ from tensorbend.offload.prefetch import (
     RoutingHistory,
     StepClock,
 )
+from tensorbend.offload.resident import ResidentSet
 from tensorbend.offload.store import (
     ExpertLayout,
     ExpertStore,
@@ -278,9 +270,10 @@ class OffloadSession:
         L = self.spec.num_moe_layers
         policy = {"on_demand": LRU, "lru": LRU, "lfu": LFU}.get(pc.policy, lambda: Predicted(L))()
         if pc.policy == "oracle":
-            policy = NextUse(trace_next_use(predictor.steps_by_key()))
-        cfg = CacheConfig(slots, keep=pc.policy != "on_demand", device=self._device())
-        return ExpertCache(cfg, self.layout.numel, self.layout.dtype, policy, nbytes)
+            policy = NextUse(predictor.steps_by_key(), L)
+        rs = ResidentSet(0 if pc.policy == "on_demand" else slots, L, policy)
+        cfg = CacheConfig(scratch=self.spec.top_k, device=self._device())
+        return ExpertCache(cfg, rs, self.layout.numel, self.layout.dtype, nbytes)
 
     def _device(self) -> str:
         return str(next(self.model.parameters()).device)
@@ -338,10 +331,7 @@ class OffloadSession:
             L = self.spec.num_moe_layers
             gen.ids.append(torch.stack([self.history.cur[m] for m in range(L)], dim=1))
         else:
-            delta = self.active.cache.stats.minus(before)
-            acc = gen.stats[phase]
-            for name in vars(delta):
-                setattr(acc, name, getattr(acc, name) + getattr(delta, name))
+            gen.stats[phase].add(self.active.cache.stats, minus=before)
         return out
 
     def _result(
@@ -361,7 +351,7 @@ class OffloadSession:
         dec, pre = gen.stats["decode"], gen.stats["prefill"]
         total = cache.stats if cache is not None else CacheStats()
         nd, npf = max(1, gen.n["decode"]), max(1, gen.n["prefill"])
-        slots = cache.cfg.capacity if cache is not None else self.num_routed_experts
+        slots = cache.capacity if cache is not None else self.num_routed_experts
         return {
             "model": self.model_name,
             "policy": pc.policy,

@@ -1,0 +1,255 @@
+"""Eviction and admission policies: pure bookkeeping on a logical clock, no threads, no tensors.
+
+Usage (the same objects drive `cache.ExpertCache` and the discrete-event simulator):
+    >>> from tensorbend.offload.resident import ResidentSet
+    >>> rs = ResidentSet(capacity=2, num_layers=1, policy=LFRU())
+    >>> misses = [step for step, e in enumerate([0, 0, 0, 1, 2, 1, 0]) if not rs.access((0, e), step)]
+    >>> misses, sorted(rs)            # LFRU kept the frequent (0, 0) when (0, 2) arrived
+    ([0, 3, 4, 5], [(0, 0), (0, 1)])
+
+Keys are (MoE layer m, expert e). Time is the logical clock `step = forward * L + m` (L MoE
+layers), counted over a whole run; `now` is the step of the MoE layer being computed. A
+policy answers three questions and never sees how slots, loads or pins work:
+  rank(key, recency, now)  -> a sortable value; of the evictable entries the highest leaves.
+                              `recency` is a sequence number, larger = used or inserted later.
+  next_use(key, now)       -> the estimated next step (> now) at which key is used, INF when
+                              never or beyond what the policy knows, or None when the policy has
+                              no notion of time (LRU, LFU, LFRU).
+  admit(key, victim, ...)  -> (admission rules below) whether a missed expert takes the victim's
+                              slot or is computed from a staging buffer and not kept (bypass).
+and is told two things: touch(key, now) at every demand use (hit or miss), and hint(key, when)
+for every prediction that key is used at step `when` (any later step, also in a later forward).
+
+Policies:  LRU (recency only), LFU (all-time use count), LFRU (count / (age + 1), age in steps
+since the last use), Predicted (farthest estimated next use from predictions + use rates) and
+NextUse (Belady's MIN from a recorded routing; with `foresight` h it knows only the routing of
+steps < (now // L + h) * L: the rest of the current forward and the next h - 1; keys not used
+within that window rank by recency, so h = 0 is LRU and h >= the run's forwards is full MIN).
+Ties always go to the least recent entry.
+
+Admission (`ResidentSet` asks only when a miss finds its pool full; a free slot always admits):
+  AdmitAll        every miss is kept.
+  AdmitFrequent   TinyLFU-style, no prediction: keep the miss only if it was used more often
+                  than the victim within the last `window` forwards (counting this use), so a
+                  one-off expert never pushes out one in use; a second use within the window
+                  admits it against a victim used once.
+  AdmitPredicted  keep the miss unless the policy's next_use says it comes back later than the
+                  victim (needs a policy with next_use: Predicted or NextUse; unknown = INF and
+                  a tie admits, so with nothing known it behaves like AdmitAll).
+A prefetch is a different question, asked the same way for every policy: it takes a victim only
+if the victim's next_use is later than the prefetch's step (None: always).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Literal
+
+Key = tuple[int, int]  # (MoE layer m, expert e)
+INF = float("inf")
+EvictionName = Literal["lru", "lfu", "lfru", "predicted", "next_use"]
+AdmissionName = Literal["all", "frequency", "predicted"]
+
+
+class LRU:
+    """Least recently used (the base: other policies override what they know more about)."""
+
+    name = "lru"
+
+    def touch(self, key: Key, now: int) -> None:
+        """A demand use of key at step now (hit or miss)."""
+
+    def hint(self, key: Key, when: int) -> None:
+        """A prediction: key will be used at step `when`."""
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        return (0, -recency)
+
+    def next_use(self, key: Key, now: int) -> float | None:
+        return None
+
+
+class LFU(LRU):
+    """Least frequently used: all-time demand count per key (ties: least recent)."""
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self.counts: dict[Key, int] = {}
+
+    def touch(self, key: Key, now: int) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        return (-self.counts.get(key, 0), -recency)
+
+
+class LFRU(LFU):
+    """Frequency damped by age: score = uses / (steps since the last use + 1); lowest leaves."""
+
+    name = "lfru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_use: dict[Key, int] = {}
+
+    def touch(self, key: Key, now: int) -> None:
+        super().touch(key, now)
+        self.last_use[key] = now
+
+    def score(self, key: Key, now: int) -> float:
+        if key not in self.last_use:
+            return 0.0  # inserted by a prefetch, never used
+        return self.counts[key] / (now - self.last_use[key] + 1)
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        return (-self.score(key, now), -recency)
+
+
+class NextUse(LRU):
+    """Belady's MIN over a recorded routing, optionally knowing only `foresight` forwards ahead.
+
+    steps_by_key: sorted steps at which each key is used. foresight: None = the whole run;
+    h = every use at a step < (now // num_layers + h) * num_layers.
+    """
+
+    name = "next_use"
+
+    def __init__(
+        self, steps_by_key: dict[Key, list[int]], num_layers: int, foresight: int | None = None
+    ):
+        assert foresight is None or foresight >= 0
+        self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
+
+    def next_use(self, key: Key, now: int) -> float:
+        steps = self.steps_by_key.get(key)
+        if not steps:
+            return INF
+        i = bisect.bisect_right(steps, now)
+        if i == len(steps):
+            return INF
+        if self.foresight is not None and steps[i] >= self.horizon(now):
+            return INF
+        return steps[i]
+
+    def horizon(self, now: int) -> float:
+        """First step this policy cannot see (INF with full foresight)."""
+        return INF if self.foresight is None else (now // self.L + self.foresight) * self.L
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        return (self.next_use(key, now), -recency)
+
+
+class Predicted(LRU):
+    """Evict the farthest *estimated* next use; keep what is predicted soon.
+
+    A predicted expert (`hint(key, step)`, step not passed yet) is next used at that step. Any
+    other expert of MoE layer m can next be used when layer m comes round again, which is
+    one forward later if a prediction for that visit left it out; we stretch that visit by the
+    odds against use, (1 - p) / p visits, where p is the expert's recent use rate per visit
+    (decayed count, `decay` per forward). Without predictions this is a layer-cycle-aware LFU.
+    """
+
+    name = "predicted"
+
+    def __init__(self, num_layers: int, decay: float = 0.9):
+        self.L, self.decay = num_layers, decay
+        self.hints: dict[Key, int] = {}
+        self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
+        self.use: dict[Key, tuple[float, int]] = {}  # key -> (decayed count, step of last use)
+        self._clock = -1  # latest step seen: hints at or before it have passed
+
+    def touch(self, key: Key, now: int) -> None:
+        self._clock = max(self._clock, now)
+        self.use[key] = (self._count(key, now) + 1.0, now)
+
+    def hint(self, key: Key, when: int) -> None:
+        old = self.hints.get(key)
+        if old is None or old <= self._clock or when < old:  # the earliest pending prediction
+            self.hints[key] = when
+        self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
+
+    def next_use(self, key: Key, now: int) -> float:
+        h = self.hints.get(key)
+        if h is not None and h > now:
+            return h
+        m, L = key[0], self.L
+        visit = now - now % L + m
+        if visit <= now:
+            visit += L
+        if self.layer_hint.get(m, -1) >= visit:
+            visit += L  # the predicted set for that visit excludes this expert
+        p = min(1.0, self._count(key, now) * (1 - self.decay))
+        return visit + L * (1 - p) / max(p, 1e-3)
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        return (self.next_use(key, now), -recency)
+
+    def _count(self, key: Key, now: int) -> float:
+        c, t = self.use.get(key, (0.0, now))
+        return c * self.decay ** ((now - t) / self.L)
+
+
+class AdmitAll:
+    """Keep every miss (the classic cache)."""
+
+    name = "all"
+
+    def touch(self, key: Key, now: int) -> None:
+        pass
+
+    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
+        return True
+
+
+class AdmitFrequent(AdmitAll):
+    """TinyLFU-style: admit a miss only if used more often than the victim in the window."""
+
+    name = "frequency"
+
+    def __init__(self, window_steps: int):
+        assert window_steps >= 1
+        self.window = window_steps
+        self.uses: dict[Key, deque[int]] = {}
+
+    def touch(self, key: Key, now: int) -> None:
+        self.uses.setdefault(key, deque()).append(now)
+
+    def count(self, key: Key, now: int) -> int:
+        q = self.uses.get(key)
+        if not q:
+            return 0
+        while q and q[0] <= now - self.window:
+            q.popleft()
+        return len(q)
+
+    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
+        return self.count(key, now) > self.count(victim, now)
+
+
+class AdmitPredicted(AdmitAll):
+    """Bypass a miss whose estimated next use comes after the victim's (ties admit)."""
+
+    name = "predicted"
+
+    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
+        mine, theirs = policy.next_use(key, now), policy.next_use(victim, now)
+        assert mine is not None and theirs is not None, f"{policy.name} has no next_use"
+        return mine <= theirs
+
+
+def make_admission(name: AdmissionName, num_layers: int, window: int = 16) -> AdmitAll:
+    """Admission rule by name; `window` is in forwards (AdmitFrequent)."""
+    if name == "frequency":
+        return AdmitFrequent(window * num_layers)
+    if name == "predicted":
+        return AdmitPredicted()
+    assert name == "all", name
+    return AdmitAll()
+
+
+def prefetch_worth(policy: LRU, victim: Key, when: float, now: int) -> bool:
+    """Evict `victim` for a prefetch used at step `when` only if the victim is needed later."""
+    theirs = policy.next_use(victim, now)
+    return theirs is None or theirs > when
