@@ -81,7 +81,9 @@ class Costs:
     _flops: float | None
 
     @classmethod
-    def from_profiles(cls, hw: Hardware, geo: Geometry, unit_scale: float, dtype: str = "native") -> Costs:
+    def from_profiles(
+        cls, hw: Hardware, geo: Geometry, unit_scale: float, dtype: str = "native"
+    ) -> Costs:
         unit_bytes = int(geo.expert_bytes(dtype) * unit_scale)
         other = BYTES_PER_WEIGHT[geo.other_dtype]
         return cls(

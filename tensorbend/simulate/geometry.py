@@ -26,11 +26,22 @@ from typing import Literal, get_args
 from tensorbend.errors import TensorbendError
 
 GeometryName = Literal[
-    "kimi-k2.5", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x22b", "gpt-oss-120b", "from-trace"
+    "kimi-k2.5",
+    "deepseek-v3",
+    "qwen3-235b-a22b",
+    "qwen3-30b-a3b",
+    "mixtral-8x22b",
+    "gpt-oss-120b",
+    "from-trace",
 ]
 GEOMETRY_NAMES = get_args(GeometryName)
 ExpertDtype = Literal["native", "bf16", "fp8", "int4", "mxfp4"]
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "int4": 0.5 + 2 / 32, "mxfp4": 0.5 + 1 / 32}
+BYTES_PER_WEIGHT = {
+    "bf16": 2.0,
+    "fp8": 1.0 + 4 / (128 * 128),
+    "int4": 0.5 + 2 / 32,
+    "mxfp4": 0.5 + 1 / 32,
+}
 
 
 @dataclass(frozen=True)
@@ -50,12 +61,15 @@ class Geometry:
     native_dtype: str  # routed experts as released
     other_dtype: str  # attention, shared experts, dense layers, head
     expert_biases: bool = False
+    expert_bytes_override: int | None = None  # from-trace: the calibration's measured size
 
     def expert_params(self) -> int:
         D, inter = self.hidden_size, self.moe_intermediate_size
         return 3 * D * inter + (3 * inter if self.expert_biases else 0)
 
     def expert_bytes(self, dtype: str = "native") -> int:
+        if self.expert_bytes_override is not None:
+            return self.expert_bytes_override
         d = self.native_dtype if dtype == "native" else dtype
         return int(self.expert_params() * BYTES_PER_WEIGHT[d])
 
@@ -69,8 +83,12 @@ class Geometry:
 
     def forward_static_bytes(self) -> int:
         """Per forward, outside the MoE layers: dense decoder layers and the LM head."""
-        dense = self.num_dense_layers * (self.attn_params + 3 * self.hidden_size * self.dense_intermediate_size)
-        return int((dense + self.vocab_size * self.hidden_size) * BYTES_PER_WEIGHT[self.other_dtype])
+        dense = self.num_dense_layers * (
+            self.attn_params + 3 * self.hidden_size * self.dense_intermediate_size
+        )
+        return int(
+            (dense + self.vocab_size * self.hidden_size) * BYTES_PER_WEIGHT[self.other_dtype]
+        )
 
     def to_json(self, dtype: str = "native") -> dict:
         return {
@@ -84,7 +102,9 @@ class Geometry:
 
 def get_geometry(name: str) -> Geometry:
     if name == "from-trace":
-        raise TensorbendError("geometry from-trace is built from a trace: use Geometry sizes of the trace")
+        raise TensorbendError(
+            "geometry from-trace is built from a trace: use Geometry sizes of the trace"
+        )
     if name not in GEOMETRIES:
         raise TensorbendError(f"--geometry {name!r}: expected one of {', '.join(GEOMETRY_NAMES)}")
     return GEOMETRIES[name]
@@ -92,7 +112,13 @@ def get_geometry(name: str) -> Geometry:
 
 def _attn_mla(D: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int) -> int:
     """DeepSeek-V3 multi-head latent attention: q_a, q_b, kv_a (with rope key), kv_b, o."""
-    return D * q_lora + q_lora * heads * (nope + rope) + D * (kv_lora + rope) + kv_lora * heads * (nope + v) + heads * v * D
+    return (
+        D * q_lora
+        + q_lora * heads * (nope + rope)
+        + D * (kv_lora + rope)
+        + kv_lora * heads * (nope + v)
+        + heads * v * D
+    )
 
 
 def _attn_gqa(D: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False) -> int:
@@ -104,45 +130,101 @@ def _attn_gqa(D: int, heads: int, kv_heads: int, head_dim: int, bias: bool = Fal
 _HF = "https://huggingface.co/{}/blob/main/config.json"
 GEOMETRIES: dict[str, Geometry] = {
     "kimi-k2.5": Geometry(
-        "kimi-k2.5", _HF.format("moonshotai/Kimi-K2.5") + " (text_config; experts INT4 group 32, attention and shared experts bf16)",
-        num_moe_layers=60, num_dense_layers=1, num_experts=384, top_k=8, num_shared_experts=1,
-        hidden_size=7168, moe_intermediate_size=2048, dense_intermediate_size=18432,
-        attn_params=_attn_mla(7168, 64, 1536, 512, 128, 64, 128), vocab_size=163840,
-        native_dtype="int4", other_dtype="bf16",
+        "kimi-k2.5",
+        _HF.format("moonshotai/Kimi-K2.5")
+        + " (text_config; experts INT4 group 32, attention and shared experts bf16)",
+        num_moe_layers=60,
+        num_dense_layers=1,
+        num_experts=384,
+        top_k=8,
+        num_shared_experts=1,
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        dense_intermediate_size=18432,
+        attn_params=_attn_mla(7168, 64, 1536, 512, 128, 64, 128),
+        vocab_size=163840,
+        native_dtype="int4",
+        other_dtype="bf16",
     ),
     "deepseek-v3": Geometry(
-        "deepseek-v3", _HF.format("deepseek-ai/DeepSeek-V3") + " (FP8 weights, 128x128 block scales)",
-        num_moe_layers=58, num_dense_layers=3, num_experts=256, top_k=8, num_shared_experts=1,
-        hidden_size=7168, moe_intermediate_size=2048, dense_intermediate_size=18432,
-        attn_params=_attn_mla(7168, 128, 1536, 512, 128, 64, 128), vocab_size=129280,
-        native_dtype="fp8", other_dtype="fp8",
+        "deepseek-v3",
+        _HF.format("deepseek-ai/DeepSeek-V3") + " (FP8 weights, 128x128 block scales)",
+        num_moe_layers=58,
+        num_dense_layers=3,
+        num_experts=256,
+        top_k=8,
+        num_shared_experts=1,
+        hidden_size=7168,
+        moe_intermediate_size=2048,
+        dense_intermediate_size=18432,
+        attn_params=_attn_mla(7168, 128, 1536, 512, 128, 64, 128),
+        vocab_size=129280,
+        native_dtype="fp8",
+        other_dtype="fp8",
     ),
     "qwen3-235b-a22b": Geometry(
-        "qwen3-235b-a22b", _HF.format("Qwen/Qwen3-235B-A22B"),
-        num_moe_layers=94, num_dense_layers=0, num_experts=128, top_k=8, num_shared_experts=0,
-        hidden_size=4096, moe_intermediate_size=1536, dense_intermediate_size=0,
-        attn_params=_attn_gqa(4096, 64, 4, 128), vocab_size=151936,
-        native_dtype="bf16", other_dtype="bf16",
+        "qwen3-235b-a22b",
+        _HF.format("Qwen/Qwen3-235B-A22B"),
+        num_moe_layers=94,
+        num_dense_layers=0,
+        num_experts=128,
+        top_k=8,
+        num_shared_experts=0,
+        hidden_size=4096,
+        moe_intermediate_size=1536,
+        dense_intermediate_size=0,
+        attn_params=_attn_gqa(4096, 64, 4, 128),
+        vocab_size=151936,
+        native_dtype="bf16",
+        other_dtype="bf16",
     ),
     "qwen3-30b-a3b": Geometry(
-        "qwen3-30b-a3b", _HF.format("Qwen/Qwen3-30B-A3B"),
-        num_moe_layers=48, num_dense_layers=0, num_experts=128, top_k=8, num_shared_experts=0,
-        hidden_size=2048, moe_intermediate_size=768, dense_intermediate_size=0,
-        attn_params=_attn_gqa(2048, 32, 4, 128), vocab_size=151936,
-        native_dtype="bf16", other_dtype="bf16",
+        "qwen3-30b-a3b",
+        _HF.format("Qwen/Qwen3-30B-A3B"),
+        num_moe_layers=48,
+        num_dense_layers=0,
+        num_experts=128,
+        top_k=8,
+        num_shared_experts=0,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        dense_intermediate_size=0,
+        attn_params=_attn_gqa(2048, 32, 4, 128),
+        vocab_size=151936,
+        native_dtype="bf16",
+        other_dtype="bf16",
     ),
     "mixtral-8x22b": Geometry(
-        "mixtral-8x22b", _HF.format("mistralai/Mixtral-8x22B-v0.1"),
-        num_moe_layers=56, num_dense_layers=0, num_experts=8, top_k=2, num_shared_experts=0,
-        hidden_size=6144, moe_intermediate_size=16384, dense_intermediate_size=0,
-        attn_params=_attn_gqa(6144, 48, 8, 128), vocab_size=32000,
-        native_dtype="bf16", other_dtype="bf16",
+        "mixtral-8x22b",
+        _HF.format("mistralai/Mixtral-8x22B-v0.1"),
+        num_moe_layers=56,
+        num_dense_layers=0,
+        num_experts=8,
+        top_k=2,
+        num_shared_experts=0,
+        hidden_size=6144,
+        moe_intermediate_size=16384,
+        dense_intermediate_size=0,
+        attn_params=_attn_gqa(6144, 48, 8, 128),
+        vocab_size=32000,
+        native_dtype="bf16",
+        other_dtype="bf16",
     ),
     "gpt-oss-120b": Geometry(
-        "gpt-oss-120b", _HF.format("openai/gpt-oss-120b") + " (experts MXFP4, attention bf16)",
-        num_moe_layers=36, num_dense_layers=0, num_experts=128, top_k=4, num_shared_experts=0,
-        hidden_size=2880, moe_intermediate_size=2880, dense_intermediate_size=0,
-        attn_params=_attn_gqa(2880, 64, 8, 64, bias=True), vocab_size=201088,
-        native_dtype="mxfp4", other_dtype="bf16", expert_biases=True,
+        "gpt-oss-120b",
+        _HF.format("openai/gpt-oss-120b") + " (experts MXFP4, attention bf16)",
+        num_moe_layers=36,
+        num_dense_layers=0,
+        num_experts=128,
+        top_k=4,
+        num_shared_experts=0,
+        hidden_size=2880,
+        moe_intermediate_size=2880,
+        dense_intermediate_size=0,
+        attn_params=_attn_gqa(2880, 64, 8, 64, bias=True),
+        vocab_size=201088,
+        native_dtype="mxfp4",
+        other_dtype="bf16",
+        expert_biases=True,
     ),
 }

@@ -24,7 +24,9 @@ from typing import Literal, get_args
 
 from tensorbend.errors import TensorbendError
 
-HardwareName = Literal["h100-pcie5", "rtx4090-pcie4", "dgx-spark", "apple-m-ssd", "nvme-gen4", "nvme-gen5"]
+HardwareName = Literal[
+    "h100-pcie5", "rtx4090-pcie4", "dgx-spark", "apple-m-ssd", "nvme-gen4", "nvme-gen5"
+]
 HARDWARE_NAMES = get_args(HardwareName)
 
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
@@ -32,7 +34,9 @@ _ASSUME_EFF = (
     "assumption: batch-1 decode kernels stream weights at ~70% of peak memory bandwidth "
     "(override with a calibration file)"
 )
-_ASSUME_LAT_PCIE = "assumption: ~10 us per copy (launch + DMA setup), the figure docs/offload.md uses"
+_ASSUME_LAT_PCIE = (
+    "assumption: ~10 us per copy (launch + DMA setup), the figure docs/offload.md uses"
+)
 _ASSUME_LAT_NVME = "assumption: ~60 us per read (NVMe random-read latency order; a multi-MB expert read is bandwidth-bound)"
 
 
@@ -73,7 +77,9 @@ def _h100(name: str, description: str, link_bw: Number, link_lat: Number) -> Har
         description=description,
         mem_bandwidth=Number(3.35e12, "B/s", f"{_H100}: GPU memory bandwidth 3.35 TB/s"),
         mem_capacity=Number(80e9, "B", f"{_H100}: GPU memory 80 GB"),
-        peak_flops=Number(989e12, "FLOP/s", f"{_H100}: BF16 tensor 1,979 TFLOPS with sparsity, half dense"),
+        peak_flops=Number(
+            989e12, "FLOP/s", f"{_H100}: BF16 tensor 1,979 TFLOPS with sparsity, half dense"
+        ),
         link_bandwidth=link_bw,
         link_latency=link_lat,
         mem_efficiency=Number(0.7, "fraction", _ASSUME_EFF),
@@ -116,7 +122,9 @@ HARDWARE: dict[str, Hardware] = {
             "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
         ),
         mem_capacity=Number(24e9, "B", "same whitepaper: 24 GB GDDR6X"),
-        peak_flops=Number(165.2e12, "FLOP/s", "same whitepaper: peak BF16 tensor 165.2 TFLOPS (dense)"),
+        peak_flops=Number(
+            165.2e12, "FLOP/s", "same whitepaper: peak BF16 tensor 165.2 TFLOPS (dense)"
+        ),
         link_bandwidth=Number(
             25e9,
             "B/s",

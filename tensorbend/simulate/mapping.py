@@ -59,7 +59,9 @@ class Mapping:
                 f"geometry layer g replays trace layer g*{self.trace_layers}//{self.geometry_layers}"
             )
         if self.expert_rule == "identity":
-            out.append(f"experts: {self.trace_experts} experts, top-{self.trace_top_k}, as they are")
+            out.append(
+                f"experts: {self.trace_experts} experts, top-{self.trace_top_k}, as they are"
+            )
         else:
             out.append(
                 f"experts: trace routes top-{self.trace_top_k} of {self.trace_experts}, geometry "

@@ -80,7 +80,9 @@ def build_predictor(spec: str, trace: Trace, lookahead: str = "d1"):
                 f"{spec} fits tables on the train split and trace {trace.root} has no train "
                 "prompts: use a trace with train prompts, or a checkpoint"
             )
-        return build_baseline(spec, trace.spec, la, router_params=trace.router_params(), train_rows=train)
+        return build_baseline(
+            spec, trace.spec, la, router_params=trace.router_params(), train_rows=train
+        )
     path = Path(spec)
     if not path.is_file():
         raise TraceError(
@@ -105,7 +107,9 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
         for m in la.targets(L):
             scores_TE = pred.scores(m, sources_from_rows(rows, la, m)).float()
             top = scores_TE.topk(min(width, scores_TE.shape[1]), dim=1)
-            out[:, m, : top.indices.shape[1]] = torch.where(top.values > -torch.inf, top.indices, -1)
+            out[:, m, : top.indices.shape[1]] = torch.where(
+                top.values > -torch.inf, top.indices, -1
+            )
             valid[m] = True
     if pred.kind == "oracle":  # exact sets, in router order
         out[:, :, :K] = torch.where(valid[None, :, None], ids_TLK, -1)
@@ -119,7 +123,9 @@ def truth_ranked(rows: dict[str, torch.Tensor], lookahead: str) -> Ranked:
     la = get_lookahead(lookahead)
     valid = torch.zeros(ids_TLK.shape[1], dtype=torch.bool)
     valid[list(la.targets(ids_TLK.shape[1]))] = True
-    return Ranked("oracle", la.name, la.distance, torch.where(valid[None, :, None], ids_TLK, -1), valid)
+    return Ranked(
+        "oracle", la.name, la.distance, torch.where(valid[None, :, None], ids_TLK, -1), valid
+    )
 
 
 def prefetch_order(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:

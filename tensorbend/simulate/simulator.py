@@ -1,0 +1,506 @@
+"""`tensorbend simulate`: what prediction buys on a model geometry and hardware, from a trace.
+
+Usage:
+    >>> from tensorbend.simulate import SimulateConfig, simulate
+    >>> res = simulate(SimulateConfig(trace=Path("runs/t"), hardware="dgx-spark",
+    ...                               geometry="kimi-k2.5", predictors=("transition",)))
+    >>> print(format_table(res))                     # mapping first, then one row per run
+    >>> res.to_json()["results"][0]["decode_tok_s"]
+
+For each policy x predictor (prefetch only) x cache fraction: the trace's `split` prompts are
+replayed as the runtime would run them (workload.py), their routing mapped onto the geometry
+(mapping.py), with costs from the hardware x geometry profiles or a measured calibration
+(costs.py), through the runtime's own cache mechanism and policies (events.py). Policies (one
+implementation with `tensorbend run`): resident (every expert in fast memory), on_demand,
+lru, lfu, lfru (no prediction), prefetch (a predictor's prefetches + `Predicted` eviction),
+oracle (the exact routing prefetched at `lookahead`, Belady eviction knowing `foresight`
+forwards ahead, all by default). Per-result JSON keys are those of `run --json`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from tensorbend.errors import TensorbendError
+from tensorbend.offload.policies import (
+    LFRU,
+    LFU,
+    LRU,
+    AdmissionName,
+    NextUse,
+    Predicted,
+    make_admission,
+)
+from tensorbend.offload.resident import PoolName, ResidentSet
+from tensorbend.predictors import get_lookahead
+from tensorbend.simulate import plan
+from tensorbend.simulate.costs import Calibration, Costs
+from tensorbend.simulate.ep import EPConfig, ep_stats
+from tensorbend.simulate.events import EventRun, Times
+from tensorbend.simulate.geometry import ExpertDtype, Geometry, GeometryName, get_geometry
+from tensorbend.simulate.hardware import HardwareName, get_hardware
+from tensorbend.simulate.indexed import make_indexed
+from tensorbend.simulate.link import Link
+from tensorbend.simulate.mapping import make_mapping
+from tensorbend.simulate.predictions import (
+    Ranked,
+    build_predictor,
+    ranked_predictions,
+    routing_rows,
+    truth_ranked,
+)
+from tensorbend.simulate.workload import forwards
+from tensorbend.trace import Trace
+
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
+POLICIES: tuple[str, ...] = PolicyName.__args__
+NO_PREDICTION = ("lru", "lfu", "lfru")
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    trace: Path
+    """Trace directory (collected, or imported with `trace import`)."""
+    hardware: HardwareName
+    """Hardware profile (docs/simulate.md lists each number and its source)."""
+    geometry: GeometryName
+    """Model geometry the trace's routing is replayed on; from-trace keeps the trace's own
+    sizes (needs --calibration for bytes and compute)."""
+    policies: tuple[PolicyName, ...] = (
+        "resident",
+        "on_demand",
+        "lru",
+        "lfu",
+        "lfru",
+        "prefetch",
+        "oracle",
+    )
+    """Policies to simulate (prefetch runs once per predictor)."""
+    predictors: tuple[str, ...] = ("transition",)
+    """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
+    prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
+    lookahead: str = "d1"
+    """Lookahead of named peers and of the oracle's prefetches."""
+    cache_fracs: tuple[float, ...] = ()
+    """Cache sizes as fractions of each layer's experts; empty: the largest that fits the
+    hardware's fast memory beside the resident weights (0.25 with a calibration)."""
+    split: Literal["test", "val", "train", "all"] = "test"
+    """Prompts replayed (test: learned predictors are judged on prompts they never saw)."""
+    batch: int = 1
+    """Sequences decoded together (static batching; prompts prefilled together)."""
+    max_prompts: int | None = None
+    """Replay at most this many prompts of the split (row order)."""
+    dtype: ExpertDtype = "native"
+    """Storage of the geometry's routed experts (native: as released)."""
+    pool: PoolName = "global"
+    """Cache slots shared by all layers (global) or split evenly per layer."""
+    admission: AdmissionName = "all"
+    """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
+    foresight: int | None = None
+    """Oracle: forwards of exact future routing its eviction knows (None: all)."""
+    prefetch_extra: int = 0
+    """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
+    prefetch_backlog: float | None = 0.5
+    """Start a prefetch only while the link is busy for at most this many transfers (None: always)."""
+    calibration: Path | None = None
+    """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
+    ep_degree: int | None = None
+    """Expert-parallel ranks for the dispatch pre-staging statistics (None: skip)."""
+    ep_placement: Literal["contiguous", "round_robin"] = "contiguous"
+    """Expert-to-rank placement for those statistics."""
+    plots: Path | None = None
+    """Directory for plots (tok/s and stall per policy)."""
+    progress: bool = True
+    """tqdm progress on stderr."""
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad or not self.policies:
+            raise TensorbendError(
+                f"--policies {bad or '(none)'}: expected some of {', '.join(POLICIES)}"
+            )
+        if any(not 0 < f <= 1 for f in self.cache_fracs):
+            raise TensorbendError(
+                f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
+            )
+        if (
+            self.batch < 1
+            or self.prefetch_extra < 0
+            or (self.foresight is not None and self.foresight < 0)
+        ):
+            raise TensorbendError("expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0")
+        if self.admission == "predicted" and any(
+            p in ("on_demand", *NO_PREDICTION) for p in self.policies
+        ):
+            raise TensorbendError(
+                "--admission predicted needs a policy that predicts (prefetch, oracle): drop "
+                f"{[p for p in self.policies if p in ('on_demand', *NO_PREDICTION)]} from --policies"
+            )
+        if self.geometry == "from-trace" and self.calibration is None:
+            raise TensorbendError(
+                "--geometry from-trace has no bytes or compute of its own: pass --calibration FILE "
+                "(bench/simulate_validate.py measures one) or name a geometry"
+            )
+        get_lookahead(self.lookahead)
+        get_hardware(self.hardware)
+        if self.ep_degree is not None:
+            EPConfig(self.ep_degree, self.ep_placement)
+
+
+@dataclass
+class SimulateResult:
+    hardware: str
+    geometry: str
+    mapping: dict
+    results: list[dict]
+    hardware_profile: dict
+    geometry_profile: dict
+    costs: dict
+    trace: str
+    split: str
+    batch: int
+    tokens: dict[str, int]
+    ep: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def simulate(cfg: SimulateConfig) -> SimulateResult:
+    t0 = time.perf_counter()
+    tr = Trace.open(cfg.trace)
+    spec = tr.spec
+    hw = get_hardware(cfg.hardware)
+    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
+    geo = _geometry(cfg, spec, cal)
+    mapping = make_mapping(
+        spec.num_moe_layers,
+        spec.num_experts,
+        spec.top_k,
+        geo.num_moe_layers,
+        geo.num_experts,
+        geo.top_k,
+    )
+    costs = (
+        Costs.from_calibration(cal, mapping.unit_scale)
+        if cal
+        else Costs.from_profiles(hw, geo, mapping.unit_scale, cfg.dtype)
+    )
+    rows = _rows(cfg, tr)
+    fwds = forwards(rows, cfg.batch)
+    demand = plan.demand_lists(rows, fwds)
+    rankeds = _rankeds(cfg, tr, rows)
+    fracs = cfg.cache_fracs or (_fitting_frac(hw, geo, cfg.dtype, spec) if cal is None else 0.25,)
+    jobs = [
+        (p, r, f)
+        for f in fracs
+        for p in cfg.policies
+        for r in (rankeds if p == "prefetch" else [None])
+    ]
+    results = []
+    for policy, ranked, frac in tqdm(
+        jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr
+    ):
+        results.append(_one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo))
+    _relative(results)
+    res = SimulateResult(
+        hardware=cfg.hardware,
+        geometry=cfg.geometry,
+        mapping=mapping.to_json(),
+        results=results,
+        hardware_profile=hw.to_json(),
+        geometry_profile=geo.to_json(cfg.dtype),
+        costs=costs.to_json(),
+        trace=str(cfg.trace),
+        split=cfg.split,
+        batch=cfg.batch,
+        tokens={
+            "prefill": int((rows["phase_T"] == 0).sum()),
+            "decode": int((rows["phase_T"] == 1).sum()),
+        },
+        notes=_notes(cfg, cal, hw, geo),
+    )
+    if cfg.ep_degree is not None:
+        res.ep = _ep(cfg, rankeds, rows, fwds, spec.num_experts)
+    if cfg.plots is not None:
+        from tensorbend.simulate.plots import plot_results
+
+        plot_results(res, cfg.plots)
+    res.seconds = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def make_resident_set(
+    policy: str,
+    capacity: int,
+    num_layers: int,
+    pool: str,
+    admission: str,
+    steps=None,
+    foresight: int | None = None,
+) -> ResidentSet:
+    """The runtime's policy of each name, as a ResidentSet (eviction, pool, admission)."""
+    eviction = {"resident": LRU, "on_demand": LRU, "lru": LRU, "lfu": LFU, "lfru": LFRU}.get(policy)
+    if policy == "prefetch":
+        ev = Predicted(num_layers)
+    elif policy == "oracle":
+        ev = NextUse(steps, num_layers, foresight)
+    else:
+        ev = eviction()
+    cap = 0 if policy == "on_demand" else capacity
+    return make_indexed(cap, num_layers, ev, pool=pool, admission=make_admission(admission, num_layers))
+
+
+def format_table(res: SimulateResult) -> str:
+    """Terminal table; the mapping comes first so that it is never missed."""
+    lines = [
+        f"hardware {res.hardware}  geometry {res.geometry}  trace {res.trace} ({res.split} split, "
+        f"batch {res.batch}, {res.tokens['decode']} decode + {res.tokens['prefill']} prefill tokens)"
+    ]
+    lines += [f"mapping: {x}" for x in res.mapping["notes"]]
+    head = f"{'policy':<10} {'predictor':<12} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
+    lines += [head, "-" * len(head)]
+    for r in res.results:
+        lines.append(
+            f"{r['policy']:<10} {str(r['predictor'] or '-'):<12} {r['cache_frac']:>6.3f} {r['decode_tok_s']:>9.2f} "
+            f"{r['stall_s_per_token'] * 1e3:>12.3f} {r['bytes_read_per_token'] / 1e6:>9.2f} "
+            f"{r['demand_hit_rate']:>6.3f} {r['wasted_prefetch_bytes'] / 1e6:>10.1f}"
+        )
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo) -> dict:
+    L, K = mapping.geometry_layers, mapping.trace_top_k
+    units = max(1, round(frac * L * mapping.trace_experts))
+    if units < K and policy != "resident":
+        raise TensorbendError(
+            f"cache of {units} experts at --cache-frac {frac} is smaller than top-k {K}: raise it "
+            f"to at least {K / (L * mapping.trace_experts):.4f}"
+        )
+    if policy == "oracle":
+        ranked = truth_ranked(rows, cfg.lookahead)
+    preds = (
+        None
+        if ranked is None
+        else plan.prediction_lists(ranked, fwds, K, 0 if policy == "oracle" else cfg.prefetch_extra)
+    )
+    work = plan.build_work(fwds, demand, mapping, ranked, preds)
+    steps = plan.steps_by_key(work) if policy == "oracle" else None
+    if policy == "resident":
+        units = L * mapping.trace_experts
+    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, steps, cfg.foresight)
+    backlog = (
+        float("inf") if cfg.prefetch_backlog is None else cfg.prefetch_backlog * costs.transfer_s()
+    )
+    run = EventRun(
+        rs,
+        Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog),
+        Times(
+            costs.attn_s,
+            costs.expert_s,
+            costs.forward_s,
+            costs.predict_s if policy == "prefetch" else 0.0,
+        ),
+        scratch=K,
+        unit_bytes=costs.unit_bytes,
+    )
+    if policy == "resident":
+        run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
+    run.run(work)
+    return _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
+
+
+def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
+    dec, pre = run.stats[1], run.stats[0]
+    nd, npf = max(1, run.tokens[1]), max(1, run.tokens[0])
+    expert_total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(cfg.dtype)
+    cache_bytes = expert_total if policy == "resident" else frac * expert_total
+    return {
+        "policy": policy,
+        "predictor": None if ranked is None else ranked.kind,
+        "lookahead": None if ranked is None else ranked.lookahead,
+        "cache_frac": 1.0 if policy == "resident" else frac,
+        "decode_tok_s": run.tokens[1] / run.seconds[1] if run.seconds[1] else None,
+        "prefill_tok_s": run.tokens[0] / run.seconds[0] if run.seconds[0] else None,
+        "stall_s_per_token": dec.stall_s / nd,
+        "bytes_read_per_token": dec.bytes_read / nd,
+        "demand_hit_rate": dec.demand_hit_rate,
+        "wasted_prefetch_bytes": run.total.prefetch_wasted_bytes,
+        "cache_slots": units,
+        "cache_bytes": int(cache_bytes),
+        "fits_fast_memory": cfg.calibration is not None
+        or cache_bytes + _resident_bytes(geo) <= hw.mem_capacity.value,
+        "pool": cfg.pool,
+        "admission": cfg.admission,
+        "foresight": cfg.foresight if policy == "oracle" else None,
+        "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
+        "prefill": {
+            "stall_s_per_token": pre.stall_s / npf,
+            "bytes_read_per_token": pre.bytes_read / npf,
+            "demand_hit_rate": pre.demand_hit_rate,
+        },
+        "counters": dict(vars(run.total)),
+    }
+
+
+def _relative(results: list[dict]) -> None:
+    """vs_best_cache: decode tok/s over the best no-prediction cache at the same size."""
+    for r in results:
+        peers = [
+            x["decode_tok_s"]
+            for x in results
+            if x["policy"] in NO_PREDICTION
+            and x["cache_frac"] == r["cache_frac"]
+            and x["decode_tok_s"]
+        ]
+        r["vs_best_cache"] = (
+            round(r["decode_tok_s"] / max(peers), 4) if peers and r["decode_tok_s"] else None
+        )
+
+
+def _geometry(cfg, spec, cal) -> Geometry:
+    if cfg.geometry != "from-trace":
+        return get_geometry(cfg.geometry)
+    return Geometry(
+        "from-trace",
+        f"the trace ({cfg.trace}) and the calibration ({cfg.calibration})",
+        num_moe_layers=spec.num_moe_layers,
+        num_dense_layers=0,
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+        num_shared_experts=spec.num_shared_experts,
+        hidden_size=0,
+        moe_intermediate_size=0,
+        dense_intermediate_size=0,
+        attn_params=0,
+        vocab_size=0,
+        native_dtype="bf16",
+        other_dtype="bf16",
+        expert_bytes_override=cal.expert_bytes,
+    )
+
+
+def _rows(cfg, tr: Trace):
+    hidden = set()
+    for p in cfg.predictors:
+        if p in ("none",) or "prefetch" not in cfg.policies:
+            continue
+        hidden.add(get_lookahead(cfg.lookahead).hidden)
+        if Path(p).is_file():
+            from tensorbend.predictors.checkpoint import read_metadata
+
+            hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
+    rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
+    if rows["expert_ids_TLK"].shape[0] == 0:
+        raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to replay")
+    if cfg.max_prompts is not None:
+        from tensorbend.trace import subset_rows
+
+        first = sorted(set(rows["prompt_index_T"].tolist()))[: cfg.max_prompts]
+        keep = torch.isin(
+            rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype)
+        )
+        rows = subset_rows(rows, keep)
+    return rows
+
+
+def _rankeds(cfg, tr, rows) -> list:
+    if "prefetch" not in cfg.policies:
+        return []
+    out = []
+    for p in cfg.predictors:
+        pred = build_predictor(p, tr, cfg.lookahead)
+        if pred is None:
+            L = tr.spec.num_moe_layers
+            out.append(
+                Ranked(
+                    "none",
+                    cfg.lookahead,
+                    0,
+                    torch.full((rows["expert_ids_TLK"].shape[0], L, 1), -1),
+                    torch.zeros(L, dtype=torch.bool),
+                )
+            )
+            continue
+        out.append(ranked_predictions(pred, rows, tr.spec.top_k + cfg.prefetch_extra))
+    return out
+
+
+def _resident_bytes(geo: Geometry) -> float:
+    """Weights that stay in fast memory: every MoE layer's non-expert weights, dense layers,
+    the LM head and the embedding."""
+    return (
+        geo.num_moe_layers * geo.layer_static_bytes()
+        + geo.forward_static_bytes()
+        + geo.vocab_size * geo.hidden_size * 2
+    )
+
+
+def _fitting_frac(hw, geo: Geometry, dtype: str, spec) -> float:
+    total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(dtype)
+    frac = (hw.mem_capacity.value - _resident_bytes(geo)) / total
+    floor = spec.top_k / (geo.num_moe_layers * spec.num_experts)  # at least top-k slots
+    return round(min(1.0, max(frac, floor)), 4)
+
+
+def _notes(cfg, cal, hw, geo) -> list[str]:
+    notes = []
+    if cal is not None:
+        notes.append(
+            f"costs from calibration {cfg.calibration} ({cal.source}); hardware profile unused"
+        )
+    if not cfg.cache_fracs:
+        notes.append(
+            "cache fraction: the largest whose bytes fit fast memory beside the resident weights (KV cache not counted)"
+            if cal is None
+            else "cache fraction: 0.25 (calibrated run; no memory size known)"
+        )
+    return notes
+
+
+def _ep(cfg, rankeds, rows, fwds, E) -> list[dict]:
+    epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
+    step_T = torch.zeros(rows["expert_ids_TLK"].shape[0], dtype=torch.long)
+    phase_of = {}
+    for f, fw in enumerate(fwds):
+        step_T[fw.rows] = f
+        phase_of[f] = fw.phase
+    out = []
+    K = rows["expert_ids_TLK"].shape[2]
+    for r in rankeds:
+        if r.kind == "none":
+            continue
+        for ph, name in ((0, "prefill"), (1, "decode")):
+            sel = (rows["phase_T"] == ph).nonzero().flatten()
+            s = ep_stats(
+                rows["expert_ids_TLK"][sel].long(),
+                r.ids_TLJ[sel, :, :K].clamp(min=0),
+                step_T[sel],
+                E,
+                epc,
+                r.valid_L,
+            )
+            out.append(
+                {
+                    "predictor": r.kind,
+                    "lookahead": r.lookahead,
+                    "phase": name,
+                    "degree": epc.degree,
+                    "placement": epc.placement,
+                    **s,
+                }
+            )
+    return out
