@@ -37,7 +37,8 @@ from tqdm import tqdm
 from tensorbend.errors import TraceError
 from tensorbend.models import RoutingSpec
 from tensorbend.prompts import split_of
-from tensorbend.trace import MANIFEST, TraceWriter
+from tensorbend.trace import MANIFEST
+from tensorbend.trace_writer import TraceWriter
 
 Source = Literal["csv", "vllm", "sglang"]
 IMPORTED_FAMILY = "imported"
@@ -45,7 +46,7 @@ IMPORTED_FAMILY = "imported"
 
 @dataclass(frozen=True)
 class ImportConfig:
-    source: Source
+    source: Source = field(metadata={"flags": ("--from",)})
     """Format of `path`: csv (prompt_id,layer,position,expert_ids[,phase]), vllm (routed-experts
     responses), sglang (expert-distribution recorder per_token dumps); see docs/import.md."""
     path: Path

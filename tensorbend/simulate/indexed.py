@@ -65,7 +65,9 @@ class MemoResidentSet(ResidentSet):
         self._by_layer[key[0]].discard(key)
         self._version[key] = self._version.get(key, 0) + 1
 
-    def victim(self, key: Key, now: int, evictable: Callable[[Key], bool] | None = None) -> Key | None:
+    def victim(
+        self, key: Key, now: int, evictable: Callable[[Key], bool] | None = None
+    ) -> Key | None:
         if now != self._heap_now:
             self._heaps, self._heap_now = {}, now
             self._dirty, self._dirty_layers = set(self._recency), set()
@@ -99,7 +101,9 @@ class IndexedResidentSet(ResidentSet):
         super().remove(key)
         self._version[key] = self._version.get(key, 0) + 1  # heap entries go stale
 
-    def victim(self, key: Key, now: int, evictable: Callable[[Key], bool] | None = None) -> Key | None:
+    def victim(
+        self, key: Key, now: int, evictable: Callable[[Key], bool] | None = None
+    ) -> Key | None:
         return _pop_victim(self, self._heaps.get(self.pool_of(key), []), evictable)
 
     def _add(self, key: Key) -> None:

@@ -82,7 +82,10 @@ class Link:
             s = max(self.free_at[i], min(r.at for r in self.queued.values()))
             if s > t:
                 return
-            req = min((r for r in self.queued.values() if r.at <= s), key=lambda r: (r.kind, r.priority, r.seq))
+            req = min(
+                (r for r in self.queued.values() if r.at <= s),
+                key=lambda r: (r.kind, r.priority, r.seq),
+            )
             req.alive = False
             del self.queued[req.key]
             free = start(req, s)

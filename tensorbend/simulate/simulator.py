@@ -257,7 +257,9 @@ def make_resident_set(
     else:
         ev = eviction()
     cap = 0 if policy == "on_demand" else capacity
-    return make_indexed(cap, num_layers, ev, pool=pool, admission=make_admission(admission, num_layers))
+    return make_indexed(
+        cap, num_layers, ev, pool=pool, admission=make_admission(admission, num_layers)
+    )
 
 
 def format_table(res: SimulateResult) -> str:
