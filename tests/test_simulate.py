@@ -12,6 +12,8 @@ import json
 
 import numpy as np
 import pytest
+from test_import import csv_rows, planted_routing
+
 from tensorbend.engines import ImportConfig, import_trace
 from tensorbend.engines.csv import write_csv
 from tensorbend.errors import TensorbendError, TraceError
@@ -28,7 +30,6 @@ from tensorbend.simulate.hardware import HARDWARE
 from tensorbend.simulate.mapping import make_mapping
 from tensorbend.simulate.predictions import build_predictor, ranked_predictions, routing_rows
 from tensorbend.trace import Trace
-from test_import import csv_rows, planted_routing
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def test_simulator_and_runtime_cache_pick_the_same_victims(recorded, policy):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_threaded_runtime_and_simulator_count_the_same(recorded, policy):
     sess, ids = recorded
-    L, E, K = sess.spec.num_moe_layers, sess.spec.num_experts, sess.spec.top_k
+    L, K = sess.spec.num_moe_layers, sess.spec.top_k
     sess.cfg = type(sess.cfg)(**{**vars(sess.cfg), "io_threads": 1})
     r = sess.run_policy(PolicyConfig(policy, cache_frac=0.5), link=StoreLink())
     assert r["output_matches_resident"]
@@ -186,13 +186,15 @@ def test_indexed_victims_equal_resident_set_victims(make):
                 if f % 7 == 0:
                     rs.hint((k[0], (k[1] + 1) % E), now + L)
                 if not rs.use(k, now):
-                    p = rs.place(k, now, None, lambda x: x not in pinned)
+                    p = rs.place(k, now, None, lambda x, pinned=pinned: x not in pinned)
                     victims.append(p.victim)
                 if coin.random() < 0.1:
                     extra = (k[0], coin.randrange(E))
                     if extra not in rs:
                         victims.append(
-                            rs.place(extra, now, now + 2, lambda x: x not in pinned).victim
+                            rs.place(
+                                extra, now, now + 2, lambda x, pinned=pinned: x not in pinned
+                            ).victim
                         )
                 pinned = {k}
         out.append(victims)
