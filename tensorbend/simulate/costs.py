@@ -42,6 +42,7 @@ class Calibration:
     expert_s_per_token: float = 0.0
     forward_s_per_token: float = 0.0
     predict_s: float = 0.0  # one predictor call (a target layer's prediction)
+    miss_s: float = 0.0  # compute-thread time per demand miss (queueing the load, waking up)
     io_slots: int = 2
     source: str = ""
 
@@ -74,6 +75,7 @@ class Costs:
     link_latency: float
     io_slots: int
     predict_s: float
+    miss_s: float
     _attn: tuple[float, float]  # (bytes or seconds, FLOPs or seconds per extra token)
     _expert: tuple[float, float]
     _forward: tuple[float, float]
@@ -92,6 +94,7 @@ class Costs:
             link_latency=hw.link_latency.value,
             io_slots=hw.io_slots,
             predict_s=0.0,
+            miss_s=0.0,
             _attn=(geo.layer_static_bytes(), 2.0 * geo.layer_static_params()),
             _expert=(unit_bytes, 2.0 * geo.expert_params() * unit_scale),
             _forward=(geo.forward_static_bytes(), 2.0 * geo.forward_static_bytes() / other),
@@ -107,6 +110,7 @@ class Costs:
             link_latency=cal.link_latency_s,
             io_slots=cal.io_slots,
             predict_s=cal.predict_s,
+            miss_s=cal.miss_s,
             _attn=(cal.attn_s, cal.attn_s_per_token),
             _expert=(cal.expert_s * unit_scale, cal.expert_s_per_token * unit_scale),
             _forward=(cal.forward_s, cal.forward_s_per_token),

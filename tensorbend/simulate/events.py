@@ -14,7 +14,7 @@ Usage (simulator.py builds the work and the resident set; one `EventRun` per sim
 
 Per forward: `forward_s` (dense layers, head), then per MoE layer g (step = forward * L + g):
 predictions issued before attention (pre_attn), `attn_s`, the router (claims: hit if READY,
-late if still loading, miss -> demand load; stale prefetches cancelled), predictions issued at
+late if still loading, miss -> demand load, `miss_s` each; stale prefetches cancelled), predictions issued at
 the router (dN, same_layer; `predict_s` each), then each expert computed (`expert_s` for the
 tokens routed to it) as soon as it is READY; waiting for one is the stall. Claims, slots, pins,
 bypass (staging `scratch` slots), victims and admission follow `offload.cache.ExpertCache`
@@ -56,6 +56,7 @@ class Times:
     expert_s: Callable[[int], float]  # tokens on the expert -> seconds
     forward_s: Callable[[int], float]  # tokens -> seconds outside the MoE layers
     predict_s: float = 0.0  # one prediction (one target layer)
+    miss_s: float = 0.0  # compute-thread overhead of a demand miss
 
 
 @dataclass
@@ -148,6 +149,7 @@ class EventRun:
         self.rs.use(key, self.now)
         entry = self.entries.get(key)
         if entry is None:
+            self.t += self.times.miss_s
             self.total.misses += 1
             self.wanted[key] = self.wanted.get(key, 0) + 1
             self.link.demand(key, self.t)

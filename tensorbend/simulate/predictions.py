@@ -66,19 +66,32 @@ def routing_rows(
     return rows
 
 
-def build_predictor(spec: str, trace: Trace, lookahead: str = "d1"):
-    """A checkpoint, a named peer, or None for `none`; refuses what the trace cannot feed."""
+def build_predictor(
+    spec: str, trace: Trace, lookahead: str = "d1", train_trace: Trace | None = None
+):
+    """A checkpoint, a named peer, or None for `none`; refuses what the trace cannot feed.
+    Table peers fit on `train_trace`'s train split (default: `trace`'s)."""
     if spec == "none":
         return None
     la = get_lookahead(lookahead)
     if spec in BASELINES:
         if spec not in ROUTING_ONLY and la.hidden not in trace.features:
             raise _needs_hidden(spec, la.hidden, trace)
-        train = routing_rows(trace, "train") if spec in NEEDS_TRAIN else None
+        src = train_trace or trace
+        if (
+            train_trace is not None
+            and train_trace.spec.moe_layer_ids != trace.spec.moe_layer_ids
+            or (src.spec.num_experts, src.spec.top_k) != (trace.spec.num_experts, trace.spec.top_k)
+        ):
+            raise TraceError(
+                f"train trace {src.root} has another routing shape than {trace.root}: expected "
+                "a trace of the same model"
+            )
+        train = routing_rows(src, "train") if spec in NEEDS_TRAIN else None
         if train is not None and train["expert_ids_TLK"].shape[0] == 0:
             raise TraceError(
-                f"{spec} fits tables on the train split and trace {trace.root} has no train "
-                "prompts: use a trace with train prompts, or a checkpoint"
+                f"{spec} fits tables on the train split and trace {src.root} has no train "
+                "prompts: pass --train-trace, use a trace with train prompts, or a checkpoint"
             )
         return build_baseline(
             spec, trace.spec, la, router_params=trace.router_params(), train_rows=train

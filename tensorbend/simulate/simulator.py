@@ -88,6 +88,9 @@ class SimulateConfig:
     prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
     lookahead: str = "d1"
     """Lookahead of named peers and of the oracle's prefetches."""
+    train_trace: Path | None = None
+    """Trace whose train split fits the table peers (frequency, prev_token, transition);
+    default: the simulated trace."""
     cache_fracs: tuple[float, ...] = ()
     """Cache sizes as fractions of each layer's experts; empty: the largest that fits the
     hardware's fast memory beside the resident weights (0.25 with a calibration)."""
@@ -315,6 +318,7 @@ def _one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo)
             costs.expert_s,
             costs.forward_s,
             costs.predict_s if policy == "prefetch" else 0.0,
+            costs.miss_s,
         ),
         scratch=K,
         unit_bytes=costs.unit_bytes,
@@ -424,7 +428,9 @@ def _rankeds(cfg, tr, rows) -> list:
         return []
     out = []
     for p in cfg.predictors:
-        pred = build_predictor(p, tr, cfg.lookahead)
+        pred = build_predictor(
+            p, tr, cfg.lookahead, Trace.open(cfg.train_trace) if cfg.train_trace else None
+        )
         if pred is None:
             L = tr.spec.num_moe_layers
             out.append(
