@@ -323,7 +323,11 @@ def test_sglang_other_rank_and_non_dump_file(tmp_path):
         )
     import_trace(
         ImportConfig(
-            source="sglang", path=tmp_path / "d_1.pt", out=tmp_path / "t", rank=None, progress=False
+            source="sglang",
+            path=tmp_path / "d_1.pt",
+            out=tmp_path / "t",
+            all_ranks=True,
+            progress=False,
         )
     )
     torch.save({"x": torch.zeros(2)}, tmp_path / "other.pt")

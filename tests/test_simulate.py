@@ -299,3 +299,12 @@ def test_batch_decodes_prompts_together(planted, tmp_path):
     assert one["decode_tok_s"] == pytest.approx(1 / 3)
     assert four["decode_tok_s"] == pytest.approx(4 / 3)
     assert np.isclose(one["tokens"]["decode"], four["tokens"]["decode"])
+
+
+def test_plots_are_written(planted, tmp_path):
+    cal = calibration(tmp_path / "c.json")
+    sim(planted, cal, policies=("lru", "prefetch"), cache_fracs=(0.25, 0.5), plots=tmp_path / "p")
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "simulate_by_cache.png",
+        "simulate_runs.png",
+    ]

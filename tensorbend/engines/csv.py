@@ -39,7 +39,7 @@ def source_files(path: Path) -> list[Path]:
 def read_prompts(
     files: list[Path], cfg: ImportConfig, notes: list[str]
 ) -> Iterator[ImportedPrompt]:
-    if cfg.moe_layer_ids is None:
+    if not cfg.moe_layer_ids:
         notes.append("csv: `layer` counts MoE layers; decoder-layer ids recorded as 0..L-1")
     for path in files:
         yield from _read_file(path, cfg)

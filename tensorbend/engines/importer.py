@@ -59,9 +59,9 @@ class ImportConfig:
     """Experts per token; None: the ids per row. Stated, a row of another width is an error."""
     num_layers: int | None = None
     """MoE layers; None: as many as the file holds. Stated, a mismatch is an error."""
-    moe_layer_ids: tuple[int, ...] | None = None
+    moe_layer_ids: tuple[int, ...] = ()
     """Decoder-layer id of each MoE layer. csv: recorded in the trace (default 0..L-1). vllm,
-    sglang (whose dumps count every decoder layer): which layers are MoE; None: the layers the
+    sglang (whose dumps count every decoder layer): which layers are MoE; empty: the layers the
     engine wrote (dense layers stay empty there; state this for top-1 models)."""
     num_shared_experts: int = 0
     """Always-on experts per MoE layer (recorded; never predicted)."""
@@ -69,9 +69,10 @@ class ImportConfig:
     """Model name recorded in the trace (default imported:SOURCE)."""
     default_phase: Literal["decode", "prefill"] = "decode"
     """csv without a phase column: the phase of every row."""
-    rank: int | None = 0
-    """sglang: the rank whose dumps are read (under TP/EP every rank records the same tokens);
-    None reads every rank (DP attention, where ranks serve different requests)."""
+    rank: int = 0
+    """sglang: the rank whose dumps are read (under TP/EP every rank records the same tokens)."""
+    all_ranks: bool = False
+    """sglang: read every rank's dumps (DP attention, where ranks serve different requests)."""
     overwrite: bool = False
     """Replace a trace already at `out`."""
     shard_tokens: int = 4096
@@ -87,11 +88,11 @@ class ImportConfig:
         if self.num_shared_experts < 0 or self.shard_tokens < 1:
             raise TraceError("expected --num-shared-experts >= 0 and --shard-tokens >= 1")
         ids = self.moe_layer_ids
-        if ids is not None and (list(ids) != sorted(set(ids)) or min(ids, default=0) < 0):
+        if ids and (list(ids) != sorted(set(ids)) or min(ids) < 0):
             raise TraceError(
                 f"--moe-layer-ids {list(ids)}: expected increasing non-negative decoder-layer ids"
             )
-        if ids is not None and self.num_layers is not None and len(ids) != self.num_layers:
+        if ids and self.num_layers is not None and len(ids) != self.num_layers:
             raise TraceError(
                 f"--moe-layer-ids lists {len(ids)} layers but --num-layers is {self.num_layers}: "
                 "make them agree (or drop one)"
@@ -183,7 +184,15 @@ def fingerprint(files: list[Path], cfg: ImportConfig) -> str:
                 h.update(chunk)
     stated = {
         k: getattr(cfg, k)
-        for k in ("source", "num_experts", "top_k", "num_layers", "moe_layer_ids", "rank")
+        for k in (
+            "source",
+            "num_experts",
+            "top_k",
+            "num_layers",
+            "moe_layer_ids",
+            "rank",
+            "all_ranks",
+        )
     }
     h.update(json.dumps(stated, sort_keys=True, default=list).encode())
     return "imported-" + h.hexdigest()[:16]
@@ -214,7 +223,7 @@ class _Sink:
         self.writer: TraceWriter | None = None
         self.L = cfg.num_layers or (len(cfg.moe_layer_ids) if cfg.moe_layer_ids else None)
         self.K = cfg.top_k
-        self.layer_ids = cfg.moe_layer_ids
+        self.layer_ids = cfg.moe_layer_ids or None
         self.max_id = -1
         self.seen: set[str] = set()
         self.n_prompts = 0

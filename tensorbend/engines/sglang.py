@@ -56,7 +56,7 @@ def read_prompts(
         p2l = np.asarray(dump["last_physical_to_logical_map"], dtype=np.int64)
         records = sorted(dump["records"], key=lambda r: r["forward_pass_id"])
         for rec in records:
-            if cfg.rank is not None and rec.get("rank", 0) != cfg.rank:
+            if not cfg.all_ranks and rec.get("rank", 0) != cfg.rank:
                 continue
             yield from seqs.add_pass(rec, p2l, f"{path}, forward pass {rec['forward_pass_id']}")
         yield from seqs.flush_all()
@@ -121,7 +121,7 @@ class _Sequences:
         if seq is None:
             self.orphans += pos[0] != 0
             seq = _Seq(
-                f"sglang-{self.cfg.rank if self.cfg.rank is not None else 'all'}-{self.n:06d}",
+                f"sglang-{'all' if self.cfg.all_ranks else self.cfg.rank}-{self.n:06d}",
                 slot,
                 self.passes,
             )

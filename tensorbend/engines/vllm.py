@@ -68,7 +68,7 @@ class _Layers:
     """Which decoder layers are MoE: stated, or those the engine wrote in the first request."""
 
     def __init__(self, cfg: ImportConfig, notes: list[str]):
-        self.ids = list(cfg.moe_layer_ids) if cfg.moe_layer_ids is not None else None
+        self.ids = list(cfg.moe_layer_ids) if cfg.moe_layer_ids else None
         self.notes = notes
 
     def select(self, rx_RAK: np.ndarray, where: str) -> np.ndarray:

@@ -73,17 +73,14 @@ class SimulateConfig:
     geometry: GeometryName
     """Model geometry the trace's routing is replayed on; from-trace keeps the trace's own
     sizes (needs --calibration for bytes and compute)."""
-    policies: tuple[PolicyName, ...] = (
-        "resident",
-        "on_demand",
-        "lru",
-        "lfu",
-        "lfru",
-        "prefetch",
-        "oracle",
+    policies: tuple[PolicyName, ...] = field(
+        default=("resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"),
+        metadata={"flags": ("--policy",)},
     )
     """Policies to simulate (prefetch runs once per predictor)."""
-    predictors: tuple[str, ...] = ("transition",)
+    predictors: tuple[str, ...] = field(
+        default=("transition",), metadata={"flags": ("--predictor",)}
+    )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
     prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
     lookahead: str = "d1"
@@ -91,7 +88,7 @@ class SimulateConfig:
     train_trace: Path | None = None
     """Trace whose train split fits the table peers (frequency, prev_token, transition);
     default: the simulated trace."""
-    cache_fracs: tuple[float, ...] = ()
+    cache_fracs: tuple[float, ...] = field(default=(), metadata={"flags": ("--cache-frac",)})
     """Cache sizes as fractions of each layer's experts; empty: the largest that fits the
     hardware's fast memory beside the resident weights (0.25 with a calibration)."""
     split: Literal["test", "val", "train", "all"] = "test"
