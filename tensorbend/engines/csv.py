@@ -1,8 +1,8 @@
 """The canonical routing CSV: one row per (prompt, MoE layer, position), read as a stream.
 
 Usage:
-    >>> from tensorbend.engines import ImportConfig, import_trace
-    >>> import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
+    from tensorbend.engines import ImportConfig, import_trace
+    import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
 
 Format (header required, extra columns ignored):
 

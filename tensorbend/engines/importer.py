@@ -1,9 +1,14 @@
 """`tensorbend trace import`: routing recorded by an inference engine -> a normal tensorbend trace.
 
 Usage:
-    >>> from tensorbend.engines import ImportConfig, import_trace
-    >>> result = import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
-    >>> result.to_json()["num_experts"]
+    >>> import tempfile
+    >>> from tensorbend.engines.csv import write_csv
+    >>> d = Path(tempfile.mkdtemp())
+    >>> rows = [("p0", m, t, [m, m + 1], "decode") for t in range(3) for m in range(2)]
+    >>> res = import_trace(ImportConfig(source="csv", path=write_csv(d / "r.csv", rows),
+    ...                                 out=d / "t", progress=False))
+    >>> res.num_moe_layers, res.top_k, res.num_experts, res.tokens
+    (2, 2, 3, {'prefill': 0, 'decode': 3})
 
 The readers (csv.py, vllm.py, sglang.py) yield one `ImportedPrompt` at a time; this module
 checks each against the sizes seen so far (or stated), writes it through `TraceWriter` (shards

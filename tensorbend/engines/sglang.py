@@ -1,7 +1,7 @@
 """SGLang's expert-distribution recorder, `per_token` mode dumps -> imported prompts.
 
 Usage:
-    >>> import_trace(ImportConfig(source="sglang", path=Path("/tmp/sglang_dumps"), out=Path("runs/t")))
+    import_trace(ImportConfig(source="sglang", path=Path("/tmp/sglang_dumps"), out=Path("runs/t")))
 
 What SGLang writes (read from sglang 0.5.23, python/sglang/srt/eplb/expert_distribution.py:
 `_DetailSinglePassGatherer.collect`, `_DetailAccumulator.dump`, `_dump_to_file`; run the server

@@ -1,7 +1,7 @@
 """vLLM's per-request routed experts (`--enable-return-routed-experts`) -> imported prompts.
 
 Usage:
-    >>> import_trace(ImportConfig(source="vllm", path=Path("responses.jsonl"), out=Path("runs/t")))
+    import_trace(ImportConfig(source="vllm", path=Path("responses.jsonl"), out=Path("runs/t")))
 
 What vLLM emits (read from vLLM 0.33.0: vllm/outputs.py `CompletionOutput.routed_experts`,
 vllm/entrypoints/openai/completion/protocol.py and chat_completion/protocol.py `routed_experts`,

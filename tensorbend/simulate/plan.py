@@ -1,10 +1,10 @@
 """The work of a simulated run: per forward and geometry MoE layer, the demand and the predictions.
 
 Usage:
-    >>> demand = demand_lists(rows, fwds)                       # [forward][trace layer]
-    >>> preds = prediction_lists(ranked, fwds, top_k=K, extra=0)  # [forward][trace layer] or None
-    >>> work = build_work(fwds, demand, mapping, ranked, preds)  # list[ForwardWork]
-    >>> steps = steps_by_key(work)                              # Belady's future (the oracle)
+    demand = demand_lists(rows, fwds)                       # [forward][trace layer]
+    preds = prediction_lists(ranked, fwds, top_k=K, extra=0)  # [forward][trace layer] or None
+    work = build_work(fwds, demand, mapping, ranked, preds)  # list[ForwardWork]
+    steps = steps_by_key(work)                              # Belady's future (the oracle)
 
 Geometry layer g replays trace layer `mapping.layer_of[g]`; its demand is that layer's experts
 for the forward's rows (with how many of the rows each serves). A prediction for target g at

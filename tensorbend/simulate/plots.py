@@ -1,7 +1,7 @@
 """PNG plots of a simulation: decode tok/s and stall per run, and by cache size.
 
 Usage:
-    >>> paths = plot_results(result, Path("runs/sim_plots"))     # list of written PNG files
+    paths = plot_results(result, Path("runs/sim_plots"))     # list of written PNG files
 
 Titles state hardware, geometry, split and batch; every bar is one policy (x predictor) at one
 cache fraction, so the baselines of the same run sit beside the predictors.

@@ -1,10 +1,10 @@
 """Predictors run offline over a trace's rows: each token's ranked expert guesses per target layer.
 
 Usage:
-    >>> rows = routing_rows(trace, split="test")                 # routing-only traces too
-    >>> pred = build_predictor("transition", trace, lookahead="d1")
-    >>> ranked = ranked_predictions(pred, rows, width=spec.top_k)
-    >>> ranked.ids_TLJ.shape, ranked.valid_L                     # [T, L, J] best first; targets
+    rows = routing_rows(trace, split="test")                 # routing-only traces too
+    pred = build_predictor("transition", trace, lookahead="d1")
+    ranked = ranked_predictions(pred, rows, width=spec.top_k)
+    ranked.ids_TLJ.shape, ranked.valid_L                     # [T, L, J] best first; targets
 
 A predictor spec is a checkpoint path (`tensorbend train` output), a peer name from
 `predictors.BASELINES` (tables fitted on the trace's train split), or `none` (no predictions:

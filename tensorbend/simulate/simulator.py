@@ -1,11 +1,11 @@
 """`tensorbend simulate`: what prediction buys on a model geometry and hardware, from a trace.
 
 Usage:
-    >>> from tensorbend.simulate import SimulateConfig, simulate
-    >>> res = simulate(SimulateConfig(trace=Path("runs/t"), hardware="dgx-spark",
-    ...                               geometry="kimi-k2.5", predictors=("transition",)))
-    >>> print(format_table(res))                     # mapping first, then one row per run
-    >>> res.to_json()["results"][0]["decode_tok_s"]
+    from tensorbend.simulate import SimulateConfig, simulate
+    res = simulate(SimulateConfig(trace=Path("runs/t"), hardware="dgx-spark",
+                                  geometry="kimi-k2.5", predictors=("transition",)))
+    print(format_table(res))                     # mapping first, then one row per run
+    res.to_json()["results"][0]["decode_tok_s"]
 
 For each policy x predictor (prefetch only) x cache fraction: the trace's `split` prompts are
 replayed as the runtime would run them (workload.py), their routing mapped onto the geometry
