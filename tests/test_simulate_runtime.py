@@ -26,7 +26,7 @@ from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
 from tensorbend.simulate.indexed import make_indexed
 from tensorbend.simulate.link import Link
 from tensorbend.simulate.plan import steps_by_key
-from tensorbend.simulate.simulator import make_resident_set
+from tensorbend.simulate.runs import make_resident_set
 
 
 @pytest.fixture(scope="module")

@@ -73,8 +73,8 @@ def ep_stats(
     if len(layers) == 0 or truth_TLK.shape[0] == 0:
         return {"steps": 0, "layers": 0}
     ranks = rank_of(num_experts, cfg)
-    actual_TLR = _ranks_hit(ranks[truth_TLK[:, layers].long()], cfg.degree)
-    pred_TLR = _ranks_hit(ranks[pred_TLK[:, layers].long()], cfg.degree)
+    actual_TLR = _ranks_hit(truth_TLK[:, layers].long(), ranks, cfg.degree)
+    pred_TLR = _ranks_hit(pred_TLK[:, layers].long(), ranks, cfg.degree)
     _, step_index = torch.unique(step_T, return_inverse=True)
     S = int(step_index.max()) + 1
     act_SLR = _per_step(actual_TLR, step_index, S)
@@ -94,14 +94,42 @@ def ep_stats(
     }
 
 
-def _ranks_hit(ranks_TLK: torch.Tensor, R: int) -> torch.Tensor:
-    """[T, L, R] bool: the token has at least one expert on rank r."""
-    out = torch.zeros(*ranks_TLK.shape[:2], R, dtype=torch.bool)
-    out.scatter_(2, ranks_TLK, True)
-    return out
+def _ranks_hit(ids_TLK: torch.Tensor, ranks_E: torch.Tensor, R: int) -> torch.Tensor:
+    """[T, L, R] bool: the token has at least one expert on rank r (ids -1: no guess)."""
+    ranks = torch.where(ids_TLK >= 0, ranks_E[ids_TLK.clamp(min=0)], R)
+    out = torch.zeros(*ids_TLK.shape[:2], R + 1, dtype=torch.bool)
+    out.scatter_(2, ranks, True)
+    return out[..., :R]
 
 
 def _per_step(hit_TLR: torch.Tensor, step_T: torch.Tensor, S: int) -> torch.Tensor:
     out = torch.zeros(S, *hit_TLR.shape[1:])
     out.index_add_(0, step_T, hit_TLR.float())
+    return out
+
+
+def ep_report(rankeds, rows: dict, fwds, num_experts: int, cfg: EPConfig) -> list[dict]:
+    """ep_stats per predictor and phase over the simulated forwards (steps)."""
+    step_T = torch.zeros(rows["expert_ids_TLK"].shape[0], dtype=torch.long)
+    for f, fw in enumerate(fwds):
+        step_T[fw.rows] = f
+    K = rows["expert_ids_TLK"].shape[2]
+    out = []
+    for r in rankeds:
+        if r.kind == "none":
+            continue
+        for code, phase in ((0, "prefill"), (1, "decode")):
+            sel = (rows["phase_T"] == code).nonzero().flatten()
+            truth, pred = rows["expert_ids_TLK"][sel].long(), r.ids_TLJ[sel, :, :K]
+            s = ep_stats(truth, pred, step_T[sel], num_experts, cfg, r.valid_L)
+            out.append(
+                {
+                    "predictor": r.kind,
+                    "lookahead": r.lookahead,
+                    "phase": phase,
+                    "degree": cfg.degree,
+                    "placement": cfg.placement,
+                    **s,
+                }
+            )
     return out

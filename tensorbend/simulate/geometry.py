@@ -110,6 +110,27 @@ def get_geometry(name: str) -> Geometry:
     return GEOMETRIES[name]
 
 
+def geometry_from_trace(spec, expert_bytes: int, source: str) -> Geometry:
+    """`from-trace`: the trace's layers, experts, top-k; bytes from a calibration."""
+    return Geometry(
+        "from-trace",
+        source,
+        num_moe_layers=spec.num_moe_layers,
+        num_dense_layers=0,
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+        num_shared_experts=spec.num_shared_experts,
+        hidden_size=0,
+        moe_intermediate_size=0,
+        dense_intermediate_size=0,
+        attn_params=0,
+        vocab_size=0,
+        native_dtype="bf16",
+        other_dtype="bf16",
+        expert_bytes_override=expert_bytes,
+    )
+
+
 def _attn_mla(D: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int) -> int:
     """DeepSeek-V3 multi-head latent attention: q_a, q_b, kv_a (with rope key), kv_b, o."""
     return (

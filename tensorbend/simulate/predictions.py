@@ -54,6 +54,29 @@ class Ranked:
         return self.lookahead != "pre_attn"
 
 
+def rank_all(
+    specs, trace: Trace, rows: dict, lookahead: str, width: int, train_trace: Trace | None = None
+) -> list[Ranked]:
+    """Ranked guesses of each predictor spec on `rows` (`none`: no guesses at all)."""
+    out = []
+    for spec in specs:
+        pred = build_predictor(spec, trace, lookahead, train_trace)
+        if pred is None:
+            T, L = rows["expert_ids_TLK"].shape[:2]
+            out.append(
+                Ranked(
+                    "none",
+                    lookahead,
+                    0,
+                    torch.full((T, L, 1), -1),
+                    torch.zeros(L, dtype=torch.bool),
+                )
+            )
+        else:
+            out.append(ranked_predictions(pred, rows, width))
+    return out
+
+
 def routing_rows(
     trace: Trace, split: str | None = "test", features: tuple[str, ...] = ("ids",)
 ) -> dict[str, torch.Tensor]:

@@ -30,38 +30,31 @@ from tqdm import tqdm
 
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import (
-    LFRU,
-    LFU,
-    LRU,
     AdmissionName,
-    NextUse,
-    Predicted,
-    make_admission,
 )
-from tensorbend.offload.resident import PoolName, ResidentSet
+from tensorbend.offload.resident import PoolName
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
-from tensorbend.simulate.ep import EPConfig, ep_stats
-from tensorbend.simulate.events import EventRun, Times
-from tensorbend.simulate.geometry import ExpertDtype, Geometry, GeometryName, get_geometry
+from tensorbend.simulate.ep import EPConfig, ep_report
+from tensorbend.simulate.geometry import (
+    ExpertDtype,
+    GeometryName,
+    geometry_from_trace,
+    get_geometry,
+)
 from tensorbend.simulate.hardware import HardwareName, get_hardware
-from tensorbend.simulate.indexed import make_indexed
-from tensorbend.simulate.link import Link
 from tensorbend.simulate.mapping import make_mapping
 from tensorbend.simulate.predictions import (
-    Ranked,
-    build_predictor,
-    ranked_predictions,
+    rank_all,
     routing_rows,
-    truth_ranked,
 )
+from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
 from tensorbend.simulate.workload import forwards
 from tensorbend.trace import Trace
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
 POLICIES: tuple[str, ...] = PolicyName.__args__
-NO_PREDICTION = ("lru", "lfu", "lfru")
 
 
 @dataclass(frozen=True)
@@ -181,7 +174,11 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     spec = tr.spec
     hw = get_hardware(cfg.hardware)
     cal = Calibration.load(cfg.calibration) if cfg.calibration else None
-    geo = _geometry(cfg, spec, cal)
+    geo = (
+        geometry_from_trace(spec, cal.expert_bytes, f"{cfg.trace} + {cfg.calibration}")
+        if cfg.geometry == "from-trace"
+        else get_geometry(cfg.geometry)
+    )
     mapping = make_mapping(
         spec.num_moe_layers,
         spec.num_experts,
@@ -198,8 +195,15 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
     demand = plan.demand_lists(rows, fwds)
-    rankeds = _rankeds(cfg, tr, rows)
-    fracs = cfg.cache_fracs or (_fitting_frac(hw, geo, cfg.dtype, spec) if cal is None else 0.25,)
+    rankeds = rank_all(
+        cfg.predictors if "prefetch" in cfg.policies else (),
+        tr,
+        rows,
+        cfg.lookahead,
+        tr.spec.top_k + cfg.prefetch_extra,
+        Trace.open(cfg.train_trace) if cfg.train_trace else None,
+    )
+    fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, spec) if cal is None else 0.25,)
     jobs = [
         (p, r, f)
         for f in fracs
@@ -210,8 +214,10 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     for policy, ranked, frac in tqdm(
         jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr
     ):
-        results.append(_one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo))
-    _relative(results)
+        results.append(
+            run_one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo)
+        )
+    relative(results)
     res = SimulateResult(
         hardware=cfg.hardware,
         geometry=cfg.geometry,
@@ -230,36 +236,15 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
         notes=_notes(cfg, cal, hw, geo),
     )
     if cfg.ep_degree is not None:
-        res.ep = _ep(cfg, rankeds, rows, fwds, spec.num_experts)
+        res.ep = ep_report(
+            rankeds, rows, fwds, spec.num_experts, EPConfig(cfg.ep_degree, cfg.ep_placement)
+        )
     if cfg.plots is not None:
         from tensorbend.simulate.plots import plot_results
 
         plot_results(res, cfg.plots)
     res.seconds = round(time.perf_counter() - t0, 2)
     return res
-
-
-def make_resident_set(
-    policy: str,
-    capacity: int,
-    num_layers: int,
-    pool: str,
-    admission: str,
-    steps=None,
-    foresight: int | None = None,
-) -> ResidentSet:
-    """The runtime's policy of each name, as a ResidentSet (eviction, pool, admission)."""
-    eviction = {"resident": LRU, "on_demand": LRU, "lru": LRU, "lfu": LFU, "lfru": LFRU}.get(policy)
-    if policy == "prefetch":
-        ev = Predicted(num_layers)
-    elif policy == "oracle":
-        ev = NextUse(steps, num_layers, foresight)
-    else:
-        ev = eviction()
-    cap = 0 if policy == "on_demand" else capacity
-    return make_indexed(
-        cap, num_layers, ev, pool=pool, admission=make_admission(admission, num_layers)
-    )
 
 
 def format_table(res: SimulateResult) -> str:
@@ -282,118 +267,6 @@ def format_table(res: SimulateResult) -> str:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo) -> dict:
-    L, K = mapping.geometry_layers, mapping.trace_top_k
-    units = max(1, round(frac * L * mapping.trace_experts))
-    if units < K and policy != "resident":
-        raise TensorbendError(
-            f"cache of {units} experts at --cache-frac {frac} is smaller than top-k {K}: raise it "
-            f"to at least {K / (L * mapping.trace_experts):.4f}"
-        )
-    if policy == "oracle":
-        ranked = truth_ranked(rows, cfg.lookahead)
-    preds = (
-        None
-        if ranked is None
-        else plan.prediction_lists(ranked, fwds, K, 0 if policy == "oracle" else cfg.prefetch_extra)
-    )
-    work = plan.build_work(fwds, demand, mapping, ranked, preds)
-    steps = plan.steps_by_key(work) if policy == "oracle" else None
-    if policy == "resident":
-        units = L * mapping.trace_experts
-    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, steps, cfg.foresight)
-    backlog = (
-        float("inf") if cfg.prefetch_backlog is None else cfg.prefetch_backlog * costs.transfer_s()
-    )
-    run = EventRun(
-        rs,
-        Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog),
-        Times(
-            costs.attn_s,
-            costs.expert_s,
-            costs.forward_s,
-            costs.predict_s if policy == "prefetch" else 0.0,
-            costs.miss_s,
-        ),
-        scratch=K,
-        unit_bytes=costs.unit_bytes,
-    )
-    if policy == "resident":
-        run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
-    run.run(work)
-    return _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
-
-
-def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
-    dec, pre = run.stats[1], run.stats[0]
-    nd, npf = max(1, run.tokens[1]), max(1, run.tokens[0])
-    expert_total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(cfg.dtype)
-    cache_bytes = expert_total if policy == "resident" else frac * expert_total
-    return {
-        "policy": policy,
-        "predictor": None if ranked is None else ranked.kind,
-        "lookahead": None if ranked is None else ranked.lookahead,
-        "cache_frac": 1.0 if policy == "resident" else frac,
-        "decode_tok_s": run.tokens[1] / run.seconds[1] if run.seconds[1] else None,
-        "prefill_tok_s": run.tokens[0] / run.seconds[0] if run.seconds[0] else None,
-        "stall_s_per_token": dec.stall_s / nd,
-        "bytes_read_per_token": dec.bytes_read / nd,
-        "demand_hit_rate": dec.demand_hit_rate,
-        "wasted_prefetch_bytes": run.total.prefetch_wasted_bytes,
-        "cache_slots": units,
-        "cache_bytes": int(cache_bytes),
-        "fits_fast_memory": cfg.calibration is not None
-        or cache_bytes + _resident_bytes(geo) <= hw.mem_capacity.value,
-        "pool": cfg.pool,
-        "admission": cfg.admission,
-        "foresight": cfg.foresight if policy == "oracle" else None,
-        "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
-        "prefill": {
-            "stall_s_per_token": pre.stall_s / npf,
-            "bytes_read_per_token": pre.bytes_read / npf,
-            "demand_hit_rate": pre.demand_hit_rate,
-        },
-        "counters": dict(vars(run.total)),
-    }
-
-
-def _relative(results: list[dict]) -> None:
-    """vs_best_cache: decode tok/s over the best no-prediction cache at the same size."""
-    for r in results:
-        peers = [
-            x["decode_tok_s"]
-            for x in results
-            if x["policy"] in NO_PREDICTION
-            and x["cache_frac"] == r["cache_frac"]
-            and x["decode_tok_s"]
-        ]
-        r["vs_best_cache"] = (
-            round(r["decode_tok_s"] / max(peers), 4) if peers and r["decode_tok_s"] else None
-        )
-
-
-def _geometry(cfg, spec, cal) -> Geometry:
-    if cfg.geometry != "from-trace":
-        return get_geometry(cfg.geometry)
-    return Geometry(
-        "from-trace",
-        f"the trace ({cfg.trace}) and the calibration ({cfg.calibration})",
-        num_moe_layers=spec.num_moe_layers,
-        num_dense_layers=0,
-        num_experts=spec.num_experts,
-        top_k=spec.top_k,
-        num_shared_experts=spec.num_shared_experts,
-        hidden_size=0,
-        moe_intermediate_size=0,
-        dense_intermediate_size=0,
-        attn_params=0,
-        vocab_size=0,
-        native_dtype="bf16",
-        other_dtype="bf16",
-        expert_bytes_override=cal.expert_bytes,
-    )
 
 
 def _rows(cfg, tr: Trace):
@@ -420,47 +293,6 @@ def _rows(cfg, tr: Trace):
     return rows
 
 
-def _rankeds(cfg, tr, rows) -> list:
-    if "prefetch" not in cfg.policies:
-        return []
-    out = []
-    for p in cfg.predictors:
-        pred = build_predictor(
-            p, tr, cfg.lookahead, Trace.open(cfg.train_trace) if cfg.train_trace else None
-        )
-        if pred is None:
-            L = tr.spec.num_moe_layers
-            out.append(
-                Ranked(
-                    "none",
-                    cfg.lookahead,
-                    0,
-                    torch.full((rows["expert_ids_TLK"].shape[0], L, 1), -1),
-                    torch.zeros(L, dtype=torch.bool),
-                )
-            )
-            continue
-        out.append(ranked_predictions(pred, rows, tr.spec.top_k + cfg.prefetch_extra))
-    return out
-
-
-def _resident_bytes(geo: Geometry) -> float:
-    """Weights that stay in fast memory: every MoE layer's non-expert weights, dense layers,
-    the LM head and the embedding."""
-    return (
-        geo.num_moe_layers * geo.layer_static_bytes()
-        + geo.forward_static_bytes()
-        + geo.vocab_size * geo.hidden_size * 2
-    )
-
-
-def _fitting_frac(hw, geo: Geometry, dtype: str, spec) -> float:
-    total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(dtype)
-    frac = (hw.mem_capacity.value - _resident_bytes(geo)) / total
-    floor = spec.top_k / (geo.num_moe_layers * spec.num_experts)  # at least top-k slots
-    return round(min(1.0, max(frac, floor)), 4)
-
-
 def _notes(cfg, cal, hw, geo) -> list[str]:
     notes = []
     if cal is not None:
@@ -474,38 +306,3 @@ def _notes(cfg, cal, hw, geo) -> list[str]:
             else "cache fraction: 0.25 (calibrated run; no memory size known)"
         )
     return notes
-
-
-def _ep(cfg, rankeds, rows, fwds, E) -> list[dict]:
-    epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
-    step_T = torch.zeros(rows["expert_ids_TLK"].shape[0], dtype=torch.long)
-    phase_of = {}
-    for f, fw in enumerate(fwds):
-        step_T[fw.rows] = f
-        phase_of[f] = fw.phase
-    out = []
-    K = rows["expert_ids_TLK"].shape[2]
-    for r in rankeds:
-        if r.kind == "none":
-            continue
-        for ph, name in ((0, "prefill"), (1, "decode")):
-            sel = (rows["phase_T"] == ph).nonzero().flatten()
-            s = ep_stats(
-                rows["expert_ids_TLK"][sel].long(),
-                r.ids_TLJ[sel, :, :K].clamp(min=0),
-                step_T[sel],
-                E,
-                epc,
-                r.valid_L,
-            )
-            out.append(
-                {
-                    "predictor": r.kind,
-                    "lookahead": r.lookahead,
-                    "phase": name,
-                    "degree": epc.degree,
-                    "placement": epc.placement,
-                    **s,
-                }
-            )
-    return out
