@@ -12,6 +12,8 @@ at least top-k slots; its bytes are reported for the geometry's own experts.
 
 from __future__ import annotations
 
+import math
+
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, make_admission
 from tensorbend.offload.resident import ResidentSet
@@ -149,7 +151,9 @@ def resident_bytes(geo: Geometry) -> float:
 
 
 def fitting_frac(hw, geo: Geometry, dtype: str, spec) -> float:
+    """The largest cache fraction (4 decimals, rounded down) whose bytes fit fast memory beside
+    the resident weights; at least top-k slots."""
     total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(dtype)
-    frac = (hw.mem_capacity.value - resident_bytes(geo)) / total
-    floor = spec.top_k / (geo.num_moe_layers * spec.num_experts)  # at least top-k slots
-    return round(min(1.0, max(frac, floor)), 4)
+    frac = math.floor((hw.mem_capacity.value - resident_bytes(geo)) / total * 1e4) / 1e4
+    floor = spec.top_k / (geo.num_moe_layers * spec.num_experts)
+    return min(1.0, max(frac, floor))

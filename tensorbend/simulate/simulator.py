@@ -169,54 +169,27 @@ class SimulateResult:
 
 
 def simulate(cfg: SimulateConfig) -> SimulateResult:
+    """Every policy x predictor x cache fraction of `cfg` on the trace; see the module docstring."""
     t0 = time.perf_counter()
     tr = Trace.open(cfg.trace)
-    spec = tr.spec
-    hw = get_hardware(cfg.hardware)
-    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
-    geo = (
-        geometry_from_trace(spec, cal.expert_bytes, f"{cfg.trace} + {cfg.calibration}")
-        if cfg.geometry == "from-trace"
-        else get_geometry(cfg.geometry)
-    )
-    mapping = make_mapping(
-        spec.num_moe_layers,
-        spec.num_experts,
-        spec.top_k,
-        geo.num_moe_layers,
-        geo.num_experts,
-        geo.top_k,
-    )
-    costs = (
-        Costs.from_calibration(cal, mapping.unit_scale)
-        if cal
-        else Costs.from_profiles(hw, geo, mapping.unit_scale, cfg.dtype)
-    )
+    hw, cal, geo, mapping, costs = _setup(cfg, tr)
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
     demand = plan.demand_lists(rows, fwds)
-    rankeds = rank_all(
-        cfg.predictors if "prefetch" in cfg.policies else (),
-        tr,
-        rows,
-        cfg.lookahead,
-        tr.spec.top_k + cfg.prefetch_extra,
-        Trace.open(cfg.train_trace) if cfg.train_trace else None,
-    )
-    fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, spec) if cal is None else 0.25,)
+    train = Trace.open(cfg.train_trace) if cfg.train_trace else None
+    specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
+    rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
+    fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     jobs = [
         (p, r, f)
         for f in fracs
         for p in cfg.policies
         for r in (rankeds if p == "prefetch" else [None])
     ]
-    results = []
-    for policy, ranked, frac in tqdm(
-        jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr
-    ):
-        results.append(
-            run_one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo)
-        )
+    bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
+    results = [
+        run_one(cfg, p, r, f, fwds, demand, rows, mapping, costs, hw, geo) for p, r, f in bar
+    ]
     relative(results)
     res = SimulateResult(
         hardware=cfg.hardware,
@@ -230,21 +203,37 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
         split=cfg.split,
         batch=cfg.batch,
         tokens={
-            "prefill": int((rows["phase_T"] == 0).sum()),
-            "decode": int((rows["phase_T"] == 1).sum()),
+            ph: int((rows["phase_T"] == i).sum()) for i, ph in enumerate(("prefill", "decode"))
         },
-        notes=_notes(cfg, cal, hw, geo),
+        notes=_notes(cfg, cal),
     )
     if cfg.ep_degree is not None:
-        res.ep = ep_report(
-            rankeds, rows, fwds, spec.num_experts, EPConfig(cfg.ep_degree, cfg.ep_placement)
-        )
+        epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
+        res.ep = ep_report(rankeds, rows, fwds, tr.spec.num_experts, epc)
     if cfg.plots is not None:
         from tensorbend.simulate.plots import plot_results
 
         plot_results(res, cfg.plots)
     res.seconds = round(time.perf_counter() - t0, 2)
     return res
+
+
+def _setup(cfg: SimulateConfig, tr: Trace):
+    """(hardware, calibration | None, geometry, mapping, costs) of a run."""
+    spec = tr.spec
+    hw = get_hardware(cfg.hardware)
+    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
+    if cfg.geometry == "from-trace":
+        geo = geometry_from_trace(spec, cal.expert_bytes, f"{cfg.trace} + {cfg.calibration}")
+    else:
+        geo = get_geometry(cfg.geometry)
+    mapping = make_mapping(spec.num_moe_layers, spec.num_experts, spec.top_k,
+                           geo.num_moe_layers, geo.num_experts, geo.top_k)  # fmt: skip
+    if cal is not None:
+        costs = Costs.from_calibration(cal, mapping.unit_scale)
+    else:
+        costs = Costs.from_profiles(hw, geo, mapping.unit_scale, cfg.dtype)
+    return hw, cal, geo, mapping, costs
 
 
 def format_table(res: SimulateResult) -> str:
@@ -272,7 +261,7 @@ def format_table(res: SimulateResult) -> str:
 def _rows(cfg, tr: Trace):
     hidden = set()
     for p in cfg.predictors:
-        if p in ("none",) or "prefetch" not in cfg.policies:
+        if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
             continue
         hidden.add(get_lookahead(cfg.lookahead).hidden)
         if Path(p).is_file():
@@ -293,7 +282,7 @@ def _rows(cfg, tr: Trace):
     return rows
 
 
-def _notes(cfg, cal, hw, geo) -> list[str]:
+def _notes(cfg, cal) -> list[str]:
     notes = []
     if cal is not None:
         notes.append(
