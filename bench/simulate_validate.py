@@ -57,73 +57,45 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tok = load_model(a.model)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
-    specs = [*a.predictor, *a.baseline]
-    preds = [
-        build_predictor(
-            model,
-            Path(p) if p in a.predictor else None,
-            None if p in a.predictor else p,
-            a.lookahead,
-            Path(a.train_trace) if a.train_trace else None,
-        )
-        for p in specs
-    ]
-    sess = OffloadSession(
-        model,
-        tok,
-        prompts,
-        SessionConfig(
-            max_new_tokens=a.max_new_tokens,
-            max_prompt_tokens=a.max_prompt_tokens,
-            io_threads=a.io_threads,
-            decode=a.decode,
-        ),
-        model_name=a.model,
-    )
+    train = Path(a.train_trace) if a.train_trace else None
+    preds = [build_predictor(model, Path(p), None, a.lookahead, train) for p in a.predictor]
+    preds += [build_predictor(model, None, b, a.lookahead, train) for b in a.baseline]
+    cfg = SessionConfig(max_new_tokens=a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens,
+                        io_threads=a.io_threads, decode=a.decode)  # fmt: skip
+    sess = OffloadSession(model, tok, prompts, cfg, model_name=a.model)
     try:
         link = sess.link(a.link)
-        cal = _calibrate(sess, preds, link, a)
         work = Path(tempfile.mkdtemp(prefix="tb-validate-"))
+        cal = _calibrate(sess, preds, link, a)
         cal_path = cal.save(work / "calibration.json")
         runs = _runtime_runs(sess, preds, link, a)
         trace = _trace_of(sess, prompts, a, work)
     finally:
         sess.close()
-    sims = simulate(
-        SimulateConfig(
-            trace=trace,
-            hardware="h100-pcie5",
-            geometry="from-trace",
-            calibration=cal_path,
-            policies=tuple(dict.fromkeys(r["policy"] for r in runs)),
-            predictors=tuple(specs) or ("none",),
-            lookahead=a.lookahead,
-            cache_fracs=(a.cache_frac,),
-            split="all",
-            train_trace=a.train_trace,
-            progress=False,
-        )
-    ).results
+    sims = _simulated(a, trace, cal_path, runs)
     rows = _compare(runs, sims)
     out = {
-        "model": a.model,
-        "prompts": len(prompts),
-        "decode": a.decode,
-        "max_new_tokens": a.max_new_tokens,
-        "cache_frac": a.cache_frac,
-        "link": link.to_dict(),
-        "calibration": vars(cal),
-        "io_threads": a.io_threads,
-        "threads": a.threads,
-        "rows": rows,
-        "max_error": _max_error(rows),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "model": a.model, "prompts": len(prompts), "decode": a.decode,
+        "max_new_tokens": a.max_new_tokens, "cache_frac": a.cache_frac, "link": link.to_dict(),
+        "calibration": vars(cal), "io_threads": a.io_threads, "threads": a.threads, "rows": rows,
+        "max_error": _max_error(rows), "seconds": round(time.perf_counter() - t0, 1),
         "command": "python bench/simulate_validate.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
-    }
+    }  # fmt: skip
     if a.doc:
         atomic_write_text(Path(a.doc), _markdown(out))
     return emit(out, a.json)
+
+
+def _simulated(a, trace: Path, cal_path: Path, runs: list[dict]) -> list[dict]:
+    """The simulator on the same prompts: the trace's own geometry, this machine's costs."""
+    cfg = SimulateConfig(
+        trace=trace, hardware="h100-pcie5", geometry="from-trace", calibration=cal_path,
+        policies=tuple(dict.fromkeys(r["policy"] for r in runs)),
+        predictors=tuple([*a.predictor, *a.baseline]) or ("none",), lookahead=a.lookahead,
+        cache_fracs=(a.cache_frac,), split="all", train_trace=a.train_trace, progress=False,
+    )  # fmt: skip
+    return simulate(cfg).results
 
 
 def _calibrate(sess: OffloadSession, preds, link: Link, a) -> Calibration:
