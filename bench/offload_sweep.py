@@ -1,19 +1,25 @@
-"""Offload sweep: policies x cache fractions on one model, same prompts, same link cap.
+"""Offload sweep: every cache, predictor and bounded-foresight oracle per cache size and link.
 
 Usage:
     python bench/offload_sweep.py --model zoo:default --trace runs/offload/trace \\
         [--predictor PRED.safetensors]... [--baselines prev_token,spec_gate,transition,frequency,random] \\
-        [--fracs 0.125,0.25,0.5] [--link h100-pcie5-kimi] --out runs/offload/sweep
+        [--fracs 0.125,0.25,0.5] [--link h100-pcie5-kimi] [--link-speedups 1,4] \\
+        [--foresights 0,1,2,4,8,all] --out runs/offload/sweep
 
-Writes OUT.json (every run's `run --json` dict plus the session: link, threads, prompts) and
-OUT.png (decode tok/s and stall per token by policy, one group per cache fraction), and prints
-the table at cache 25%. `--trace` is a trace of the same model whose train split fits the table
-baselines (frequency, prev_token, transition); with `--prepare`, a missing trace is collected
-(`--split all`) and our predictor trained on it (`tensorbend` kind, `--lookahead`) first.
+Per link (the calibrated `--link`, and the same link N times faster per `--link-speedups`) and
+per cache fraction it runs: on_demand; every cache without prediction (lru, lfu, lfru x pool
+global / per_layer x admission all / frequency); prefetch with no predictor (Predicted eviction
+alone) and with each predictor; the oracle at every foresight h (tokens of exact routing it
+knows; `all` = the whole run). All runs share one resident reference, the same prompts and
+the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
+fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
+`vs_best_cache` (decode tok/s / the best no-prediction cache's), `gap_closed_bytes` = (best
+no-prediction bytes/token - X) / (best no-prediction - full oracle), `gap_closed_seconds` (the
+same with decode seconds per token)), OUT.png (tok/s and stall per run at the first link) and
+OUT_foresight.png (bytes/token and decode tok/s against h, one line per cache size and link).
 
-The link is calibrated once from the resident run (`h100-pcie5-kimi`: one expert transfer
-takes the real system's ratio of a resident MoE layer's compute) and then fixed for every run.
-Compute uses one intra-op thread (the machine is shared; I/O threads emulate the link).
+Timing numbers need a quiet machine (the lead runs this); stall, bytes and hit rates are the
+robust columns. `--prepare` collects `--trace` and trains our predictor when missing.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.collect import load_model
+from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
-from tensorbend.offload.prefetch import NoPredictor
+from tensorbend.offload import NO_PREDICTION_CACHES
+from tensorbend.offload.hooks import NoPredictor
+from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.runner import build_predictor
-from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig
+from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
+from tensorbend.predictors.baselines import NEEDS_TRAIN
 from tensorbend.prompts import load_prompts
 
 
@@ -40,50 +49,173 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(a.model)
+    prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
+    predictors = _predictors(a, model)
+    t0 = time.perf_counter()
+    dc = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens)
+    cfg = SessionConfig(dc, io=a.io, io_threads=a.io_threads)
+    sess = OffloadSession(model, tok, prompts, cfg, model_name=a.model)
+    links = []
+    try:
+        resident = _tag(sess.resident_result().to_json(), 1.0)
+        for speedup in _floats(a.link_speedups):
+            link = sess.link(a.link, speedup)
+            print(f"link: {link.to_dict()}", file=sys.stderr)
+            runs = [resident]
+            for frac in _floats(a.fracs):
+                for pc, p in _plan(a, frac, predictors, sess.spec.num_experts):
+                    r = _tag(sess.run_policy(pc, p, link).to_json(), speedup)
+                    runs.append(r)
+                    print(_row(r), file=sys.stderr)
+            links.append({"speedup": speedup, "link": link.to_dict(), "runs": runs})
+    finally:
+        sess.close()
+    for entry in links:
+        entry["by_frac"] = {str(f): summarize(entry["runs"], f) for f in _floats(a.fracs)}
+    report = _report(a, model, sess, prompts, links, time.perf_counter() - t0)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    _plot_runs(links[0], report, out.with_suffix(".png"))
+    _plot_foresight(links, report, out.with_name(out.name + "_foresight.png"))
+    print(format_table(links[0]["runs"], 0.25))
+    print(json.dumps({e["link"]["name"]: e["by_frac"].get("0.25") for e in links}, indent=1))
+    return 0
+
+
+def _plan(a, frac: float, predictors: list, num_experts: int) -> list[tuple[PolicyConfig, object]]:
+    """Every run at one cache fraction: (PolicyConfig, predictor or None)."""
+    common = dict(
+        cache_frac=frac,
+        lookahead=a.lookahead,
+        prefetch_extra=a.extra,
+        prefetch_backlog=float("inf") if a.backlog < 0 else a.backlog,
+    )
+    plan = [(PolicyConfig("on_demand", **common), None)]
+    for policy in _names(a.caches):
+        for pool in _names(a.pools):
+            for adm in _names(a.admissions):
+                plan.append((PolicyConfig(policy, pool=pool, admission=adm, **common), None))
+    none = NoPredictor(num_experts, get_lookahead(a.lookahead))  # Predicted eviction alone
+    plan += [(PolicyConfig("prefetch", **common), p) for p in [none, *predictors]]
+    for h in _names(a.foresights):
+        foresight = None if h == "all" else int(h)
+        plan.append((PolicyConfig("oracle", foresight=foresight, **common), None))
+    return plan
+
+
+def summarize(runs: list[dict], frac: float) -> dict:
+    """Best no-prediction cache, full oracle, and each run's ratios, at one cache fraction."""
+    at = [r for r in runs if r["policy"] != "resident" and abs(r["cache_frac"] - frac) < 0.01]
+    caches = [r for r in at if r["policy"] in NO_PREDICTION_CACHES]
+    oracle = next((r for r in at if r["policy"] == "oracle" and r["foresight"] is None), None)
+    if not caches:
+        return {}
+    fast = max(caches, key=lambda r: r["decode_tok_s"] or 0)
+    lean = min(caches, key=lambda r: r["bytes_read_per_token"])
+    best_s = min(_s_per_token(r) for r in caches)
+    out = {
+        "best_no_prediction_cache": fast["label"],
+        "best_no_prediction_decode_tok_s": fast["decode_tok_s"],
+        "best_no_prediction_by_bytes": lean["label"],
+        "best_no_prediction_bytes_per_token": lean["bytes_read_per_token"],
+        "full_oracle": oracle
+        and {
+            "decode_tok_s": oracle["decode_tok_s"],
+            "bytes_read_per_token": oracle["bytes_read_per_token"],
+        },
+        "runs": {},
+    }
+    for r in at:
+        row = {"vs_best_cache": (r["decode_tok_s"] or 0) / fast["decode_tok_s"]}
+        if oracle is not None:
+            row["gap_closed_bytes"] = _gap(
+                lean["bytes_read_per_token"],
+                r["bytes_read_per_token"],
+                oracle["bytes_read_per_token"],
+            )
+            row["gap_closed_seconds"] = _gap(best_s, _s_per_token(r), _s_per_token(oracle))
+        out["runs"][r["label"]] = row
+    return out
+
+
+def format_table(runs: list[dict], frac: float) -> str:
+    """Markdown table of the runs at one cache fraction (plus resident)."""
+    head = (
+        "| run | decode tok/s | stall ms/token | KB read/token | demand hit rate | "
+        "bypassed | wasted KB | matches |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    for r in runs:
+        if r["policy"] != "resident" and abs(r["cache_frac"] - frac) > 0.01:
+            continue
+        lines.append(
+            f"| {r['label']} | {r['decode_tok_s'] or 0:.1f} | "
+            f"{r['stall_s_per_token'] * 1e3:.2f} | {r['bytes_read_per_token'] / 1e3:.1f} | "
+            f"{r['demand_hit_rate']:.3f} | {r['counters'].get('bypassed', 0)} | "
+            f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {r['output_matches_resident']} |"
+        )
+    return "\n".join(lines)
+
+
+def label(r: dict) -> str:
+    """A run's name in tables and plots, e.g. lfru/per_layer/adm=frequency, oracle@h=2."""
+    if r["policy"] == "oracle":
+        h = "all" if r["foresight"] is None else r["foresight"]
+        name = f"oracle@h={h}"
+    elif r["policy"] == "prefetch":
+        name = f"prefetch:{r['predictor']}" + (f"@{r['lookahead']}" if r["lookahead"] else "")
+    else:
+        name = r["policy"]
+    if r["policy"] not in ("resident", "on_demand"):
+        name += "/per_layer" if r["pool"] == "per_layer" else ""
+        name += f"/adm={r['admission']}" if r["admission"] != "all" else ""
+    return name
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _tag(r: dict, speedup: float) -> dict:
+    return {**r, "label": label(r), "link_speedup": speedup}
+
+
+def _s_per_token(r: dict) -> float:
+    return 1.0 / r["decode_tok_s"] if r["decode_tok_s"] else float("inf")
+
+
+def _gap(best: float, x: float, ceiling: float) -> float | None:
+    """Share of the gap from the best no-prediction cache to the full oracle that x closes."""
+    return (best - x) / (best - ceiling) if best != ceiling else None
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(t) for t in _names(text)]
+
+
+def _predictors(a, model) -> list:
     trace = Path(a.trace) if a.trace else None
     preds = [Path(p) for p in a.predictor]
     if a.prepare:
         preds += _prepare(a, trace)
-    model, tok = load_model(a.model)
-    prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
-    predictors = [build_predictor(model, p, None, a.lookahead, None) for p in preds]
-    for name in filter(None, a.baselines.split(",")):
-        needs_rows = name in ("frequency", "prev_token", "transition")
-        if needs_rows and trace is None:
+    out = [build_predictor(model, p, None, a.lookahead, None) for p in preds]
+    for name in _names(a.baselines):
+        if name in NEEDS_TRAIN and trace is None:
             print(f"skip {name}: needs --trace", file=sys.stderr)
             continue
-        predictors.append(build_predictor(model, None, name, a.lookahead, trace))
-    t0 = time.perf_counter()
-    cfg = SessionConfig(
-        max_new_tokens=a.max_new_tokens, io=a.io, io_threads=a.io_threads, decode=a.decode
-    )
-    sess = OffloadSession(model, tok, prompts, cfg, model_name=a.model)
-    link = sess.link(a.link)
-    E = sess.spec.num_experts
-    runs = [sess.resident_result()]
-    print(f"link: {link.to_dict()}", file=sys.stderr)
-    try:
-        for frac in (float(f) for f in a.fracs.split(",")):
-            plan = [("on_demand", None), ("lru", None), ("lfu", None)]
-            plan += [("prefetch", NoPredictor(E, get_lookahead(a.lookahead)))]  # eviction only
-            plan += [("prefetch", p) for p in predictors] + [("oracle", None)]
-            for policy, p in plan:
-                pc = PolicyConfig(
-                    policy,
-                    cache_frac=frac,
-                    lookahead=a.lookahead,
-                    prefetch_extra=a.extra,
-                    prefetch_backlog=None if a.backlog < 0 else a.backlog,
-                )
-                r = sess.run_policy(pc, p, link)
-                runs.append(r)
-                print(_row(r), file=sys.stderr)
-    finally:
-        sess.close()
-    report = {
+        out.append(build_predictor(model, None, name, a.lookahead, trace))
+    return out
+
+
+def _report(a, model, sess, prompts, links, seconds: float) -> dict:
+    runs = [r for e in links for r in e["runs"]]
+    return {
         "model": a.model,
         "spec": describe_model(model).to_dict(),
-        "link": link.to_dict(),
+        "links": links,
         "resident_layer_ms": sess.layer_seconds() * 1e3,
         "threads": a.threads,
         "io": a.io,
@@ -92,117 +224,93 @@ def main(argv=None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "decode": a.decode,
         "lookahead": a.lookahead,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "all_outputs_match_resident": all(r["output_matches_resident"] for r in runs),
-        "runs": runs,
+        "seconds": round(seconds, 1),
+        "all_outputs_match_resident": all(
+            r["output_matches_resident"] for r in runs if r["policy"] != "resident"
+        ),
     }
-    report["goals_at_25"] = goals(report, 0.25)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    _plot(report, out.with_suffix(".png"))
-    print(format_table(report, 0.25))
-    print(json.dumps(report["goals_at_25"], indent=1))
-    return 0
-
-
-def format_table(report: dict, frac: float) -> str:
-    """Markdown table of the runs at one cache fraction (plus resident)."""
-    head = "| policy | predictor | decode tok/s | stall ms/token | KB read/token | demand hit rate | wasted KB | matches |"
-    lines = [head, "|" + "---|" * 8]
-    for r in report["runs"]:
-        if r["policy"] != "resident" and abs(r["cache_frac"] - frac) > 0.01:
-            continue
-        lines.append(
-            f"| {r['policy']} | {_pred(r)} | {r['decode_tok_s']:.1f} | "
-            f"{r['stall_s_per_token'] * 1e3:.2f} | {r['bytes_read_per_token'] / 1e3:.1f} | "
-            f"{r['demand_hit_rate']:.3f} | {r['wasted_prefetch_bytes'] / 1e3:.0f} | "
-            f"{r['output_matches_resident']} |"
-        )
-    return "\n".join(lines)
-
-
-def goals(report: dict, frac: float) -> dict:
-    """Per predictor at one cache fraction: speed vs the best cache without prediction and vs
-    the oracle, bytes vs the oracle (issue goals: >= 1.3x, >= 0.9x, <= 1.2x)."""
-    at = [r for r in report["runs"] if abs(r["cache_frac"] - frac) < 0.01]
-    caches = [r for r in at if r["policy"] in ("lru", "lfu")]
-    oracle = next((r for r in at if r["policy"] == "oracle"), None)
-    if not caches or oracle is None:
-        return {}
-    best = max(caches, key=lambda r: r["decode_tok_s"])
-    out = {"best_cache": best["policy"], "oracle_decode_tok_s": oracle["decode_tok_s"]}
-    for r in at:
-        if r["policy"] == "prefetch":
-            out[_label(r)] = {
-                "speed_vs_best_cache": r["decode_tok_s"] / best["decode_tok_s"],
-                "stall_vs_best_cache": r["stall_s_per_token"]
-                / max(best["stall_s_per_token"], 1e-12),
-                "speed_vs_oracle": r["decode_tok_s"] / oracle["decode_tok_s"],
-                "bytes_vs_oracle": r["bytes_read_per_token"]
-                / max(oracle["bytes_read_per_token"], 1e-12),
-            }
-    return out
-
-
-def _label(r: dict) -> str:
-    if r["policy"] != "prefetch":
-        return r["policy"]
-    return f"prefetch:{r['predictor']}" + (f"@{r['lookahead']}" if r["lookahead"] else "")
-
-
-def _pred(r: dict) -> str:
-    if not r["predictor"]:
-        return "-"
-    return f"{r['predictor']} @{r['lookahead']}" if r["policy"] == "prefetch" else r["predictor"]
 
 
 def _row(r: dict) -> str:
     return (
-        f"{_label(r):<24} frac={r['cache_frac']:.3f} tok/s={r['decode_tok_s']:.1f} "
-        f"stall/tok={r['stall_s_per_token'] * 1e3:.2f}ms KB/tok={r['bytes_read_per_token'] / 1e3:.1f} "
-        f"hit={r['demand_hit_rate']:.3f} match={r['output_matches_resident']}"
+        f"{r['label']:<32} x{r['link_speedup']:g} frac={r['cache_frac']:.3f} "
+        f"tok/s={r['decode_tok_s'] or 0:.1f} stall/tok={r['stall_s_per_token'] * 1e3:.2f}ms "
+        f"KB/tok={r['bytes_read_per_token'] / 1e3:.1f} hit={r['demand_hit_rate']:.3f} "
+        f"match={r['output_matches_resident']}"
     )
 
 
-def _plot(report: dict, path: Path) -> None:
+def _plot_runs(entry: dict, report: dict, path: Path) -> None:
+    """Decode tok/s and stall per token by run, one bar group per cache fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in report["runs"] if r["policy"] != "resident"]
-    labels = list(dict.fromkeys(_label(r) for r in runs))
+    runs = [r for r in entry["runs"] if r["policy"] != "resident"]
+    labels = list(dict.fromkeys(r["label"] for r in runs))
     fracs = sorted({r["cache_frac"] for r in runs})
-    resident = next(r for r in report["runs"] if r["policy"] == "resident")
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    fig, axes = plt.subplots(2, 1, figsize=(max(10, len(labels) * 0.45), 9))
     width = 0.8 / len(fracs)
     for j, frac in enumerate(fracs):
-        by = {_label(r): r for r in runs if r["cache_frac"] == frac}
+        by = {r["label"]: r for r in runs if r["cache_frac"] == frac}
         xs = [i + j * width for i in range(len(labels))]
-        axes[0].bar(
-            xs,
-            [by[k]["decode_tok_s"] if k in by else 0 for k in labels],
-            width,
-            label=f"cache {frac * 100:g}%",
-        )
-        axes[1].bar(
-            xs,
-            [by[k]["stall_s_per_token"] * 1e3 if k in by else 0 for k in labels],
-            width,
-            label=f"cache {frac * 100:g}%",
-        )
+        for ax, key, scale in ((axes[0], "decode_tok_s", 1), (axes[1], "stall_s_per_token", 1e3)):
+            ys = [(by[k][key] or 0) * scale if k in by else 0 for k in labels]
+            ax.bar(xs, ys, width, label=f"cache {frac * 100:g}%")
+    resident = next(r for r in entry["runs"] if r["policy"] == "resident")
     axes[0].axhline(resident["decode_tok_s"], color="k", ls="--", lw=1, label="resident")
     axes[0].set_ylabel("decode tokens/s")
     axes[1].set_ylabel("stall ms per decode token")
     for ax in axes:
-        ax.set_xticks(
-            [i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=35, ha="right"
-        )
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=60,
+                      ha="right", fontsize=7)  # fmt: skip
         ax.legend(fontsize=8)
-    link = report["link"]
-    fig.suptitle(
-        f"{report['model']}: offloaded decode, link {link['name']} "
-        f"({link['bandwidth_MBps']} MB/s, {link['latency_us']} us)"
-    )
+    link = entry["link"]
+    fig.suptitle(f"{report['model']}: offloaded decode, link {link['name']} "
+                 f"({link['bandwidth_MBps']} MB/s, {link['latency_us']} us)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_foresight(links: list[dict], report: dict, path: Path) -> None:
+    """Bytes/token and decode tok/s against the oracle's foresight h, per cache size and link;
+    dashed (dash-dot for the second link): the best no-prediction cache, same size and link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for i, entry in enumerate(links):
+        oracles = [r for r in entry["runs"] if r["policy"] == "oracle"]
+        hs = sorted(
+            {r["foresight"] for r in oracles}, key=lambda h: float("inf") if h is None else h
+        )
+        ticks = ["all" if h is None else str(h) for h in hs]
+        for j, frac in enumerate(sorted({r["cache_frac"] for r in oracles})):
+            by = {r["foresight"]: r for r in oracles if r["cache_frac"] == frac}
+            best = entry["by_frac"].get(str(frac)) or {}
+            color, style = f"C{j}", "-o" if i == 0 else ":s"
+            name = f"cache {frac * 100:g}%, {entry['link']['name']}"
+            for ax, key, scale in ((axes[0], "bytes_read_per_token", 1e-3),
+                                   (axes[1], "decode_tok_s", 1)):  # fmt: skip
+                ys = [(by[h][key] or 0) * scale if h in by else float("nan") for h in hs]
+                ax.plot(range(len(hs)), ys, style, color=color, label=name)
+                ref = best.get("best_no_prediction_bytes_per_token" if key.startswith("bytes")
+                               else "best_no_prediction_decode_tok_s")  # fmt: skip
+                if ref:
+                    ax.axhline(ref * scale, color=color, ls="--" if i == 0 else "-.", lw=0.8)
+            for ax in axes:
+                ax.set_xticks(range(len(hs)), ticks)
+    axes[0].set_ylabel("KB read per decode token")
+    axes[1].set_ylabel("decode tokens/s")
+    for ax in axes:
+        ax.set_xlabel("oracle foresight h (tokens of exact routing known)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['model']}: bounded-foresight oracle (dashed: best cache without "
+                 f"prediction, same size and link)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -215,18 +323,12 @@ def _prepare(a, trace: Path | None) -> list[Path]:
 
     assert trace is not None, "--prepare needs --trace DIR"
     if not (trace / "manifest.json").is_file():
+        dc = DecodeConfig(decode="teacher", max_new_tokens=16)
         collect(
-            CollectConfig(
-                model=a.model,
-                out=trace,
-                split="all",
-                max_new_tokens=16,
-                features=("ids", "gate_input"),
-                decode="teacher",
-                max_prompts=a.prepare_prompts,
-            ),
+            CollectConfig(model=a.model, out=trace, split="all", features=("ids", "gate_input"),
+                          decode=dc, max_prompts=a.prepare_prompts),
             progress=True,
-        )
+        )  # fmt: skip
     ours = trace.parent / f"ours_{a.lookahead}.safetensors"
     if not ours.is_file():
         train(
@@ -245,21 +347,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--decode", default="teacher", help="teacher (feed continuations) or greedy")
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
-    p.add_argument(
-        "--predictor", action="append", default=[], help="trained checkpoint (repeatable)"
-    )
+    p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")
     p.add_argument("--lookahead", default="d1", help="lookahead of baselines and the oracle")
     p.add_argument("--extra", type=int, default=0, help="prefetch top-(K + extra) at decode")
     p.add_argument("--backlog", type=float, default=0.5, help="prefetch link backlog (-1: none)")
     p.add_argument("--fracs", default="0.125,0.25,0.5")
+    p.add_argument("--caches", default=",".join(NO_PREDICTION_CACHES))
+    p.add_argument("--pools", default="global,per_layer")
+    p.add_argument("--admissions", default="all,frequency")
+    p.add_argument("--foresights", default="0,1,2,4,8,all", help="oracle foresights h")
     p.add_argument("--link", default="h100-pcie5-kimi")
+    p.add_argument("--link-speedups", default="1,4", help="the link, and N times faster")
     p.add_argument("--io", default="buffered")
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
-    p.add_argument(
-        "--prepare", action="store_true", help="collect --trace and train ours if missing"
-    )
+    p.add_argument("--prepare", action="store_true", help="collect --trace, train ours if missing")
     p.add_argument("--prepare-prompts", type=int, default=150, help="prompts to collect")
     p.add_argument("--out", default="runs/offload/sweep")
     return p

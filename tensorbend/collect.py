@@ -27,11 +27,11 @@ import torch
 from tqdm import tqdm
 
 from tensorbend.capture import RoutingCapture
-from tensorbend.errors import TensorbendError
+from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
 from tensorbend.models import describe_model, model_fingerprint, router_params
 from tensorbend.prompts import file_sha, load_prompts
-from tensorbend.trace import FEATURES
+from tensorbend.trace import FEATURES, MANIFEST
 from tensorbend.trace_writer import TraceWriter
 from tensorbend.zoo import resolve_model
 
@@ -111,7 +111,12 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
     """Collect (or resume) a trace of `cfg.model` on `cfg.prompts`."""
     t0 = time.perf_counter()
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
-    model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device)
+    if (Path(cfg.out) / MANIFEST).is_file() and not (cfg.resume or cfg.overwrite):
+        raise TraceError(
+            f"{cfg.out} already holds a trace: pass --resume to continue it or --overwrite to "
+            "replace it (or choose another --out)"
+        )
+    model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device, progress=progress)
     spec = describe_model(model)
     features = tuple(dict.fromkeys(("ids", *cfg.features)))
     writer = TraceWriter(

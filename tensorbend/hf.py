@@ -94,19 +94,26 @@ class Decoded:
         return 1 + len(self.fed_ids)
 
 
-def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
+def load_model(
+    spec: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu", progress: bool = False
+):
     """Load (model, tokenizer) from a local directory or zoo:NAME, offline, in eval mode.
 
     The experts run through transformers' per-expert `eager` implementation where the family
     supports a choice: several times faster on CPU than the default grouped_mm, and the
-    implementation the offload runtime reproduces bit for bit.
+    implementation the offload runtime reproduces bit for bit. transformers' own loading bars
+    show only with `progress`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     path = resolve_model(spec)
     kw = {"dtype": dtype, "local_files_only": True}
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
@@ -115,6 +122,9 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: str 
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TensorbendError(f"cannot load model from {path}: {e}") from e
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if device != "cpu":
         _check_device(device)
         model = model.to(device)

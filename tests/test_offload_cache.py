@@ -194,3 +194,32 @@ def test_prefetch_racing_a_demand_hands_over_the_pin():
     assert cache.start_load((0, 1), demand=False, block=False) is None  # no evictable slot
     cache.release((0, 0))
     assert cache.entries[(0, 0)].pins == 0 and cache.stats.prefetch_used == 1
+
+
+def test_loader_queue_order_demand_then_soonest_then_rank():
+    """No I/O threads: inspect the queue the threads would serve, in order."""
+    import heapq
+
+    from tensorbend.offload.loader import Loader
+
+    cache = _cache(4, LRU())
+    loader = Loader(store=None, cache=cache, threads=0)
+    loader.prefetch((1, 0), priority=0, when=10)  # the next token's layer: needed later
+    loader.prefetch((0, 5), priority=3, when=5)  # this token: sooner, though ranked lower
+    loader.prefetch((0, 6), priority=1, when=5)
+    loader.prefetch((0, 7), priority=0, when=4)
+    loader.demand((0, 3))
+    loader.demand((0, 7))  # upgrades the queued prefetch
+    assert loader.prefetch((0, 6), priority=0, when=5) is False  # queued already
+    loader.cancel_stale(4)  # nothing stale left: (0, 7) became a demand
+    order = []
+    while loader._heap:
+        kind, _, _, key, _, alive = heapq.heappop(loader._heap)
+        if alive:
+            order.append((kind, key))
+    assert order == [(0, (0, 3)), (0, (0, 7)), (1, (0, 6)), (1, (0, 5)), (1, (1, 0))]
+    assert cache.stats.prefetch_issued == 4 and cache.stats.prefetch_cancelled == 0
+    loader.prefetch((0, 9), priority=0, when=6)
+    loader.cancel_stale(6)
+    assert cache.stats.prefetch_cancelled == 1
+    loader.close()

@@ -157,4 +157,4 @@ def test_blocked_and_capacity_zero():
 def test_make_admission_window_is_in_forwards():
     adm = make_admission("frequency", num_layers=4, window=2)
     assert isinstance(adm, AdmitFrequent) and adm.window == 8
-    assert isinstance(make_admission("all", 4), AdmitAll)
+    assert isinstance(make_admission("all", 4, window=2), AdmitAll)

@@ -9,10 +9,14 @@ from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
 from tensorbend.cli import main
 from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model, router_params
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
-from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig
-from tensorbend.offload.store import ExpertStore, Link
+from tensorbend.offload.link import Link
+from tensorbend.offload.oracle import RecordedRouting
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.session import OffloadSession, SessionConfig
+from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt
@@ -57,12 +61,13 @@ class EmptyPredictor:
 
 def _session(family, tmp_path=None, n_new=4, seed=0):
     model = build(family, seed)
-    cfg = SessionConfig(max_new_tokens=n_new, store_dir=tmp_path, io_threads=3)
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=n_new), store_dir=tmp_path, io_threads=3)
     return OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name=family)
 
 
-def _check(r):
-    assert r["output_matches_resident"], r
+def _check(result):
+    r = result.to_json()
+    assert r["output_matches_resident"] is True, r
     assert r["max_logit_abs_diff"] == 0.0  # same ops, same order: bit-identical in fp32
     c = r["counters"]
     assert c["peak_entries"] <= r["cache_slots"]
@@ -123,6 +128,7 @@ def test_counters_by_hand_on_demand_and_full_oracle():
     try:
         r = _check(sess.run_policy(PolicyConfig("on_demand", cache_frac=0.5)))
         c = r["counters"]
+        assert c["bypassed"] == c["misses"]  # nothing kept: every miss is read into staging
         # keeps nothing: every needed expert of every forward is read once
         needed = sum(
             len(set(ids_TLK[:, m].flatten().tolist())) for ids_TLK in ref.ids for m in range(L)
@@ -154,7 +160,9 @@ def test_llama4_is_declared_unsupported():
     with pytest.raises(
         UnsupportedModelError, match=r"offload of llama4_text .* not supported .*pre-scaled"
     ):
-        OffloadSession(model, char_tokenizer(), PROMPTS, SessionConfig(max_new_tokens=1))
+        OffloadSession(
+            model, char_tokenizer(), PROMPTS, SessionConfig(DecodeConfig(max_new_tokens=1))
+        )
 
 
 def test_truncated_store_and_failing_reads_name_the_file(tmp_path, monkeypatch):
@@ -228,7 +236,8 @@ def test_zoo_default_matches_resident():
 
     model, tok = load_model("zoo:default")
     spec = describe_model(model)
-    sess = OffloadSession(model, tok, PROMPTS[:1], SessionConfig(max_new_tokens=3), "zoo:default")
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=3))
+    sess = OffloadSession(model, tok, PROMPTS[:1], cfg, "zoo:default")
     try:
         p = build_baseline("spec_gate", spec, "d1", router_params=router_params(model, spec))
         for pol, pred in (("lru", None), ("prefetch", p), ("oracle", None)):
@@ -239,12 +248,71 @@ def test_zoo_default_matches_resident():
 
 def test_teacher_forced_decode_feeds_the_continuation():
     prompts = [Prompt("c", "stone light", continuation=" dark river"), Prompt("d", "alpha")]
-    cfg = SessionConfig(max_new_tokens=4, decode="teacher")
+    cfg = SessionConfig(DecodeConfig(decode="teacher", max_new_tokens=4))
     sess = OffloadSession(build("olmoe"), char_tokenizer(), prompts, cfg, model_name="olmoe")
     try:
-        assert sess.reference.n["decode"] == 4  # " dar", then prompt d has no continuation
-        assert [len(t) for t in sess.reference.tokens] == [4, 0]
+        assert sess.reference.tokens["decode"] == 4  # " dar", then prompt d has no continuation
+        assert [len(d.fed_ids) for d in sess.reference.decoded] == [4, 0]
         r = _check(sess.run_policy(PolicyConfig("lfu", cache_frac=0.5)))
         assert r["decode"] == "teacher" and r["tokens"] == {"prefill": 16, "decode": 4}
+    finally:
+        sess.close()
+
+
+def test_every_cache_option_matches_resident():
+    sess = _session("qwen3_moe", n_new=5)
+    rnd = build_baseline("random", sess.spec, "d1", seed=2)
+    link = Link(80e6, 10e-6, "test")
+    try:
+        for pc, pred in [
+            (PolicyConfig("lfru", cache_frac=0.3), None),
+            (PolicyConfig("lru", cache_frac=0.5, pool="per_layer"), None),
+            (PolicyConfig("lfu", cache_frac=0.3, admission="frequency", admission_window=2), None),
+            (PolicyConfig("prefetch", cache_frac=0.3, admission="predicted"), rnd),
+            (PolicyConfig("oracle", cache_frac=0.3, foresight=0), None),
+            (PolicyConfig("oracle", cache_frac=0.3, foresight=1, admission="predicted"), None),
+            (PolicyConfig("oracle", cache_frac=0.5, foresight=2, pool="per_layer"), None),
+            (PolicyConfig("oracle", cache_frac=0.3, lookahead="d2", foresight=4), None),
+        ]:
+            r = _check(sess.run_policy(pc, pred, link))
+            assert (r["pool"], r["admission"]) == (pc.pool, pc.admission)
+    finally:
+        sess.close()
+
+
+def test_oracle_without_foresight_is_lru_and_with_it_prefetches_across_tokens(monkeypatch):
+    sess = _session("mixtral", n_new=6)  # 3 MoE layers x 6 experts: 9 slots > one layer's 6
+    try:
+        counts = ("hits", "late", "misses", "bytes_read", "evictions", "prefetch_issued")
+        lru = _check(sess.run_policy(PolicyConfig("lru", cache_frac=0.5)))["counters"]
+        blind = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=0)))
+        assert {k: blind["counters"][k] for k in counts} == {k: lru[k] for k in counts}
+        assert lru["prefetch_issued"] == 0
+
+        asked = []
+        real = RecordedRouting.ahead
+
+        def ahead(self, now):
+            out = real(self, now)
+            asked.append((self.foresight, now, out))
+            return out
+
+        monkeypatch.setattr(RecordedRouting, "ahead", ahead)
+        L, ids = sess.spec.num_moe_layers, sess.reference.ids
+        for h in (1, 2, None):
+            _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=h)))
+        for h, now, out in asked:
+            target = now + 1  # d1
+            crosses = target // L > now // L
+            if target >= len(ids) * L or (h == 1 and crosses):
+                assert out == [], (h, now)  # past the run, or beyond its sight
+            else:  # exactly the experts the resident run used at the target step
+                f, m = divmod(target, L)
+                assert sorted(e for (_, e), _ in out) == sorted(
+                    set(ids[f][:, m].flatten().tolist())
+                )
+                assert all(mm == m and w == target for (mm, _), w in out)
+        crossing = [out for h, now, out in asked if h == 2 and (now + 1) % L == 0 and out]
+        assert len(crossing) == len(ids) - 1  # each forward's last router -> next forward
     finally:
         sess.close()

@@ -2,11 +2,30 @@
 
 Usage:
     >>> from tensorbend.offload.runner import RunConfig, run
-    >>> result = run(RunConfig(model="zoo:default", policy="lru", cache_frac=0.25))
+    >>> from tensorbend.offload.plan import PolicyConfig
+    >>> result = run(RunConfig(model="zoo:default", offload=PolicyConfig("lru")))  # doctest: +SKIP
+    >>> result.to_json()["output_matches_resident"]                                       # doctest: +SKIP
+    True
 
-See docs/offload.md; modules: store (disk + link cap), cache (slots, policies, counters),
-prefetch (hooks -> prioritised loads), layer (the offloaded experts forward), runtime
-(sessions: resident reference + one run per policy), runner (`tensorbend run`).
+See docs/offload.md. Modules, in the order a run uses them:
+  link      the emulated transfer link (bandwidth + latency caps, the real-system ratio)
+  store     on-disk expert store: one contiguous read per expert
+  policies  eviction and admission rules (pure; shared with the simulator)
+  resident  ResidentSet: which experts hold slots, per pool (pure; shared with the simulator)
+  cache     ExpertCache: slots, LOADING/READY, pins, counters
+  loader    Loader: I/O threads on one priority queue
+  hooks     PredictionHooks: router hooks -> predictor inputs -> prefetches + cache hints
+  oracle    RecordedRouting: the resident run's routing as predictions, with bounded foresight
+  layer     OffloadedExperts: the experts forward on weights from the cache
+  generation  the prompts through hf.decode_prompt, timed and counted per phase
+  plan      PolicyConfig (policy, cache size, pool, admission, foresight) -> the ExpertCache
+  session   OffloadSession: resident reference, store, one run per policy
+  result    RunResult: the `run --json` keys, output comparison
+  runner    RunConfig + run(): what `tensorbend run` calls
 """
 
-POLICIES = ("resident", "on_demand", "lru", "lfu", "prefetch", "oracle")
+from typing import Literal, get_args
+
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+NO_PREDICTION_CACHES = ("lru", "lfu", "lfru")

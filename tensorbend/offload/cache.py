@@ -15,6 +15,8 @@ Usage:
     >>> cache.stats.misses, cache.stats.bytes_read
     (1, 16)
 
+Shape legend: C slots (capacity resident + scratch staging), N elements of one packed expert.
+
 Keys are (MoE layer m, expert e). An entry is LOADING (a read is in flight into its slot) or
 READY; `pins` counts users that must not lose it. Which keys hold the `capacity` resident slots,
 which one is evicted and whether a miss is kept is decided by `resident.ResidentSet` (policy,
@@ -181,8 +183,8 @@ class ExpertCache:
             assert entry.pins > 0, f"release of unpinned expert {key}"
             entry.pins -= 1
             if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()  # on the compute stream, after the kernels reading the slot
+                event = torch.cuda.Event()  # after the kernels reading the slot were queued
+                event.record(torch.cuda.current_stream(self.device))
                 self._slot_events[entry.slot] = event
             if entry.pins == 0 and not entry.resident:
                 self._free(key)

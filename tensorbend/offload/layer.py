@@ -1,8 +1,8 @@
 """The offloaded experts forward: the family's eager math on weights fetched from the cache.
 
-Usage (runtime.py installs it; nothing else should need to):
-    >>> fwd = OffloadedExperts(mod, spec.family, layout, m, get_active)
-    >>> mod.forward = fwd          # the module keeps its signature (hidden, ids, weights)
+Usage (session.py installs it; nothing else should need to):
+    fwd = OffloadedExperts(mod, spec.family, layout, m, get_active)
+    mod.forward = fwd          # the module keeps its signature (hidden, ids, weights)
 
 Outputs equal the resident model's `eager` experts implementation bit for bit: the same
 expert mask, the same per-expert ops, and contributions added to the output in ascending

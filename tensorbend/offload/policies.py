@@ -239,7 +239,7 @@ class AdmitPredicted(AdmitAll):
         return mine <= theirs
 
 
-def make_admission(name: AdmissionName, num_layers: int, window: int = 16) -> AdmitAll:
+def make_admission(name: AdmissionName, num_layers: int, window: int) -> AdmitAll:
     """Admission rule by name; `window` is in forwards (AdmitFrequent)."""
     if name == "frequency":
         return AdmitFrequent(window * num_layers)

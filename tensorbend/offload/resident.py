@@ -62,6 +62,7 @@ class ResidentSet:
         self.admission = admission or AdmitAll()
         self.evictions = 0
         self._recency: dict[Key, int] = {}  # resident key -> sequence number of its last use
+        self._missed: dict[Key, int] = {}  # missed key -> sequence number of that use
         self._seq = 0
         n_pools = num_layers if pool == "per_layer" else 1
         self._size = [0] * n_pools
@@ -93,9 +94,11 @@ class ResidentSet:
         """A demand use of key at step now; returns whether it is resident (a hit)."""
         self.policy.touch(key, now)
         self.admission.touch(key, now)
+        self._seq += 1
         if key in self._recency:
-            self._bump(key)
+            self._recency[key] = self._seq
             return True
+        self._missed[key] = self._seq  # its recency once placed: the order of demands
         return False
 
     def hint(self, key: Key, when: int) -> None:
@@ -115,6 +118,7 @@ class ResidentSet:
             self._add(key)
             return Placement("admitted")
         if self.pool_capacity(self.pool_of(key)) == 0:
+            self._missed.pop(key, None)
             return Placement("refused")
         victim = self.victim(key, now, evictable)
         if victim is None:
@@ -124,6 +128,7 @@ class ResidentSet:
         else:
             ok = prefetch_worth(self.policy, victim, when, now)
         if not ok:
+            self._missed.pop(key, None)
             return Placement("refused")
         self.remove(victim)
         self.evictions += 1
@@ -157,9 +162,10 @@ class ResidentSet:
     # ------------------------------------------------------------ helpers
 
     def _add(self, key: Key) -> None:
+        """Insert: a demand miss ranks by when it was demanded, a prefetch by now."""
         self._size[self.pool_of(key)] += 1
-        self._bump(key)
-
-    def _bump(self, key: Key) -> None:
-        self._seq += 1
-        self._recency[key] = self._seq
+        seq = self._missed.pop(key, None)
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        self._recency[key] = seq

@@ -1,21 +1,34 @@
 """`tensorbend run`: load a model, build the predictor, run one policy against the resident model.
 
 Usage:
-    >>> from tensorbend.offload.runner import RunConfig, run
-    >>> result = run(RunConfig(model="zoo:default", policy="prefetch", baseline="spec_gate"))
-    >>> result["decode_tok_s"], result["output_matches_resident"]
+    >>> from tensorbend.offload.plan import PolicyConfig
+    >>> cfg = RunConfig(model="zoo:default", offload=PolicyConfig("prefetch"), baseline="spec_gate")
+    >>> result = run(cfg)                                                    # doctest: +SKIP
+    >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
+    True
 
-The returned dict has the `run --json` keys of DESIGN.md (see runtime.OffloadSession._result).
+Every check that needs no model (flags, files, link syntax, device) happens in
+`RunConfig.__post_init__`; the cache size against the model's experts is checked right after
+loading it, before the resident reference run. Returns a `result.RunResult`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model, model_fingerprint
-from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig
+from tensorbend.offload.link import check_link
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.result import RunResult
+from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
+from tensorbend.predictors.baselines import BASELINES, NEEDS_TRAIN
+
+RUN_BASELINES = tuple(b for b in BASELINES if b != "oracle")  # the oracle is --policy oracle
 
 
 @dataclass(frozen=True)
@@ -26,43 +39,64 @@ class RunConfig:
     """Local HF checkpoint directory or zoo:NAME."""
     prompts: Path | None = None
     """Prompts JSONL (default: the shipped prompts)."""
-    split: str = "test"
-    """Which prompts of the file: train, val, test or all."""
+    split: Literal["train", "val", "test", "all"] = "test"
+    """Which prompts of the file to run."""
     max_prompts: int | None = 8
     """Run at most this many prompts (file order)."""
-    policy: str = "lru"
     predictor: Path | None = None
     """Trained predictor checkpoint (for --policy prefetch)."""
-    baseline: str | None = None
-    """Peer predictor by name (random, prev_token, spec_gate, frequency, transition)."""
-    lookahead: str = "d1"
-    """Lookahead of a --baseline predictor, and of the oracle."""
+    baseline: str | None = field(default=None, metadata={"choices": RUN_BASELINES})
+    """Peer predictor by name (for --policy prefetch)."""
     trace: Path | None = None
-    """Trace whose train split fits the table baselines (frequency, prev_token, transition)."""
-    cache_frac: float = 0.25
-    cache_bytes: int | None = None
+    """Trace of this model whose train split fits the table baselines (frequency, prev_token,
+    transition)."""
     link: str = "h100-pcie5-kimi"
-    """none, h100-pcie5-kimi (real-system ratio, scaled here), or BANDWIDTH[,LATENCY]."""
-    session: SessionConfig = SessionConfig()
+    """Transfer cap: none, h100-pcie5-kimi (the real system's transfer/compute ratio, scaled
+    to this machine), or BANDWIDTH[,LATENCY] like 40MB/s,20us."""
+    link_speedup: float = 1.0
+    """Make the link this many times faster (bandwidth x N, latency / N)."""
+    device: str = "cpu"
+    """Where the model and the expert cache live: cpu or cuda[:N]."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Compute dtype of the model (bit-identical outputs are checked in any dtype)."""
+    offload: PolicyConfig = field(default_factory=PolicyConfig)
+    """Policy and cache options."""
+    session: SessionConfig = field(default_factory=SessionConfig)
+    """Decode mode, store and I/O options."""
 
     def __post_init__(self) -> None:
-        PolicyConfig(self.policy, self.cache_frac, self.cache_bytes, self.lookahead)
-        if self.predictor is not None and self.baseline is not None:
-            raise TensorbendError("pass one of --predictor and --baseline, not both")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise TensorbendError(
+                f"--max-prompts {self.max_prompts}: expected a count >= 1 (or leave it out)"
+            )
+        _check_predictor(self)
+        check_link(self.link)
+        if not self.link_speedup > 0:
+            raise TensorbendError(f"--link-speedup {self.link_speedup}: expected a number > 0")
+        _check_device(self.device)
 
 
-def run(cfg: RunConfig) -> dict:
-    """Resident reference + one offloaded run; returns the `run --json` dict (DESIGN.md)."""
+def run(cfg: RunConfig) -> RunResult:
+    """Resident reference + one offloaded run of `cfg.offload.policy`."""
     from tensorbend.hf import load_model
     from tensorbend.prompts import load_prompts
 
-    model, tok = load_model(cfg.model)
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
-    predictor = build_predictor(model, cfg.predictor, cfg.baseline, cfg.lookahead, cfg.trace)
+    if not prompts:
+        raise TensorbendError(
+            f"no prompts in split {cfg.split!r} of {cfg.prompts or 'the shipped prompts'}: "
+            f"expected at least one; pick another --split"
+        )
+    model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
+    spec = describe_model(model)
+    predictor = build_predictor(
+        model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
+    )
+    cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
     try:
-        pc = PolicyConfig(cfg.policy, cfg.cache_frac, cfg.cache_bytes, cfg.lookahead)
-        return sess.run_policy(pc, predictor, sess.link(cfg.link))
+        link = sess.link(cfg.link, cfg.link_speedup)
+        return sess.run_policy(cfg.offload, predictor, link)
     finally:
         sess.close()
 
@@ -89,3 +123,41 @@ def build_predictor(
     return build_baseline(
         baseline, spec, lookahead, router_params=router_params(model, spec), train_rows=rows
     )
+
+
+def _check_predictor(cfg: RunConfig) -> None:
+    policy = cfg.offload.policy
+    if cfg.predictor is not None and cfg.baseline is not None:
+        raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
+    has = cfg.predictor is not None or cfg.baseline is not None
+    if policy == "prefetch" and not has:
+        raise TensorbendError("--policy prefetch needs --predictor PRED or --baseline NAME")
+    if policy != "prefetch" and has:
+        raise TensorbendError(
+            f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
+            f"(only it uses a predictor); drop the predictor or change the policy"
+        )
+    if cfg.predictor is not None and not Path(cfg.predictor).is_file():
+        raise TensorbendError(
+            f"--predictor {cfg.predictor}: expected a checkpoint file, found none; "
+            f"train one with `tensorbend train`"
+        )
+    if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
+        raise TensorbendError(
+            f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "
+            f"(a trace of this model, from `tensorbend collect`)"
+        )
+    if cfg.trace is not None and not (Path(cfg.trace) / "manifest.json").is_file():
+        raise TensorbendError(
+            f"--trace {cfg.trace}: expected a trace directory with manifest.json, found none"
+        )
+
+
+def _check_device(device: str) -> None:
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise TensorbendError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TensorbendError(
+            f"--device {device}: expected a CUDA device, found none (torch {torch.__version__}); "
+            f"use --device cpu"
+        )

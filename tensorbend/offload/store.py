@@ -1,10 +1,10 @@
 """On-disk expert store: one safetensors file, one contiguous tensor per (MoE layer, expert).
 
 Usage:
-    >>> layout = ExpertLayout.of(model, spec)
-    >>> write_store(model, spec, layout, Path("runs/store/experts.safetensors"), fingerprint)
-    >>> store = ExpertStore.open(path, StoreConfig(io="fadvise"), link=Link(100e6, 20e-6))
-    >>> store.read_into(m, e, slot_flat)        # positional read into a preallocated buffer
+    layout = ExpertLayout.of(experts_by_layer[0])     # the experts module of each MoE layer
+    path = write_store(experts_by_layer, layout, Path("runs/store/experts.safetensors"), meta)
+    store = ExpertStore.open(path, StoreConfig(io="fadvise"), link=Link(100e6, 20e-6))
+    store.read_into(m, e, slot_flat)        # positional read into a preallocated buffer
 
 Every routed expert of every MoE layer is packed into one flat tensor named
 `layers.{m:03d}.experts.{e:04d}` (its parts, e.g. gate_up_proj then down_proj, back to back),
@@ -12,9 +12,9 @@ so loading an expert is one `os.preadv` straight into a cache slot. The file is 
 safetensors file (`safe_open` reads it); its metadata carries `format_version`, the model
 fingerprint and the part layout. Reads release the GIL, so I/O threads overlap compute.
 
-`Link` caps the transfer: reads are serialised on one emulated wire of `bandwidth_Bps` with a
-fixed `latency_s`, so a CPU machine reproduces the transfer/compute ratio of a real system
-(see `real_link`). `io` chooses how to read past the page cache: `buffered` (plain reads),
+A `link.Link` caps the transfer: reads are serialised on one emulated wire of `bandwidth_Bps`
+with a fixed `latency_s`, so a CPU machine reproduces the transfer/compute ratio of a real
+system. `io` chooses how to read past the page cache: `buffered` (plain reads),
 `fadvise` (drop the pages after each read) or `direct` (O_DIRECT through an aligned buffer).
 """
 
@@ -23,61 +23,35 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import re
 import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Literal, get_args
 
 import torch
 
+from tensorbend.atomic import atomic_write
 from tensorbend.errors import StoreError
+from tensorbend.offload.link import Link
 
 FORMAT_VERSION = "1"
-IO_MODES = ("buffered", "fadvise", "direct")
+IOMode = Literal["buffered", "fadvise", "direct"]
+IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    io: str = "buffered"
-    """How reads treat the page cache: buffered, fadvise (DONTNEED after read), direct (O_DIRECT)."""
+    io: IOMode = "buffered"
+    """How expert reads treat the page cache: buffered, fadvise (drop the pages after each
+    read) or direct (O_DIRECT through an aligned buffer)."""
 
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
             raise StoreError(f"store io {self.io!r}: expected one of {', '.join(IO_MODES)}")
-
-
-@dataclass(frozen=True)
-class Link:
-    """An emulated transfer link; `bandwidth_Bps=None` means uncapped (disk speed)."""
-
-    bandwidth_Bps: float | None = None
-    latency_s: float = 0.0
-    name: str = "none"
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_Bps is not None and self.bandwidth_Bps <= 0:
-            raise StoreError(f"link bandwidth: expected > 0 bytes/s, found {self.bandwidth_Bps}")
-        if self.latency_s < 0:
-            raise StoreError(f"link latency: expected >= 0 s, found {self.latency_s}")
-
-    def seconds(self, nbytes: int) -> float:
-        bw = self.bandwidth_Bps
-        return self.latency_s + (nbytes / bw if bw else 0.0)
-
-    def to_dict(self) -> dict:
-        mbps = None if self.bandwidth_Bps is None else round(self.bandwidth_Bps / 1e6, 3)
-        return {
-            "name": self.name,
-            "bandwidth_MBps": mbps,
-            "latency_us": round(self.latency_s * 1e6, 2),
-            "note": self.note,
-        }
 
 
 @dataclass(frozen=True)
@@ -125,9 +99,7 @@ class ExpertLayout:
 def write_store(
     experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
 ) -> Path:
-    """Stream every expert to `path` (written to a temp file, then renamed: never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Stream every expert to `path` atomically (`atomic.py`: never half-written)."""
     E = experts_by_layer[0].gate_up_proj.shape[0]
     header, at = {}, 0
     for m in range(len(experts_by_layer)):
@@ -147,15 +119,15 @@ def write_store(
     }
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+
+    def write(f: BinaryIO) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for mod in experts_by_layer:
             for e in range(E):
                 flat = torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
                 f.write(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    os.replace(tmp, path)
-    return path
+
+    return atomic_write(path, write)
 
 
 class ExpertStore:
@@ -272,48 +244,6 @@ class ExpertStore:
         got = max(0, min(nbytes, got - (offset - lo)))
         buf[:got] = memoryview(bounce)[offset - lo : offset - lo + got]
         return got
-
-
-def real_link(layer_s: float, expert_bytes: int) -> Link:
-    """The `h100-pcie5-kimi` link: PCIe Gen5 x16 feeding an H100, Kimi-K2.5-sized experts.
-
-    Real system (per MoE layer, batch-1 decode): one routed expert is 3 x 7168 x 2048 weights
-    in INT4 + bf16 scales per 32 (~24.8 MB), over ~52 GB/s effective PCIe Gen5 x16 plus ~10 us
-    per transfer: ~0.49 ms. The H100 computes a whole MoE layer (8 experts INT4, the shared
-    expert and MLA attention in bf16, ~490 MB of HBM reads at ~2.35 TB/s effective) in ~0.21 ms.
-    We keep both ratios (expert transfer / layer compute, latency / layer compute) and scale
-    them to this machine's measured resident compute time per MoE layer `layer_s`.
-    """
-    real_expert_bytes = 3 * 7168 * 2048 * 0.5625
-    real_bw, real_lat = 52e9, 10e-6
-    real_layer_s = 490e6 / 2.35e12
-    ratio = (real_expert_bytes / real_bw) / real_layer_s
-    bw = expert_bytes / (ratio * layer_s)
-    lat = real_lat / real_layer_s * layer_s
-    return Link(
-        bw,
-        lat,
-        "h100-pcie5-kimi",
-        f"expert transfer = {ratio:.2f} x resident MoE-layer compute "
-        f"({layer_s * 1e3:.3f} ms here), latency = {real_lat / real_layer_s:.3f} x",
-    )
-
-
-def parse_link(text: str, layer_s: float, expert_bytes: int) -> Link:
-    """`none`, `h100-pcie5-kimi` (scaled to this machine), or `BW[,LAT]` like `40MB/s,20us`."""
-    text = text.strip().lower()
-    if text in ("none", ""):
-        return Link()
-    if text == "h100-pcie5-kimi":
-        return real_link(layer_s, expert_bytes)
-    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", text)
-    if not m:
-        raise StoreError(
-            f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] "
-            f"like 40MB/s,20us"
-        )
-    lat = float(m.group(3) or 0) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 0}[m.group(4)]
-    return Link(float(m.group(1)) * _UNITS[m.group(2)], lat, text)
 
 
 def _name(m: int, e: int) -> str:

@@ -1,0 +1,109 @@
+"""The prompts through `hf.decode_prompt`, with every forward timed and counted per phase.
+
+Usage (the session does this for the resident reference and for every policy run):
+    rec = Recorder(model, clock, history, cache=None, record_routing=True)
+    gen = generate(model, inputs, DecodeConfig(max_new_tokens=8), eos_id, rec)
+    gen.tokens["decode"], gen.tok_s("decode"), gen.logits[f], gen.ids[f]   # f: a forward
+
+Shape legend: T tokens of a forward, L MoE layers, K top-k, V vocabulary.
+
+Per forward the recorder advances the logical clock and the routing history, times the model
+call (synchronising CUDA first, so the time is the computation's), keeps the last position's
+logits (fp32, CPU) for the comparison with the resident run, the routing [T, L, K] when asked
+(the oracle replays it), and adds the cache's counters of that forward to its phase's.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_prompt
+from tensorbend.offload.cache import CacheStats
+from tensorbend.offload.hooks import RoutingHistory, StepClock
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass
+class Generation:
+    """What one pass over the prompts produced."""
+
+    decoded: list[Decoded] = field(default_factory=list)  # per prompt: tokens fed, argmax ids
+    logits: list[torch.Tensor] = field(default_factory=list)  # per forward: logits_V (fp32 CPU)
+    ids: list[torch.Tensor] = field(default_factory=list)  # per forward: ids_TLK (if recorded)
+    decode_times: list[float] = field(default_factory=list)  # seconds per decode forward
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    stats: dict[str, CacheStats] = field(default_factory=lambda: {p: CacheStats() for p in PHASES})
+
+    @property
+    def forwards(self) -> int:
+        return len(self.logits)
+
+    def tok_s(self, phase: str) -> float | None:
+        return self.tokens[phase] / self.seconds[phase] if self.seconds[phase] else None
+
+
+class Recorder:
+    """The `forward=` wrapper handed to `decode_prompt`: clock, history, timing, counters."""
+
+    def __init__(
+        self,
+        model,
+        clock: StepClock,
+        history: RoutingHistory,
+        cache=None,
+        record_routing: bool = False,
+    ):
+        self.model, self.clock, self.history = model, clock, history
+        self.cache, self.record_routing = cache, record_routing
+        self.cuda = next(model.parameters()).device.type == "cuda"
+        self.gen = Generation()
+
+    def forward(self, phase: str, **kwargs):
+        gen = self.gen
+        self.clock.begin_forward()
+        self.history.begin_forward()
+        before = self.cache.stats.copy() if self.cache is not None else None
+        self._sync()
+        t0 = time.perf_counter()
+        out = self.model(**kwargs)
+        self._sync()
+        dt = time.perf_counter() - t0
+        gen.seconds[phase] += dt
+        if phase == "decode":
+            gen.decode_times.append(dt)
+        gen.tokens[phase] += kwargs["input_ids"].shape[1]
+        gen.logits.append(out.logits[0, -1].float().cpu())
+        if self.record_routing:
+            gen.ids.append(self.history.ids_TLK())
+        if before is not None:
+            gen.stats[phase].add(self.cache.stats, minus=before)
+        return out
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def generate(
+    model,
+    inputs: list[PromptInput],
+    cfg: DecodeConfig,
+    eos_id: int | None,
+    recorder: Recorder,
+    progress: bool = False,
+) -> Generation:
+    """Run every prompt (prefill, then decode per cfg) through `recorder.forward`."""
+    bar = tqdm(inputs, desc="generate", unit="prompt", disable=not progress, file=sys.stderr)
+    with torch.inference_mode():
+        for i, inp in enumerate(bar):
+            recorder.history.begin_prompt()
+            run = decode_prompt(model, inp, cfg, index=i, eos_id=eos_id, forward=recorder.forward)
+            recorder.gen.decoded.append(run)
+    return recorder.gen

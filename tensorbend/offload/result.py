@@ -1,0 +1,99 @@
+"""The result of one offloaded run (`tensorbend run --json`), and its comparison with the resident run.
+
+Usage:
+    result = session.run_policy(PolicyConfig(policy="lru"))
+    result.output_matches_resident, result.max_logit_abs_diff       # True, 0.0
+    json.dumps(result.to_json())
+
+"Matches" means bit-identical by default: the same argmax token after every forward of every
+prompt (and the same tokens fed) and `max_logit_abs_diff == 0` over every forward's
+last-position logits (compared in fp32). A tolerance (`logit_tolerance` > 0) is only for devices whose kernels are not
+deterministic; it is reported next to the flag. The resident row has no comparison (null).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tensorbend.offload.cache import CacheStats
+from tensorbend.offload.generation import Generation
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One policy run. `to_json()` keys (decode's numbers per decode token unless prefixed):
+
+    model, policy, predictor (kind or null), cache_frac (slots / all routed experts),
+    decode_tok_s, prefill_tok_s, stall_s_per_token (compute thread waiting for experts),
+    bytes_read_per_token, demand_hit_rate (a needed expert READY when its layer asked; one still
+    loading counts as a miss), wasted_prefetch_bytes (prefetched, never used; whole run),
+    output_matches_resident (null for the resident row), max_logit_abs_diff, logit_tolerance,
+    predictor_checkpoint, lookahead, pool, admission, foresight (oracle: forwards of routing it
+    knows, null = all), link {name, bandwidth_MBps, latency_us, note}, io, decode, device,
+    prefetch_extra, prefetch_backlog (null = unbounded), cache_slots, expert_bytes,
+    tokens {prefill, decode}, prompts, prefill {stall_s_per_token, bytes_read_per_token,
+    demand_hit_rate}, counters {CacheStats fields, whole run}.
+    """
+
+    model: str
+    policy: str
+    predictor: str | None
+    cache_frac: float
+    decode_tok_s: float | None
+    prefill_tok_s: float | None
+    stall_s_per_token: float
+    bytes_read_per_token: float
+    demand_hit_rate: float
+    wasted_prefetch_bytes: int
+    output_matches_resident: bool | None
+    max_logit_abs_diff: float | None
+    logit_tolerance: float
+    predictor_checkpoint: str | None
+    lookahead: str | None
+    pool: str
+    admission: str
+    foresight: int | None
+    link: dict
+    io: str
+    decode: str
+    device: str
+    prefetch_extra: int
+    prefetch_backlog: float | None
+    cache_slots: int
+    expert_bytes: int
+    tokens: dict
+    prompts: int
+    prefill: dict
+    counters: dict
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        if out["prefetch_backlog"] is not None and math.isinf(out["prefetch_backlog"]):
+            out["prefetch_backlog"] = None
+        return out
+
+
+def compare(gen: Generation, ref: Generation, tolerance: float = 0.0) -> tuple[bool, float | None]:
+    """(matches, max |logit difference|); the difference is None when the tokens differ."""
+    same_tokens = len(gen.logits) == len(ref.logits) and all(
+        a.argmax_ids == b.argmax_ids and a.fed_ids == b.fed_ids
+        for a, b in zip(gen.decoded, ref.decoded, strict=True)
+    )
+    if not same_tokens:
+        return False, None
+    diff = max(
+        (float((a - b).abs().max()) for a, b in zip(gen.logits, ref.logits, strict=True)),
+        default=0.0,
+    )
+    return diff <= tolerance, diff
+
+
+def phase_numbers(stats: CacheStats, tokens: int) -> dict:
+    n = max(1, tokens)
+    return {
+        "stall_s_per_token": stats.stall_s / n,
+        "bytes_read_per_token": stats.bytes_read / n,
+        "demand_hit_rate": stats.demand_hit_rate,
+    }

@@ -1,0 +1,245 @@
+"""Offloaded generation sessions: a resident reference, the expert store, then one run per policy.
+
+Usage:
+    sess = OffloadSession(model, tok, prompts, SessionConfig())
+    sess.resident_result()                                    # the ceiling: all in memory
+    sess.run_policy(PolicyConfig("lru"), link=sess.link("h100-pcie5-kimi"))
+    sess.run_policy(PolicyConfig("prefetch"), predictor=p)
+    sess.run_policy(PolicyConfig("oracle", foresight=2, admission="predicted"))
+    sess.close()
+
+or in one call (what `tensorbend run` does): `runner.run(RunConfig(model="zoo:default"))`.
+
+The session first runs the prompts through the unmodified model (experts implementation
+`eager`) with `hf.decode_prompt`, recording tokens, last-position logits and the routing of
+every forward (the oracle replays it). Then it writes the routed experts to the store, frees
+them from the model and installs `OffloadedExperts` in every MoE layer. Each `run_policy`
+builds a fresh cache (policy, pool, admission), I/O threads and hooks, runs the same prompts
+and compares tokens and logits with the resident run (`result.compare`). Decode and prefill
+are timed and counted separately; the headline numbers are decode's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tensorbend.errors import TensorbendError
+from tensorbend.hf import DecodeConfig, encode_prompt
+from tensorbend.models import RoutingSpec, describe_model, model_fingerprint, moe_block
+from tensorbend.offload.cache import ExpertCache
+from tensorbend.offload.generation import Generation, Recorder, generate
+from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
+from tensorbend.offload.layer import OffloadedExperts, check_supported
+from tensorbend.offload.link import Link, parse_link
+from tensorbend.offload.loader import Loader
+from tensorbend.offload.oracle import RecordedRouting
+from tensorbend.offload.plan import PolicyConfig, build_cache
+from tensorbend.offload.result import RunResult, compare, phase_numbers
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
+from tensorbend.predictors.base import get_lookahead
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    """How prompts are run (decode mode, lengths, sampling): the same for every policy."""
+    store_dir: Path | None = None
+    """Where the expert store is written (kept and reused); default: a temporary directory."""
+    io: IOMode = "buffered"
+    """How expert reads treat the page cache (see store.py)."""
+    io_threads: int = 2
+    """I/O threads reading experts per run."""
+    logit_tolerance: float = 0.0
+    """Largest |logit difference| still counted as matching the resident run: 0 (bit-identical)
+    unless the device's kernels are not deterministic; reported in every result."""
+    progress: bool = field(default=False, metadata={"cli": False})
+    """tqdm progress on stderr."""
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
+        if not self.logit_tolerance >= 0:
+            raise TensorbendError(
+                f"--logit-tolerance {self.logit_tolerance}: expected >= 0 (0: bit-identical)"
+            )
+        StoreConfig(self.io)
+
+
+@dataclass
+class _Active:
+    cache: ExpertCache
+    loader: Loader
+    clock: StepClock
+
+
+class OffloadSession:
+    """One model, one prompt set: a resident reference, then any number of offloaded runs."""
+
+    def __init__(self, model, tokenizer, prompts, cfg: SessionConfig, model_name: str = "model"):
+        self.model, self.cfg, self.model_name = model, cfg, model_name
+        self.spec = spec = describe_model(model)
+        check_supported(spec.family)
+        self.inputs = [encode_prompt(tokenizer, p, cfg.decode) for p in prompts]
+        self.eos = tokenizer.eos_token_id
+        self.experts = [
+            getattr(moe_block(model, spec, m), spec.experts_attr)
+            for m in range(spec.num_moe_layers)
+        ]
+        self.layout = expert_layout(model, spec)
+        model.set_experts_implementation("eager")
+        self.clock = StepClock(spec.num_moe_layers)
+        self.history = RoutingHistory(spec.num_moe_layers)
+        self.active: _Active | None = None
+        with torch.inference_mode():  # warm-up: first calls allocate and pick kernels
+            model(input_ids=self.inputs[0].ids_1S.to(self.device), use_cache=True)
+        self.reference = self._generate(PredictionHooks(model, spec, self.clock, self.history))
+        self._tmp = None if cfg.store_dir else tempfile.mkdtemp(prefix="tensorbend-store-")
+        self.store_path = self._write_store(Path(cfg.store_dir or self._tmp))
+        for m, mod in enumerate(self.experts):
+            for name, _ in self.layout.parts:
+                setattr(mod, name, None)  # the weights now live only in the store
+            mod.forward = OffloadedExperts(mod, spec.family, self.layout, m, self._get_active)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def layer_seconds(self) -> float:
+        """Resident decode seconds per MoE layer (what `h100-pcie5-kimi` scales to)."""
+        times = sorted(self.reference.decode_times) or [self.reference.seconds["prefill"]]
+        return times[len(times) // 2] / self.spec.num_moe_layers  # median: robust to noise
+
+    def link(self, text: str, speedup: float = 1.0) -> Link:
+        return parse_link(text, self.layer_seconds(), self.layout.nbytes, speedup)
+
+    def resident_result(self) -> RunResult:
+        pc = PolicyConfig("resident", cache_frac=1.0)
+        return self._result(pc, None, Link(), self.reference, None)
+
+    def run_policy(self, pc: PolicyConfig, predictor=None, link: Link | None = None) -> RunResult:
+        if pc.policy == "resident":
+            return self.resident_result()
+        link = link or Link()
+        if pc.policy == "prefetch" and predictor is None:
+            raise TensorbendError("--policy prefetch needs --predictor PRED or --baseline NAME")
+        if pc.policy == "oracle":
+            la = get_lookahead(pc.lookahead)
+            predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
+        elif pc.policy != "prefetch":
+            predictor = None
+        cache = build_cache(pc, self.spec, self.layout, predictor, str(self.device))
+        store = ExpertStore.open(self.store_path, StoreConfig(self.cfg.io), link)
+        backlog_s = pc.prefetch_backlog * link.seconds(cache.nbytes)
+        loader = Loader(store, cache, self.cfg.io_threads, max_backlog_s=backlog_s)
+        self.active = _Active(cache, loader, self.clock)
+        for mod in self.experts:
+            mod.forward._routed = None  # nothing left over from a run that raised
+        hooks = PredictionHooks(
+            self.model,
+            self.spec,
+            self.clock,
+            self.history,
+            predictor,
+            loader,
+            cache,
+            extra=pc.prefetch_extra,
+            on_route=lambda s, ids_TK: self.experts[s].forward.route(ids_TK),
+        )
+        try:
+            gen = self._generate(hooks, cache)
+        finally:
+            loader.close()
+            store.close()
+            self.active = None
+        cache.finalize()
+        return self._result(pc, predictor, link, gen, cache)
+
+    def close(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    # ------------------------------------------------------------ helpers
+
+    def _get_active(self) -> _Active:
+        if self.active is None:
+            raise TensorbendError(
+                "this model's experts are offloaded: run it through OffloadSession.run_policy"
+            )
+        return self.active
+
+    def _generate(self, hooks: PredictionHooks, cache: ExpertCache | None = None) -> Generation:
+        self.clock.forward = -1
+        rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None)
+        with hooks:
+            return generate(
+                self.model, self.inputs, self.cfg.decode, self.eos, rec, self.cfg.progress
+            )
+
+    def _write_store(self, directory: Path) -> Path:
+        path = directory / "experts.safetensors"
+        fingerprint = model_fingerprint(self.model, self.spec)
+        if not _store_matches(path, fingerprint):
+            meta = {"fingerprint": fingerprint, "family": self.spec.family}
+            write_store(self.experts, self.layout, path, meta)
+        return path
+
+    def _result(self, pc, predictor, link: Link, gen: Generation, cache) -> RunResult:
+        matches, diff = compare(gen, self.reference, self.cfg.logit_tolerance)
+        n_routed = self.spec.num_moe_layers * self.spec.num_experts
+        slots = cache.capacity if cache is not None else n_routed
+        dec = phase_numbers(gen.stats["decode"], gen.tokens["decode"])
+        total = cache.stats if cache is not None else gen.stats["decode"]
+        la = getattr(predictor, "lookahead", None)
+        return RunResult(
+            model=self.model_name,
+            policy=pc.policy,
+            predictor=getattr(predictor, "kind", None),
+            cache_frac=round(slots / n_routed, 4),
+            decode_tok_s=gen.tok_s("decode"),
+            prefill_tok_s=gen.tok_s("prefill"),
+            stall_s_per_token=dec["stall_s_per_token"],
+            bytes_read_per_token=dec["bytes_read_per_token"],
+            demand_hit_rate=dec["demand_hit_rate"],
+            wasted_prefetch_bytes=total.prefetch_wasted_bytes,
+            output_matches_resident=None if cache is None else matches,
+            max_logit_abs_diff=None if cache is None else diff,
+            logit_tolerance=self.cfg.logit_tolerance,
+            predictor_checkpoint=getattr(predictor, "checkpoint", None),
+            lookahead=la.name if la is not None else None,
+            pool=pc.pool,
+            admission=pc.admission,
+            foresight=pc.foresight if pc.policy == "oracle" else None,
+            link=link.to_dict(),
+            io=self.cfg.io,
+            decode=self.cfg.decode.decode,
+            device=str(self.device),
+            prefetch_extra=pc.prefetch_extra,
+            prefetch_backlog=pc.prefetch_backlog,
+            cache_slots=slots,
+            expert_bytes=self.layout.nbytes,
+            tokens=dict(gen.tokens),
+            prompts=len(self.inputs),
+            prefill=phase_numbers(gen.stats["prefill"], gen.tokens["prefill"]),
+            counters=dict(vars(total)),
+        )
+
+
+def expert_layout(model, spec: RoutingSpec) -> ExpertLayout:
+    """The packed layout of one routed expert (the same in every MoE layer)."""
+    check_supported(spec.family)
+    return ExpertLayout.of(getattr(moe_block(model, spec, 0), spec.experts_attr))
+
+
+def _store_matches(path: Path, fingerprint: str) -> bool:
+    try:
+        store = ExpertStore.open(path)
+    except TensorbendError:
+        return False
+    store.close()
+    return store.meta.get("fingerprint") == fingerprint

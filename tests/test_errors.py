@@ -1,0 +1,105 @@
+"""Bad input gets one clear line and exit code 2, never a traceback; cheap checks come first.
+
+Every case runs `main(argv)` in-process and checks: exit code 2, stderr is exactly one line
+starting with `error:`, it matches what was expected and found, and nothing expensive ran for
+a bad flag (the model loader is booby-trapped for cases that must fail before loading).
+"""
+
+import json
+import re
+
+import pytest
+import transformers
+from planted import permutation_trace
+from tiny_models import save_checkpoint, write_prompts
+
+from tensorbend.cli import main
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    save_checkpoint("deepseek_v3", d / "model")
+    write_prompts(d / "prompts.jsonl", n=4)
+    permutation_trace(d / "trace", prompts=12)
+    (d / "empty.jsonl").write_text("\n")
+    (d / "broken.jsonl").write_text('{"id": "a", "text": "x"}\n{"id": \n')
+    (d / "nomanifest").mkdir()
+    for name, text in {
+        "corrupt": "{not json",
+        "future": json.dumps({"format_version": 99}),
+    }.items():
+        (d / name).mkdir()
+        (d / name / "manifest.json").write_text(text)
+    _damaged_copies(d)
+    (d / "junk.safetensors").write_bytes(b"\x00" * 40)
+    return d
+
+
+def _damaged_copies(d):
+    import shutil
+
+    for name in ("truncated", "missing"):
+        shutil.copytree(d / "trace", d / name)
+    shard = sorted((d / "truncated").glob("shard-*"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    sorted((d / "missing").glob("shard-*"))[0].unlink()
+
+
+# (id, argv with {d} for the fixture dir, regex the one error line must match, model may load)
+CASES = [
+    ("no-model-dir", "collect --model {d}/nope --out {d}/o", r"model .*no such directory.*never downloads", False),
+    ("unknown-zoo", "collect --model zoo:nope --out {d}/o", r"unknown zoo model 'nope': expected one of", False),
+    ("missing-prompts", "collect --model {d}/model --out {d}/o --prompts {d}/none.jsonl", r"prompts file .*not found", False),
+    ("empty-prompts", "collect --model {d}/model --out {d}/o --prompts {d}/empty.jsonl", r"empty.jsonl: no prompts", False),
+    ("broken-prompts", "collect --model {d}/model --out {d}/o --prompts {d}/broken.jsonl", r"line 2: not valid JSON", False),
+    ("bad-feature", "collect --model {d}/model --out {d}/o --features ids hidden", r"--features hidden: expected some of ids, weights", False),
+    ("negative-tokens", "collect --model {d}/model --out {d}/o --max-new-tokens -1", r"--max-new-tokens -1: expected a count >= 0", False),
+    ("zero-prompt-tokens", "collect --model {d}/model --out {d}/o --max-prompt-tokens 0", r"--max-prompt-tokens 0: expected a count >= 1", False),
+    ("zero-temperature", "collect --model {d}/model --out {d}/o --temperature 0", r"--temperature 0.0: expected a number > 0", False),
+    ("zero-shard", "collect --model {d}/model --out {d}/o --shard-tokens 0", r"--shard-tokens 0: expected >= 1", False),
+    ("zero-max-prompts", "collect --model {d}/model --out {d}/o --max-prompts 0", r"--max-prompts 0: expected >= 1", False),
+    ("resume-and-overwrite", "collect --model {d}/model --out {d}/o --resume --overwrite", r"--resume and --overwrite contradict", False),
+    ("bad-decode", "collect --model {d}/model --out {d}/o --decode beam", r"--decode: invalid choice: 'beam'", False),
+    ("bad-int", "collect --model {d}/model --out {d}/o --max-new-tokens many", r"--max-new-tokens: invalid int value: 'many'", False),
+    ("missing-flag", "collect --out {d}/o", r"the following arguments are required: --model", False),
+    ("existing-trace", "collect --model {d}/model --out {d}/trace", r"trace already holds a trace: pass --resume .* or --overwrite", False),
+    ("other-models-trace", "collect --model {d}/model --out {d}/trace --prompts {d}/prompts.jsonl --resume --quiet", r"holds a trace of another model \(planted", True),
+    ("no-trace", "trace info {d}/nomanifest", r"nomanifest: no trace here \(expected manifest.json\)", False),
+    ("corrupt-manifest", "trace info {d}/corrupt", r"manifest.json: corrupt manifest", False),
+    ("future-format", "trace info {d}/future", r"expected trace format_version 1 or 2, found 99", False),
+    ("truncated-shard", "trace info {d}/truncated", r"shard .*shard-00000.safetensors: expected \d+ bytes, found 100", False),
+    ("missing-shard", "trace info {d}/missing", r"shard-00000.safetensors listed in the manifest is missing", False),
+    ("unknown-zoo-path", "zoo path nope", r"unknown zoo model 'nope'", False),
+    ("zoo-no-budget", "zoo train --arch mixtral --corpus {d} --out {d}/z", r"expected a budget, found neither --minutes nor --tokens", False),
+    ("zoo-bad-arch", "zoo train --arch gpt2 --corpus {d} --out {d}/z --tokens 10", r"--arch: invalid choice: 'gpt2'", False),
+    ("train-no-trace", "train --trace {d}/nomanifest --out {d}/p.safetensors", r"no trace here", False),
+    ("train-bad-kind", "train --trace {d}/trace --out {d}/p.safetensors --predictor magic", r"magic", False),
+    ("eval-missing-predictor", "eval --trace {d}/trace --predictor {d}/none.safetensors", r"none.safetensors: no such file", False),
+    ("eval-junk-predictor", "eval --trace {d}/trace --predictor {d}/junk.safetensors", r"junk.safetensors: not a readable safetensors file", False),
+    ("eval-bad-baseline", "eval --trace {d}/trace --baselines magic", r"--baselines .*magic.*expected", False),
+    ("eval-bad-lookahead", "eval --trace {d}/trace --lookahead d9", r"'d9'.*(expected one of|choose from)", False),
+    ("run-bad-policy", "run --model {d}/model --policy fastest", r"--policy.*fastest", False),
+    ("run-bad-frac", "run --model {d}/model --cache-frac 2", r"--cache-frac 2.0: expected a fraction in \(0, 1\]", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2(case, env, capsys, monkeypatch):
+    _, argv, pattern, may_load = case
+    if not may_load:
+
+        def trap(*a, **k):
+            raise AssertionError("the model was loaded before a cheap check failed")
+
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
+    rc = main(argv.format(d=env).split())
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in err
+    assert re.search(pattern, err), err
+
+
+def test_there_are_at_least_25_cases():
+    assert len(CASES) >= 25

@@ -1,0 +1,79 @@
+"""The runtime feeds a predictor exactly what it was trained and scored on: the SourceBatch
+built in the hooks equals `predictors.base.sources_from_rows` on a trace of the same prompts."""
+
+import pytest
+import torch
+from tiny_models import save_checkpoint, write_prompts
+
+from tensorbend.collect import CollectConfig, collect
+from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.session import OffloadSession, SessionConfig
+from tensorbend.predictors.base import LOOKAHEADS, sources_from_rows
+from tensorbend.prompts import load_prompts
+from tensorbend.trace import Trace
+
+
+class RecordingPredictor:
+    """Scores nothing useful; keeps every SourceBatch the runtime hands it, per target layer."""
+
+    kind = "recording"
+
+    def __init__(self, num_experts, lookahead):
+        self.num_experts, self.lookahead = num_experts, LOOKAHEADS[lookahead]
+        self.calls = []
+
+    def scores(self, m, src):
+        self.calls.append((m, src))
+        return torch.zeros(len(src), self.num_experts)
+
+    def num_params(self):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sources")
+    ckpt = save_checkpoint("deepseek_v3", tmp / "model")  # 3 MoE layers after a dense one
+    prompts = write_prompts(tmp / "p.jsonl", 3)  # t000 and t002 have continuations
+    dc = DecodeConfig(decode="teacher", max_new_tokens=4)
+    feats = ("ids", "gate_input", "layer_input")
+    collect(
+        CollectConfig(
+            model=str(ckpt), out=tmp / "trace", prompts=prompts, features=feats,
+            dtype="float32", decode=dc,
+        ),
+        progress=False,
+    )  # fmt: skip
+    rows = Trace.open(tmp / "trace").load(feats)
+    model, tok = load_model(str(ckpt))
+    sess = OffloadSession(model, tok, load_prompts(prompts, "all"), SessionConfig(dc))
+    yield sess, rows
+    sess.close()
+
+
+@pytest.mark.parametrize("la", ["pre_attn", "d1", "d2", "same_layer"])
+def test_online_sources_equal_offline_rows(setup, la):
+    sess, rows = setup
+    rec = RecordingPredictor(sess.spec.num_experts, la)
+    r = sess.run_policy(PolicyConfig("prefetch", cache_frac=0.5), rec)
+    assert r.output_matches_resident is True
+    assert rows["phase_T"].sum() == r.tokens["decode"] > 0  # decode rows are compared too
+    lookahead = LOOKAHEADS[la]
+    targets = list(lookahead.targets(sess.spec.num_moe_layers))
+    assert sorted({m for m, _ in rec.calls}) == targets
+    for m in targets:
+        online = [src for mm, src in rec.calls if mm == m]
+        offline = sources_from_rows(rows, lookahead, m)
+        hidden_TD = torch.cat([s.hidden_TD for s in online])
+        assert torch.equal(hidden_TD, offline.hidden_TD), (la, m)
+        has_prev_T = torch.cat([s.has_prev_T for s in online])
+        assert torch.equal(has_prev_T, offline.has_prev_T), (la, m)
+        prev_TK = torch.cat([s.prev_ids_TK for s in online])
+        assert torch.equal(prev_TK[has_prev_T], offline.prev_ids_TK[has_prev_T]), (la, m)
+        assert {s.src_layer for s in online} == {offline.src_layer}
+        if offline.src_ids_TK is None:
+            assert all(s.src_ids_TK is None for s in online)
+        else:
+            src_TK = torch.cat([s.src_ids_TK for s in online])
+            assert torch.equal(src_TK, offline.src_ids_TK), (la, m)
