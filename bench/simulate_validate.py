@@ -37,17 +37,18 @@ from report import emit  # noqa: E402
 from tensorbend.atomic import atomic_write_text  # noqa: E402
 from tensorbend.collect import CollectConfig, collect  # noqa: E402
 from tensorbend.hf import DecodeConfig, load_model  # noqa: E402
+from tensorbend.offload.hooks import PredictionHooks  # noqa: E402
 from tensorbend.offload.layer import OffloadedExperts  # noqa: E402
-from tensorbend.offload.prefetch import PredictionHooks  # noqa: E402
+from tensorbend.offload.link import Link  # noqa: E402
+from tensorbend.offload.plan import PolicyConfig  # noqa: E402
 from tensorbend.offload.runner import build_predictor  # noqa: E402
-from tensorbend.offload.runtime import OffloadSession, PolicyConfig, SessionConfig  # noqa: E402
-from tensorbend.offload.store import Link  # noqa: E402
+from tensorbend.offload.session import OffloadSession, SessionConfig  # noqa: E402
 from tensorbend.prompts import load_prompts  # noqa: E402
 from tensorbend.simulate import SimulateConfig, simulate  # noqa: E402
 from tensorbend.simulate.costs import Calibration  # noqa: E402
 from tensorbend.trace import Trace  # noqa: E402
 
-POLICIES = ("on_demand", "lru", "lfu", "prefetch", "oracle")  # the runtime's, minus resident
+POLICIES = ("on_demand", "lru", "lfu", "lfru", "prefetch", "oracle")  # the runtime's, but resident
 METRICS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token")
 
 
@@ -60,8 +61,9 @@ def main(argv=None) -> int:
     train = Path(a.train_trace) if a.train_trace else None
     preds = [build_predictor(model, Path(p), None, a.lookahead, train) for p in a.predictor]
     preds += [build_predictor(model, None, b, a.lookahead, train) for b in a.baseline]
-    cfg = SessionConfig(max_new_tokens=a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens,
-                        io_threads=a.io_threads, decode=a.decode)  # fmt: skip
+    decode = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens,
+                          max_prompt_tokens=a.max_prompt_tokens)  # fmt: skip
+    cfg = SessionConfig(decode=decode, io_threads=a.io_threads)
     sess = OffloadSession(model, tok, prompts, cfg, model_name=a.model)
     try:
         link = sess.link(a.link)
@@ -117,7 +119,7 @@ def _calibrate(sess: OffloadSession, preds, link: Link, a) -> Calibration:
             PolicyConfig("lru", cache_frac=1.0), link=Link()
         )  # warm: every expert loaded
         calls.clear()
-        r = sess.run_policy(PolicyConfig("lru", cache_frac=1.0), link=Link())
+        r = sess.run_policy(PolicyConfig("lru", cache_frac=1.0), link=Link()).to_json()
     finally:
         OffloadedExperts.__call__ = orig
     ids = sess.reference.ids
@@ -137,7 +139,7 @@ def _calibrate(sess: OffloadSession, preds, link: Link, a) -> Calibration:
     predict_s = _predict_cost(sess, preds, link, a)
     # the compute thread's own cost of a miss: on_demand with no link cap misses every expert
     # and waits only for page-cache reads (counted as stall)
-    od = sess.run_policy(PolicyConfig("on_demand", cache_frac=a.cache_frac), link=Link())
+    od = sess.run_policy(PolicyConfig("on_demand", cache_frac=a.cache_frac), link=Link()).to_json()
     misses_per_tok = (1 - od["demand_hit_rate"]) * L * spec.top_k  # batch-1 decode: all miss
     base = L * (attn_s + spec.top_k * expert_s)
     miss_s = max(0.0, 1 / od["decode_tok_s"] - od["stall_s_per_token"] - base) / max(
@@ -188,9 +190,8 @@ def _runtime_runs(sess, preds, link, a) -> list[dict]:
     runs = []
     for policy in POLICIES:
         for p in preds if policy == "prefetch" else [None]:
-            r = sess.run_policy(
-                PolicyConfig(policy, cache_frac=a.cache_frac, lookahead=a.lookahead), p, link
-            )
+            pc = PolicyConfig(policy, cache_frac=a.cache_frac, lookahead=a.lookahead)
+            r = sess.run_policy(pc, p, link).to_json()
             assert r["output_matches_resident"], r
             runs.append(r)
             print(

@@ -77,7 +77,7 @@ def test_perfect_prediction_with_lead_time_and_bandwidth_stalls_zero(planted, tm
         policies=("oracle",),
         lookahead="pre_attn",
         cache_fracs=(0.5,),
-        prefetch_backlog=None,
+        prefetch_backlog=float("inf"),
     )
     (r,) = res.results
     assert r["stall_s_per_token"] == 0.0
@@ -308,3 +308,14 @@ def test_plots_are_written(planted, tmp_path):
         "simulate_by_cache.png",
         "simulate_runs.png",
     ]
+
+
+def test_oracle_sees_across_the_forward_boundary_within_its_foresight(planted, tmp_path):
+    # d1: layer 0 of the next token is predicted at this token's last router, as the runtime's
+    # RecordedRouting.ahead does; with foresight 1 the next forward is out of sight
+    cal = calibration(tmp_path / "c.json", wire_s=0.1, attn_s=1.0)
+    kw = dict(policies=("oracle",), cache_fracs=(0.5,), prefetch_backlog=float("inf"))
+    full = sim(planted, cal, **kw).results[0]
+    one = sim(planted, cal, foresight=1, **kw).results[0]
+    assert full["stall_s_per_token"] == 0.0 and full["demand_hit_rate"] == 1.0
+    assert one["stall_s_per_token"] > 0.0 and one["demand_hit_rate"] < 1.0

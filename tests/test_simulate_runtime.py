@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,10 +19,10 @@ import torch
 from test_offload_runtime import _session
 
 from tensorbend.offload.cache import CacheConfig, ExpertCache
+from tensorbend.offload.link import Link as StoreLink
+from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.offload.runtime import PolicyConfig
-from tensorbend.offload.store import Link as StoreLink
 from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
 from tensorbend.simulate.indexed import make_indexed
 from tensorbend.simulate.link import Link
@@ -39,7 +40,7 @@ def recorded():
 
 def work_of(ids_per_forward, predict=None) -> list[ForwardWork]:
     """Demand per layer from recorded routing; `predict(f, m)` -> ranked ids for target m, issued
-    at the router of m - 1 (d1)."""
+    at the router of m - 1 (d1) for step f * L + m."""
     work = []
     for f, ids_TLK in enumerate(ids_per_forward):
         L = ids_TLK.shape[1]
@@ -49,7 +50,7 @@ def work_of(ids_per_forward, predict=None) -> list[ForwardWork]:
             layers.append(LayerWork(demand=list(zip(e.tolist(), n.tolist(), strict=True))))
         if predict is not None:
             for m in range(1, L):
-                layers[m - 1].at_router.append((m, predict(f, m)))
+                layers[m - 1].at_router.append((f * L + m, predict(f, m)))
         work.append(
             ForwardWork(phase=int(ids_TLK.shape[0] == 1), tokens=ids_TLK.shape[0], layers=layers)
         )
@@ -93,11 +94,12 @@ def runtime_victims(work, rs, K) -> list:
             keys = [(g, e) for e, _ in lw.demand]
             absent = [k for k in keys if cache.claim(k) == "absent"]
             queued = []
-            for tg, ids in lw.at_router:
+            for when, ids in lw.at_router:
                 for rank, e in enumerate(ids):
-                    cache.hint((tg, e), f * L + tg)
-                    if (tg, e) not in cache.entries and (tg, e) not in [q[1] for q in queued]:
-                        queued.append((rank, (tg, e), f * L + tg))
+                    key = (when % L, e)
+                    cache.hint(key, when)
+                    if key not in cache.entries and key not in [q[1] for q in queued]:
+                        queued.append(((when, rank), key, when))
             for k in absent:
                 assert cache.start_load(k, demand=True, block=False) is not None
                 cache.finish_load(k, 1)
@@ -128,8 +130,8 @@ def test_simulator_and_runtime_cache_pick_the_same_victims(recorded, policy):
     work = work_of(ids, predict)
     steps = steps_by_key(work)
     slots = round(0.5 * L * E)
-    sim = simulate_victims(work, make_resident_set(policy, slots, L, "global", "all", steps), K)
-    run = runtime_victims(work, make_resident_set(policy, slots, L, "global", "all", steps), K)
+    sim = simulate_victims(work, make_resident_set(policy, slots, L, steps=steps), K)
+    run = runtime_victims(work, make_resident_set(policy, slots, L, steps=steps), K)
     assert len(sim) > 10  # the sequence does evict
     assert sim == run
 
@@ -138,10 +140,10 @@ def test_simulator_and_runtime_cache_pick_the_same_victims(recorded, policy):
 def test_threaded_runtime_and_simulator_count_the_same(recorded, policy):
     sess, ids = recorded
     L, K = sess.spec.num_moe_layers, sess.spec.top_k
-    sess.cfg = type(sess.cfg)(**{**vars(sess.cfg), "io_threads": 1})
-    r = sess.run_policy(PolicyConfig(policy, cache_frac=0.5), link=StoreLink())
+    sess.cfg = dataclasses.replace(sess.cfg, io_threads=1)
+    r = sess.run_policy(PolicyConfig(policy, cache_frac=0.5), link=StoreLink()).to_json()
     assert r["output_matches_resident"]
-    rs = make_resident_set(policy, r["cache_slots"], L, "global", "all")
+    rs = make_resident_set(policy, r["cache_slots"], L)
     run = EventRun(
         rs,
         Link(1e-3, 0.0, 1, float("inf")),

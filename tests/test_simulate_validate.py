@@ -38,7 +38,7 @@ def test_validation_bench_writes_both_sides_per_policy(tmp_path, capsys):
     )
     assert rc == 0
     out = json.loads((tmp_path / "v.json").read_text())
-    assert [r["policy"] for r in out["rows"]] == ["on_demand", "lru", "lfu", "prefetch", "oracle"]
+    assert [r["policy"] for r in out["rows"]] == ["on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
     for r in out["rows"]:
         for k in ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token"):
             assert r[f"runtime_{k}"] >= 0 and r[f"simulated_{k}"] >= 0
@@ -48,5 +48,5 @@ def test_validation_bench_writes_both_sides_per_policy(tmp_path, capsys):
     cal = out["calibration"]
     assert cal["expert_bytes"] > 0 and cal["attn_s"] > 0 and cal["expert_s"] > 0
     doc = (tmp_path / "v.md").read_text()
-    assert doc.count("\n| ") == 1 + 5 and "bar: 15%" in doc  # header + one row per policy
+    assert doc.count("\n| ") == 1 + 6 and "bar: 15%" in doc  # header + one row per policy
     capsys.readouterr()

@@ -90,7 +90,7 @@ class EventRun:
             self.entries[key] = _Entry(ready_at=0.0, resident=True)
 
     def run(self, work: list[ForwardWork]) -> None:
-        L = len(work[0].layers) if work else 1
+        L = self.L = len(work[0].layers) if work else 1
         for f, fw in enumerate(work):
             t0, before = self.t, self.total.copy()
             self.t += self.times.forward_s(fw.tokens)
@@ -108,14 +108,14 @@ class EventRun:
     # ------------------------------------------------------------ compute thread
 
     def _layer(self, step: int, base: int, lw: LayerWork, tokens: int) -> None:
-        self._predict(lw.at_start, base)
+        self._predict(lw.at_start)
         self.t += self.times.attn_s(tokens)
         self._advance(self.t)
         self.now = step
         for e, _ in lw.demand:
             self._claim((step - base, e))
         self.total.prefetch_cancelled += self.link.cancel_stale(step)
-        self._predict(lw.at_router, base)
+        self._predict(lw.at_router)
         pending = {(step - base, e): n for e, n in lw.demand}
         while pending:
             self._advance(self.t)
@@ -134,15 +134,15 @@ class EventRun:
                 self._advance(self.t)
                 self._release(k)
 
-    def _predict(self, preds: list[tuple[int, list[int]]], base: int) -> None:
-        for g, ids in preds:
+    def _predict(self, preds: list[tuple[int, list[int]]]) -> None:
+        """Hint each predicted (layer, expert) for its step and queue its prefetch, in rank order."""
+        for when, ids in preds:
             self.t += self.times.predict_s
-            when = base + g
             for rank, e in enumerate(ids):
-                key = (g, e)
+                key = (when % self.L, e)
                 self.rs.hint(key, when)
                 if key not in self.link.queued and key not in self.entries:
-                    self.link.push(PREFETCH, rank, key, when, self.t)
+                    self.link.push(PREFETCH, (when, rank), key, when, self.t)
                     self.total.prefetch_issued += 1
 
     def _claim(self, key: Key) -> None:

@@ -2,15 +2,16 @@
 
 Usage (events.py drives it; `start` decides what a free slot does with a request):
     >>> link = Link(wire_s=2.0, latency_s=0.5, slots=2, max_backlog_s=float("inf"))
-    >>> link.push(DEMAND, 0, (0, 1), when=float("inf"), at=0.0)
-    >>> link.push(PREFETCH, 0, (1, 4), when=7, at=0.0)
+    >>> link.push(DEMAND, (0, 0), (0, 1), when=float("inf"), at=0.0)
+    >>> link.push(PREFETCH, (7, 0), (1, 4), when=7, at=0.0)
     >>> started = []
     >>> link.advance(10.0, lambda req, s: started.append((req.key, s)) or link.transfer(s))
     >>> started, link.wire_free
     ([((0, 1), 0.0), ((1, 4), 0.0)], 4.0)
 
-Mirrors `offload.prefetch.Loader` + `offload.store.ExpertStore`: requests are demand loads
-(first) or prefetches (by predicted rank, then age); each of `slots` I/O threads takes the best
+Mirrors `offload.loader.Loader` + `offload.store.ExpertStore`: requests are demand loads
+(first) or prefetches (soonest step first, then predicted rank, then age); each of `slots` I/O
+threads takes the best
 request queued by the time it is free; a transfer occupies the wire for `wire_s` (bytes /
 bandwidth) after the wire frees up, and completes `latency_s` later, keeping its thread busy
 until then. A prefetch finding the wire busy for more than `max_backlog_s` is dropped; queued
@@ -32,7 +33,7 @@ DEMAND, PREFETCH = 0, 1
 @dataclass
 class Request:
     kind: int  # DEMAND or PREFETCH
-    priority: float  # predicted rank (prefetch)
+    priority: tuple  # prefetch: (step needed at, predicted rank); demand: (0, 0)
     seq: int
     key: Key
     when: float  # step the prefetched expert is needed at (INF for demand)
@@ -51,7 +52,7 @@ class Link:
 
     # ------------------------------------------------------------ compute side
 
-    def push(self, kind: int, priority: float, key: Key, when: float, at: float) -> None:
+    def push(self, kind: int, priority: tuple, key: Key, when: float, at: float) -> None:
         self._seq += 1
         req = Request(kind, priority, self._seq, key, when, at)
         self.queued[key] = req
@@ -62,7 +63,7 @@ class Link:
             return
         if req is not None:
             req.alive = False  # upgraded: the demand replaces the prefetch
-        self.push(DEMAND, 0, key, INF, at)
+        self.push(DEMAND, (0, 0), key, INF, at)
 
     def cancel_stale(self, now_step: int) -> int:
         """Drop queued prefetches whose target step has come; returns how many."""

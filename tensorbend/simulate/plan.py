@@ -76,11 +76,30 @@ def build_work(
                 if ids is None or g - d < 0:
                     continue
                 if ranked.issue_at_router:
-                    layers[g - d].at_router.append((g, ids))
+                    layers[g - d].at_router.append((f * Lg + g, ids))
                 else:
-                    layers[g].at_start.append((g, ids))
+                    layers[g].at_start.append((f * Lg + g, ids))
         work.append(ForwardWork(phase=fw.phase, tokens=len(fw.rows), layers=layers))
     return work
+
+
+def add_oracle(
+    work: list[ForwardWork], distance: int, at_router: bool, foresight: int | None
+) -> None:
+    """The runtime's oracle (`offload.oracle.RecordedRouting.ahead`): at each source point
+    (step now = forward * L + s) the exact experts of step now + distance, most tokens first,
+    also in the next forward, if that step is within its foresight."""
+    L = len(work[0].layers) if work else 1
+    by_step = [
+        [e for e, _ in sorted(lw.demand, key=lambda en: -en[1])] for fw in work for lw in fw.layers
+    ]
+    for f, fw in enumerate(work):
+        for s, lw in enumerate(fw.layers):
+            now = f * L + s
+            target = now + distance
+            horizon = float("inf") if foresight is None else (now // L + foresight) * L
+            if target < len(by_step) and target < horizon:
+                (lw.at_router if at_router else lw.at_start).append((target, by_step[target]))
 
 
 def steps_by_key(work: list[ForwardWork]) -> dict[Key, list[int]]:

@@ -153,17 +153,6 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
     return Ranked(pred.kind, la.name, la.distance, out, valid)
 
 
-def truth_ranked(rows: dict[str, torch.Tensor], lookahead: str) -> Ranked:
-    """The oracle's guesses: the exact routing at the lookahead's source point."""
-    ids_TLK = rows["expert_ids_TLK"].long()
-    la = get_lookahead(lookahead)
-    valid = torch.zeros(ids_TLK.shape[1], dtype=torch.bool)
-    valid[list(la.targets(ids_TLK.shape[1]))] = True
-    return Ranked(
-        "oracle", la.name, la.distance, torch.where(valid[None, :, None], ids_TLK, -1), valid
-    )
-
-
 def prefetch_order(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:
     """The runtime's prefetch list for one forward's N tokens at one target layer."""
     if ids_NJ.shape[0] == 1:

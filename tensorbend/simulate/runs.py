@@ -17,12 +17,13 @@ import math
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, make_admission
 from tensorbend.offload.resident import ResidentSet
+from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, Times
 from tensorbend.simulate.geometry import Geometry
 from tensorbend.simulate.indexed import make_indexed
 from tensorbend.simulate.link import Link
-from tensorbend.simulate.predictions import truth_ranked
+from tensorbend.simulate.predictions import Ranked
 
 NO_PREDICTION = ("lru", "lfu", "lfru")
 
@@ -31,65 +32,65 @@ def make_resident_set(
     policy: str,
     capacity: int,
     num_layers: int,
-    pool: str,
-    admission: str,
+    pool: str = "global",
+    admission: str = "all",
+    admission_window: int = 8,
     steps=None,
     foresight: int | None = None,
 ) -> ResidentSet:
-    """The runtime's policy of each name, as a ResidentSet (eviction, pool, admission)."""
-    eviction = {"resident": LRU, "on_demand": LRU, "lru": LRU, "lfu": LFU, "lfru": LFRU}.get(policy)
+    """The runtime's cache of each policy name (as `offload.plan.build_cache` makes it): lru and
+    on_demand LRU (on_demand: capacity 0), lfu LFU, lfru LFRU, prefetch Predicted, oracle NextUse
+    over the run's routing within `foresight`; pool and admission for every policy."""
     if policy == "prefetch":
         ev = Predicted(num_layers)
     elif policy == "oracle":
         ev = NextUse(steps, num_layers, foresight)
     else:
-        ev = eviction()
+        ev = {"lfu": LFU, "lfru": LFRU}.get(policy, LRU)()
     cap = 0 if policy == "on_demand" else capacity
-    return make_indexed(
-        cap, num_layers, ev, pool=pool, admission=make_admission(admission, num_layers)
-    )
+    adm = make_admission(admission, num_layers, admission_window)
+    return make_indexed(cap, num_layers, ev, pool=pool, admission=adm)
 
 
-def run_one(cfg, policy, ranked, frac, fwds, demand, rows, mapping, costs, hw, geo) -> dict:
+def run_one(cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo) -> dict:
+    """One policy (x predictor) at one cache fraction; returns its result row."""
     L, K = mapping.geometry_layers, mapping.trace_top_k
-    units = max(1, round(frac * L * mapping.trace_experts))
-    if units < K and policy != "resident":
-        raise TensorbendError(
-            f"cache of {units} experts at --cache-frac {frac} is smaller than top-k {K}: raise it "
-            f"to at least {K / (L * mapping.trace_experts):.4f}"
-        )
-    if policy == "oracle":
-        ranked = truth_ranked(rows, cfg.lookahead)
-    preds = (
-        None
-        if ranked is None
-        else plan.prediction_lists(ranked, fwds, K, 0 if policy == "oracle" else cfg.prefetch_extra)
-    )
+    units = L * mapping.trace_experts if policy == "resident" else cache_units(cfg, frac, mapping)
+    extra = cfg.prefetch_extra
+    preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
-    steps = plan.steps_by_key(work) if policy == "oracle" else None
-    if policy == "resident":
-        units = L * mapping.trace_experts
-    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, steps, cfg.foresight)
-    backlog = (
-        float("inf") if cfg.prefetch_backlog is None else cfg.prefetch_backlog * costs.transfer_s()
-    )
-    run = EventRun(
-        rs,
-        Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog),
-        Times(
-            costs.attn_s,
-            costs.expert_s,
-            costs.forward_s,
-            costs.predict_s if policy == "prefetch" else 0.0,
-            costs.miss_s,
-        ),
-        scratch=K,
-        unit_bytes=costs.unit_bytes,
-    )
+    steps = None
+    if policy == "oracle":
+        la = get_lookahead(cfg.lookahead)
+        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
+        steps = plan.steps_by_key(work)
+        ranked = Ranked("oracle", la.name, la.distance, None, None)
+    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
+                           steps, cfg.foresight)  # fmt: skip
+    backlog = cfg.prefetch_backlog * costs.transfer_s()
+    predict_s = costs.predict_s if policy == "prefetch" else 0.0
+    times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
+    link = Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog)
+    run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
     if policy == "resident":
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
     run.run(work)
     return _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
+
+
+def cache_units(cfg, frac: float, mapping) -> int:
+    """Slots for `frac` of the simulated experts; at least what the runtime asks for (top-k, and
+    one per layer with a per-layer pool)."""
+    L, E, K = mapping.geometry_layers, mapping.trace_experts, mapping.trace_top_k
+    units = round(frac * L * E)
+    need = max(K, L if cfg.pool == "per_layer" else 1)
+    if units < need:
+        raise TensorbendError(
+            f"--cache-frac {frac} gives {units} cache slots: expected at least {need} (top-k"
+            f"{' and one per MoE layer for --pool per_layer' if cfg.pool == 'per_layer' else ''});"
+            f" raise it to {need / (L * E):.4f} or more"
+        )
+    return units
 
 
 def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:

@@ -96,12 +96,15 @@ class SimulateConfig:
     """Cache slots shared by all layers (global) or split evenly per layer."""
     admission: AdmissionName = "all"
     """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
+    admission_window: int = 8
+    """Forwards of use counts for --admission frequency."""
     foresight: int | None = None
-    """Oracle: forwards of exact future routing its eviction knows (None: all)."""
+    """Oracle: forwards (tokens at decode) of exact routing it knows, counting the current one
+    (0: nothing, LRU); default: the whole run."""
     prefetch_extra: int = 0
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
-    prefetch_backlog: float | None = 0.5
-    """Start a prefetch only while the link is busy for at most this many transfers (None: always)."""
+    prefetch_backlog: float = 0.5
+    """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     calibration: Path | None = None
     """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
     ep_degree: int | None = None
@@ -127,8 +130,13 @@ class SimulateConfig:
             self.batch < 1
             or self.prefetch_extra < 0
             or (self.foresight is not None and self.foresight < 0)
+            or self.admission_window < 1
+            or not self.prefetch_backlog >= 0
         ):
-            raise TensorbendError("expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0")
+            raise TensorbendError(
+                "expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0, "
+                "--admission-window >= 1, --prefetch-backlog >= 0"
+            )
         if self.admission == "predicted" and any(
             p in ("on_demand", *NO_PREDICTION) for p in self.policies
         ):
@@ -187,9 +195,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
         for r in (rankeds if p == "prefetch" else [None])
     ]
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
-    results = [
-        run_one(cfg, p, r, f, fwds, demand, rows, mapping, costs, hw, geo) for p, r, f in bar
-    ]
+    results = [run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo) for p, r, f in bar]
     relative(results)
     res = SimulateResult(
         hardware=cfg.hardware,
