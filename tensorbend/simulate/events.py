@@ -19,7 +19,7 @@ the router (dN, same_layer; `predict_s` each), then each expert computed (`exper
 tokens routed to it) as soon as it is READY; waiting for one is the stall. Claims, slots, pins,
 bypass (staging `scratch` slots), victims and admission follow `offload.cache.ExpertCache`
 with the same `offload.resident.ResidentSet` and policies, so the simulator and the runtime
-pick the same victims; loads follow `offload.prefetch.Loader` over the link (link.py).
+pick the same victims; loads follow `offload.loader.Loader` over the link (link.py).
 Counters are `offload.cache.CacheStats`, per phase (0 prefill, 1 decode).
 """
 

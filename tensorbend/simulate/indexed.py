@@ -16,7 +16,8 @@ its next use is passed only by using it; every step in its list is a demand), so
 ranks with lazy invalidation returns the same victim: the policy's own `rank`, computed when
 the key last changed, highest first, ties by recency as in ResidentSet. Every other policy
 (LFRU, Predicted, NextUse with bounded foresight: ranks move with the clock) scans as
-ResidentSet does, remembering ranks while the clock stands still (MemoResidentSet). tests/test_simulate_runtime.py checks both give the same victims on random sequences.
+ResidentSet does, remembering ranks while the clock stands still (MemoResidentSet).
+tests/test_simulate_runtime.py checks both give ResidentSet's victims on random sequences.
 """
 
 from __future__ import annotations

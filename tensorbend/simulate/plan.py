@@ -4,13 +4,17 @@ Usage:
     demand = demand_lists(rows, fwds)                       # [forward][trace layer]
     preds = prediction_lists(ranked, fwds, top_k=K, extra=0)  # [forward][trace layer] or None
     work = build_work(fwds, demand, mapping, ranked, preds)  # list[ForwardWork]
+    add_oracle(work, distance=1, at_router=True, foresight=None)  # policy oracle: exact routing
     steps = steps_by_key(work)                              # Belady's future (the oracle)
 
 Geometry layer g replays trace layer `mapping.layer_of[g]`; its demand is that layer's experts
 for the forward's rows (with how many of the rows each serves). A prediction for target g at
 lookahead distance d is issued at the router of geometry layer g - d (pre_attn: before layer
 g's attention; same_layer: at g's own router) and is the predictor's list for trace layer
-layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py).
+layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). The
+oracle instead names the exact experts of the step `distance` ahead of every source point,
+also in the next forward (`add_oracle`, as `offload.oracle.RecordedRouting.ahead`). Every
+prediction carries the absolute step it is for.
 """
 
 from __future__ import annotations

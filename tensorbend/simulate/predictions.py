@@ -13,7 +13,7 @@ hidden states: `routing_rows` gives them zero-width placeholders so that predict
 routing only (ROUTING_ONLY) run unchanged, and a predictor that needs hidden states is refused
 with a message that says so. The simulator turns the ranked guesses into the runtime's
 prefetch lists (`prefetch_order`): one token, its top-(K + extra); several tokens (prefill,
-a batch), the union of their top-K, most voted first (as `offload.prefetch.PredictionHooks`).
+a batch), the union of their top-K, most voted first (as `offload.hooks.PredictionHooks`).
 """
 
 from __future__ import annotations
