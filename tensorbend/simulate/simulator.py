@@ -252,8 +252,9 @@ def format_table(res: SimulateResult) -> str:
     head = f"{'policy':<10} {'predictor':<12} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
     lines += [head, "-" * len(head)]
     for r in res.results:
+        tok_s = "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.2f}"
         lines.append(
-            f"{r['policy']:<10} {str(r['predictor'] or '-'):<12} {r['cache_frac']:>6.3f} {r['decode_tok_s']:>9.2f} "
+            f"{r['policy']:<10} {str(r['predictor'] or '-'):<12} {r['cache_frac']:>6.3f} {tok_s:>9} "
             f"{r['stall_s_per_token'] * 1e3:>12.3f} {r['bytes_read_per_token'] / 1e6:>9.2f} "
             f"{r['demand_hit_rate']:>6.3f} {r['wasted_prefetch_bytes'] / 1e6:>10.1f}"
         )
