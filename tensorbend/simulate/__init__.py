@@ -1,0 +1,32 @@
+"""Simulate offloaded MoE inference from a routing trace on a model geometry and hardware.
+
+>>> from tensorbend.simulate import SimulateConfig, simulate, HARDWARE_NAMES, GEOMETRY_NAMES
+>>> "dgx-spark" in HARDWARE_NAMES and "kimi-k2.5" in GEOMETRY_NAMES
+True
+
+Modules: hardware.py and geometry.py (profiles, every number cited), mapping.py (trace ->
+geometry), costs.py (seconds per action; calibration), workload.py (the forwards),
+predictions.py (predictors run offline), plan.py (work per forward and layer), link.py and
+events.py (the discrete-event run on the runtime's cache mechanism and policies), ep.py
+(expert-parallel pre-staging), simulator.py (`simulate`), plots.py. See docs/simulate.md.
+"""
+
+from tensorbend.simulate.geometry import GEOMETRY_NAMES
+from tensorbend.simulate.hardware import HARDWARE_NAMES
+from tensorbend.simulate.simulator import (
+    POLICIES,
+    SimulateConfig,
+    SimulateResult,
+    format_table,
+    simulate,
+)
+
+__all__ = [
+    "GEOMETRY_NAMES",
+    "HARDWARE_NAMES",
+    "POLICIES",
+    "SimulateConfig",
+    "SimulateResult",
+    "format_table",
+    "simulate",
+]

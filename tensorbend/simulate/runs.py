@@ -1,0 +1,160 @@
+"""One simulated run: its resident set, its work through the event loop, its result row.
+
+Usage:
+    row = run_one(cfg, "lru", None, 0.25, fwds, demand, rows, mapping, costs, hw, geo)
+    row["decode_tok_s"], row["stall_s_per_token"]     # the keys of `run --json`
+
+`make_resident_set` maps a policy name to the runtime's policy objects (offload/policies.py)
+in a ResidentSet with the asked pool and admission; the simulator's indexed variant finds the
+same victims faster (indexed.py). Cache size: `cache_frac` of each layer's (trace) experts,
+at least top-k slots; its bytes are reported for the geometry's own experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tensorbend.errors import TensorbendError
+from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, make_admission
+from tensorbend.offload.resident import ResidentSet
+from tensorbend.predictors import get_lookahead
+from tensorbend.simulate import plan
+from tensorbend.simulate.events import EventRun, Times
+from tensorbend.simulate.geometry import Geometry
+from tensorbend.simulate.indexed import make_indexed
+from tensorbend.simulate.link import Link
+from tensorbend.simulate.predictions import Ranked
+
+NO_PREDICTION = ("lru", "lfu", "lfru")
+
+
+def make_resident_set(
+    policy: str,
+    capacity: int,
+    num_layers: int,
+    pool: str = "global",
+    admission: str = "all",
+    admission_window: int = 8,
+    steps=None,
+    foresight: int | None = None,
+) -> ResidentSet:
+    """The runtime's cache of each policy name (as `offload.plan.build_cache` makes it): lru and
+    on_demand LRU (on_demand: capacity 0), lfu LFU, lfru LFRU, prefetch Predicted, oracle NextUse
+    over the run's routing within `foresight`; pool and admission for every policy."""
+    if policy == "prefetch":
+        ev = Predicted(num_layers)
+    elif policy == "oracle":
+        ev = NextUse(steps, num_layers, foresight)
+    else:
+        ev = {"lfu": LFU, "lfru": LFRU}.get(policy, LRU)()
+    cap = 0 if policy == "on_demand" else capacity
+    adm = make_admission(admission, num_layers, admission_window)
+    return make_indexed(cap, num_layers, ev, pool=pool, admission=adm)
+
+
+def run_one(cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo) -> dict:
+    """One policy (x predictor) at one cache fraction; returns its result row."""
+    L, K = mapping.geometry_layers, mapping.trace_top_k
+    units = L * mapping.trace_experts if policy == "resident" else cache_units(cfg, frac, mapping)
+    extra = cfg.prefetch_extra
+    preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
+    work = plan.build_work(fwds, demand, mapping, ranked, preds)
+    steps = None
+    if policy == "oracle":
+        la = get_lookahead(cfg.lookahead)
+        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
+        steps = plan.steps_by_key(work)
+        ranked = Ranked("oracle", la.name, la.distance, None, None)
+    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
+                           steps, cfg.foresight)  # fmt: skip
+    backlog = cfg.prefetch_backlog * costs.transfer_s()
+    predict_s = costs.predict_s if policy == "prefetch" else 0.0
+    times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
+    link = Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog)
+    run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
+    if policy == "resident":
+        run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
+    run.run(work)
+    return _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
+
+
+def cache_units(cfg, frac: float, mapping) -> int:
+    """Slots for `frac` of the simulated experts; at least what the runtime asks for (top-k, and
+    one per layer with a per-layer pool)."""
+    L, E, K = mapping.geometry_layers, mapping.trace_experts, mapping.trace_top_k
+    units = round(frac * L * E)
+    need = max(K, L if cfg.pool == "per_layer" else 1)
+    if units < need:
+        raise TensorbendError(
+            f"--cache-frac {frac} gives {units} cache slots: expected at least {need} (top-k"
+            f"{' and one per MoE layer for --pool per_layer' if cfg.pool == 'per_layer' else ''});"
+            f" raise it to {need / (L * E):.4f} or more"
+        )
+    return units
+
+
+def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
+    dec, pre = run.stats[1], run.stats[0]
+    nd, npf = max(1, run.tokens[1]), max(1, run.tokens[0])
+    expert_total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(cfg.dtype)
+    cache_bytes = expert_total if policy == "resident" else frac * expert_total
+    return {
+        "policy": policy,
+        "predictor": None if ranked is None else ranked.kind,
+        "lookahead": None if ranked is None else ranked.lookahead,
+        "cache_frac": 1.0 if policy == "resident" else frac,
+        "decode_tok_s": run.tokens[1] / run.seconds[1] if run.seconds[1] else None,
+        "prefill_tok_s": run.tokens[0] / run.seconds[0] if run.seconds[0] else None,
+        "stall_s_per_token": dec.stall_s / nd,
+        "bytes_read_per_token": dec.bytes_read / nd,
+        "demand_hit_rate": dec.demand_hit_rate,
+        "wasted_prefetch_bytes": run.total.prefetch_wasted_bytes,
+        "cache_slots": units,
+        "cache_bytes": int(cache_bytes),
+        "fits_fast_memory": cfg.calibration is not None
+        or cache_bytes + resident_bytes(geo) <= hw.mem_capacity.value,
+        "pool": cfg.pool,
+        "admission": cfg.admission,
+        "foresight": cfg.foresight if policy == "oracle" else None,
+        "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
+        "prefill": {
+            "stall_s_per_token": pre.stall_s / npf,
+            "bytes_read_per_token": pre.bytes_read / npf,
+            "demand_hit_rate": pre.demand_hit_rate,
+        },
+        "counters": dict(vars(run.total)),
+    }
+
+
+def relative(results: list[dict]) -> None:
+    """vs_best_cache: decode tok/s over the best no-prediction cache at the same size."""
+    for r in results:
+        peers = [
+            x["decode_tok_s"]
+            for x in results
+            if x["policy"] in NO_PREDICTION
+            and x["cache_frac"] == r["cache_frac"]
+            and x["decode_tok_s"]
+        ]
+        r["vs_best_cache"] = (
+            round(r["decode_tok_s"] / max(peers), 4) if peers and r["decode_tok_s"] else None
+        )
+
+
+def resident_bytes(geo: Geometry) -> float:
+    """Weights that stay in fast memory: every MoE layer's non-expert weights, dense layers,
+    the LM head and the embedding."""
+    return (
+        geo.num_moe_layers * geo.layer_static_bytes()
+        + geo.forward_static_bytes()
+        + geo.vocab_size * geo.hidden_size * 2
+    )
+
+
+def fitting_frac(hw, geo: Geometry, dtype: str, spec) -> float:
+    """The largest cache fraction (4 decimals, rounded down) whose bytes fit fast memory beside
+    the resident weights; at least top-k slots."""
+    total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(dtype)
+    frac = math.floor((hw.mem_capacity.value - resident_bytes(geo)) / total * 1e4) / 1e4
+    floor = spec.top_k / (geo.num_moe_layers * spec.num_experts)
+    return min(1.0, max(frac, floor))

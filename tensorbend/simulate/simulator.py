@@ -1,0 +1,304 @@
+"""`tensorbend simulate`: what prediction buys on a model geometry and hardware, from a trace.
+
+Usage:
+    from tensorbend.simulate import SimulateConfig, simulate
+    res = simulate(SimulateConfig(trace=Path("runs/t"), hardware="dgx-spark",
+                                  geometry="kimi-k2.5", predictors=("transition",)))
+    print(format_table(res))                     # mapping first, then one row per run
+    res.to_json()["results"][0]["decode_tok_s"]
+
+For each policy x predictor (prefetch only) x cache fraction: the trace's `split` prompts are
+replayed as the runtime would run them (workload.py), their routing mapped onto the geometry
+(mapping.py), with costs from the hardware x geometry profiles or a measured calibration
+(costs.py), through the runtime's own cache mechanism and policies (events.py). Policies (one
+implementation with `tensorbend run`): resident (every expert in fast memory), on_demand,
+lru, lfu, lfru (no prediction), prefetch (a predictor's prefetches + `Predicted` eviction),
+oracle (the exact routing prefetched at `lookahead`, Belady eviction knowing `foresight`
+forwards ahead, all by default). Per-result JSON keys are those of `run --json`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from tensorbend.errors import TensorbendError
+from tensorbend.offload.policies import (
+    AdmissionName,
+)
+from tensorbend.offload.resident import PoolName
+from tensorbend.predictors import get_lookahead
+from tensorbend.simulate import plan
+from tensorbend.simulate.costs import Calibration, Costs
+from tensorbend.simulate.ep import EPConfig, ep_report
+from tensorbend.simulate.geometry import (
+    ExpertDtype,
+    GeometryName,
+    geometry_from_trace,
+    get_geometry,
+)
+from tensorbend.simulate.hardware import HardwareName, get_hardware
+from tensorbend.simulate.mapping import make_mapping
+from tensorbend.simulate.predictions import (
+    rank_all,
+    routing_rows,
+)
+from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
+from tensorbend.simulate.workload import forwards
+from tensorbend.trace import Trace
+
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
+POLICIES: tuple[str, ...] = PolicyName.__args__
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    trace: Path
+    """Trace directory (collected, or imported with `trace import`)."""
+    hardware: HardwareName
+    """Hardware profile (docs/simulate.md lists each number and its source)."""
+    geometry: GeometryName
+    """Model geometry the trace's routing is replayed on; from-trace keeps the trace's own
+    sizes (needs --calibration for bytes and compute)."""
+    policies: tuple[PolicyName, ...] = field(
+        default=("resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"),
+        metadata={"flags": ("--policy",)},
+    )
+    """Policies to simulate (prefetch runs once per predictor)."""
+    predictors: tuple[str, ...] = field(
+        default=("transition",), metadata={"flags": ("--predictor",)}
+    )
+    """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
+    prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
+    lookahead: str = "d1"
+    """Lookahead of named peers and of the oracle's prefetches."""
+    train_trace: Path | None = None
+    """Trace whose train split fits the table peers (frequency, prev_token, transition);
+    default: the simulated trace."""
+    cache_fracs: tuple[float, ...] = field(default=(), metadata={"flags": ("--cache-frac",)})
+    """Cache sizes as fractions of each layer's experts; empty: the largest that fits the
+    hardware's fast memory beside the resident weights (0.25 with a calibration)."""
+    split: Literal["test", "val", "train", "all"] = "test"
+    """Prompts replayed (test: learned predictors are judged on prompts they never saw)."""
+    batch: int = 1
+    """Sequences decoded together (static batching; prompts prefilled together)."""
+    max_prompts: int | None = None
+    """Replay at most this many prompts of the split (row order)."""
+    dtype: ExpertDtype = "native"
+    """Storage of the geometry's routed experts (native: as released)."""
+    pool: PoolName = "global"
+    """Cache slots shared by all layers (global) or split evenly per layer."""
+    admission: AdmissionName = "all"
+    """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
+    admission_window: int = 8
+    """Forwards of use counts for --admission frequency."""
+    foresight: int | None = None
+    """Oracle: forwards (tokens at decode) of exact routing it knows, counting the current one
+    (0: nothing, LRU); default: the whole run."""
+    prefetch_extra: int = 0
+    """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
+    prefetch_backlog: float = 0.5
+    """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
+    calibration: Path | None = None
+    """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
+    ep_degree: int | None = None
+    """Expert-parallel ranks for the dispatch pre-staging statistics (None: skip)."""
+    ep_placement: Literal["contiguous", "round_robin"] = "contiguous"
+    """Expert-to-rank placement for those statistics."""
+    plots: Path | None = None
+    """Directory for plots (tok/s and stall per policy)."""
+    progress: bool = True
+    """tqdm progress on stderr."""
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad or not self.policies:
+            raise TensorbendError(
+                f"--policies {bad or '(none)'}: expected some of {', '.join(POLICIES)}"
+            )
+        if any(not 0 < f <= 1 for f in self.cache_fracs):
+            raise TensorbendError(
+                f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
+            )
+        if (
+            self.batch < 1
+            or self.prefetch_extra < 0
+            or (self.foresight is not None and self.foresight < 0)
+            or self.admission_window < 1
+            or not self.prefetch_backlog >= 0
+        ):
+            raise TensorbendError(
+                "expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0, "
+                "--admission-window >= 1, --prefetch-backlog >= 0"
+            )
+        if self.admission == "predicted" and any(
+            p in ("on_demand", *NO_PREDICTION) for p in self.policies
+        ):
+            raise TensorbendError(
+                "--admission predicted needs a policy that predicts (prefetch, oracle): drop "
+                f"{[p for p in self.policies if p in ('on_demand', *NO_PREDICTION)]} from --policies"
+            )
+        if self.geometry == "from-trace" and self.calibration is None:
+            raise TensorbendError(
+                "--geometry from-trace has no bytes or compute of its own: pass --calibration FILE "
+                "(bench/simulate_validate.py measures one) or name a geometry"
+            )
+        get_lookahead(self.lookahead)
+        get_hardware(self.hardware)
+        if self.ep_degree is not None:
+            EPConfig(self.ep_degree, self.ep_placement)
+
+
+@dataclass
+class SimulateResult:
+    hardware: str
+    geometry: str
+    mapping: dict
+    results: list[dict]
+    hardware_profile: dict
+    geometry_profile: dict
+    costs: dict
+    trace: str
+    split: str
+    batch: int
+    tokens: dict[str, int]
+    ep: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def simulate(cfg: SimulateConfig) -> SimulateResult:
+    """Every policy x predictor x cache fraction of `cfg` on the trace; see the module docstring."""
+    t0 = time.perf_counter()
+    tr = Trace.open(cfg.trace)
+    hw, cal, geo, mapping, costs = _setup(cfg, tr)
+    rows = _rows(cfg, tr)
+    fwds = forwards(rows, cfg.batch)
+    demand = plan.demand_lists(rows, fwds)
+    train = Trace.open(cfg.train_trace) if cfg.train_trace else None
+    specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
+    rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
+    fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
+    jobs = [
+        (p, r, f)
+        for f in fracs
+        for p in cfg.policies
+        for r in (rankeds if p == "prefetch" else [None])
+    ]
+    bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
+    results = [run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo) for p, r, f in bar]
+    relative(results)
+    res = SimulateResult(
+        hardware=cfg.hardware,
+        geometry=cfg.geometry,
+        mapping=mapping.to_json(),
+        results=results,
+        hardware_profile=hw.to_json(),
+        geometry_profile=geo.to_json(cfg.dtype),
+        costs=costs.to_json(),
+        trace=str(cfg.trace),
+        split=cfg.split,
+        batch=cfg.batch,
+        tokens={
+            ph: int((rows["phase_T"] == i).sum()) for i, ph in enumerate(("prefill", "decode"))
+        },
+        notes=_notes(cfg, cal),
+    )
+    if cfg.ep_degree is not None:
+        epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
+        res.ep = ep_report(rankeds, rows, fwds, tr.spec.num_experts, epc)
+    if cfg.plots is not None:
+        from tensorbend.simulate.plots import plot_results
+
+        plot_results(res, cfg.plots)
+    res.seconds = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _setup(cfg: SimulateConfig, tr: Trace):
+    """(hardware, calibration | None, geometry, mapping, costs) of a run."""
+    spec = tr.spec
+    hw = get_hardware(cfg.hardware)
+    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
+    if cfg.geometry == "from-trace":
+        geo = geometry_from_trace(spec, cal.expert_bytes, f"{cfg.trace} + {cfg.calibration}")
+    else:
+        geo = get_geometry(cfg.geometry)
+    mapping = make_mapping(spec.num_moe_layers, spec.num_experts, spec.top_k,
+                           geo.num_moe_layers, geo.num_experts, geo.top_k)  # fmt: skip
+    if cal is not None:
+        costs = Costs.from_calibration(cal, mapping.unit_scale)
+    else:
+        costs = Costs.from_profiles(hw, geo, mapping.unit_scale, cfg.dtype)
+    return hw, cal, geo, mapping, costs
+
+
+def format_table(res: SimulateResult) -> str:
+    """Terminal table; the mapping comes first so that it is never missed."""
+    lines = [
+        f"hardware {res.hardware}  geometry {res.geometry}  trace {res.trace} ({res.split} split, "
+        f"batch {res.batch}, {res.tokens['decode']} decode + {res.tokens['prefill']} prefill tokens)"
+    ]
+    lines += [f"mapping: {x}" for x in res.mapping["notes"]]
+    head = f"{'policy':<10} {'predictor':<12} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
+    lines += [head, "-" * len(head)]
+    for r in res.results:
+        tok_s = "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.2f}"
+        lines.append(
+            f"{r['policy']:<10} {str(r['predictor'] or '-'):<12} {r['cache_frac']:>6.3f} {tok_s:>9} "
+            f"{r['stall_s_per_token'] * 1e3:>12.3f} {r['bytes_read_per_token'] / 1e6:>9.2f} "
+            f"{r['demand_hit_rate']:>6.3f} {r['wasted_prefetch_bytes'] / 1e6:>10.1f}"
+        )
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _rows(cfg, tr: Trace):
+    hidden = set()
+    for p in cfg.predictors:
+        if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
+            continue
+        hidden.add(get_lookahead(cfg.lookahead).hidden)
+        if Path(p).is_file():
+            from tensorbend.predictors.checkpoint import read_metadata
+
+            hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
+    rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
+    if rows["expert_ids_TLK"].shape[0] == 0:
+        raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to replay")
+    if cfg.max_prompts is not None:
+        from tensorbend.trace import subset_rows
+
+        first = sorted(set(rows["prompt_index_T"].tolist()))[: cfg.max_prompts]
+        keep = torch.isin(
+            rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype)
+        )
+        rows = subset_rows(rows, keep)
+    return rows
+
+
+def _notes(cfg, cal) -> list[str]:
+    notes = []
+    if cal is not None:
+        notes.append(
+            f"costs from calibration {cfg.calibration} ({cal.source}); hardware profile unused"
+        )
+    if not cfg.cache_fracs:
+        notes.append(
+            "cache fraction: the largest whose bytes fit fast memory beside the resident weights (KV cache not counted)"
+            if cal is None
+            else "cache fraction: 0.25 (calibrated run; no memory size known)"
+        )
+    return notes
