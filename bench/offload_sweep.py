@@ -37,10 +37,9 @@ from tensorbend.models import describe_model
 from tensorbend.offload import NO_PREDICTION_CACHES
 from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.plan import PolicyConfig
-from tensorbend.offload.runner import build_predictor
+from tensorbend.offload.runner import NEEDS_TRAIN, build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
-from tensorbend.offload.runner import NEEDS_TRAIN
 from tensorbend.prompts import load_prompts
 
 

@@ -97,6 +97,23 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_simulate(args) -> int:
+    from tensorbend.simulate.simulator import SimulateConfig, format_table, simulate
+
+    result = simulate(config_from_args(SimulateConfig, args, progress=not args.quiet))
+    print(format_table(result))
+    _write_json(args.json, result.to_json())
+    return 0
+
+
+def _cmd_trace_import(args) -> int:
+    from tensorbend.engines.importer import ImportConfig, import_trace
+
+    result = import_trace(config_from_args(ImportConfig, args, progress=not args.quiet))
+    print(_format_summary(result.to_json()))
+    return 0
+
+
 def _cmd_zoo_list(args) -> int:
     from tensorbend.zoo import format_models, list_models
 
@@ -146,6 +163,10 @@ def _build_parser() -> argparse.ArgumentParser:
     ti = _verb(tsub, "info", _cmd_trace_info, "summary of a trace directory", quiet=False)
     ti.add_argument("trace_dir", help="trace directory (from `collect`)")
     ti.add_argument("--json", action="store_true", help="print JSON (keys in docs/formats.md)")
+    from tensorbend.engines.importer import ImportConfig
+
+    tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")
+    add_config_flags(tim, ImportConfig, skip=("progress",), positional=("path",))
 
     from tensorbend.evaluate import EvalConfig
     from tensorbend.offload.runner import RunConfig
@@ -160,6 +181,11 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(rn, RunConfig)
     rn.add_argument("--json", help="write the result as JSON (keys in docs/formats.md)")
 
+    from tensorbend.simulate.simulator import SimulateConfig
+
+    sm = _verb(sub, "simulate", _cmd_simulate, "simulate offloaded decode on a geometry + hardware")
+    add_config_flags(sm, SimulateConfig, skip=("progress",))
+    sm.add_argument("--json", help="write the results as JSON (keys in docs/formats.md)")
     _zoo_parser(sub)
     return p
 

@@ -88,7 +88,8 @@ def add_config_flags(
         else:
             kw["default"] = None if kind == "tuple" else default
             shown = " ".join(map(str, default)) if kind == "tuple" else default
-            kw["help"] = f"{help_text} (default: {shown})".strip()
+            if default not in (None, ()):
+                kw["help"] = f"{help_text} (default: {shown})".strip()
         parser.add_argument(*names, **kw)
 
 

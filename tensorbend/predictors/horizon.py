@@ -100,7 +100,9 @@ class HorizonState:
         if hidden_D is not None:
             h_D = rmsnorm(hidden_D.float()[None])[0]
             first = self.forwards == 0
-            self.hidden_mean_D = h_D if first else HIDDEN_EMA * self.hidden_mean_D + (1 - HIDDEN_EMA) * h_D
+            self.hidden_mean_D = (
+                h_D if first else HIDDEN_EMA * self.hidden_mean_D + (1 - HIDDEN_EMA) * h_D
+            )
             self.hidden_D = h_D
         self.forwards += 1
 
@@ -159,7 +161,9 @@ class HorizonPredictor:
             return F.binary_cross_entropy_with_logits(net(b["X"][0], _h(b)), b["Y"][0])
 
         def val_fn(net):
-            return -float(F.binary_cross_entropy_with_logits(net(val["X"][0], _h(val)), val["Y"][0]))
+            return -float(
+                F.binary_cross_entropy_with_logits(net(val["X"][0], _h(val)), val["Y"][0])
+            )
 
         _, p.history = fit(p.net, train, loss_fn, val_fn, cfg.fit, progress, desc="horizon")
         return p
