@@ -5,7 +5,7 @@
 True
 
 Modules: hardware.py and geometry.py (profiles, every number cited), mapping.py (trace ->
-geometry), costs.py (seconds per action; calibration), workload.py (the forwards),
+geometry), costs.py (seconds per action; calibration), the forwards from trace.forwards,
 predictions.py (predictors run offline), plan.py (work per forward and layer), link.py and
 events.py (the discrete-event run on the runtime's cache mechanism and policies), ep.py
 (expert-parallel pre-staging), simulator.py (`simulate`), plots.py. See docs/simulate.md.

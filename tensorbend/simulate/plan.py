@@ -25,7 +25,7 @@ from tensorbend.offload.policies import Key
 from tensorbend.simulate.events import ForwardWork, LayerWork
 from tensorbend.simulate.mapping import Mapping
 from tensorbend.simulate.predictions import Ranked, prefetch_order
-from tensorbend.simulate.workload import Forward
+from tensorbend.trace import Forward
 
 
 def demand_lists(

@@ -8,7 +8,7 @@ Usage:
     res.to_json()["results"][0]["decode_tok_s"]
 
 For each policy x predictor (prefetch only) x cache fraction: the trace's `split` prompts are
-replayed as the runtime would run them (workload.py), their routing mapped onto the geometry
+replayed as the runtime would run them (trace.forwards), their routing mapped onto the geometry
 (mapping.py), with costs from the hardware x geometry profiles or a measured calibration
 (costs.py), through the runtime's own cache mechanism and policies (events.py). Policies (one
 implementation with `tensorbend run`): resident (every expert in fast memory), on_demand,
@@ -50,7 +50,7 @@ from tensorbend.simulate.predictions import (
     routing_rows,
 )
 from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
-from tensorbend.simulate.workload import forwards
+from tensorbend.trace import forwards
 from tensorbend.trace import Trace
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
