@@ -38,12 +38,14 @@ from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
     LOOKAHEADS,
     PredictorConfigError,
+    PredictorInputError,
     TrainData,
     check_state,
     config_from_dict,
 )
 from tensorbend.predictors.fit import FitConfig, fit
 from tensorbend.predictors.ops import rmsnorm
+from tensorbend.trace import forwards
 
 RECENCY_TAUS = (1.0, 4.0, 16.0)
 COUNT_DECAYS = (0.7, 0.9, 0.97)
@@ -179,16 +181,22 @@ class HorizonPredictor:
         return torch.sigmoid(self.net(state.features()[None], h))[0]
 
     def dataset(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stacked training rows ([1, N, ...], the layout fit() takes) of every forward that has
-        a successor, with labels from the next `foresight` forwards of the same request."""
+        """Training rows ([1, N, ...], the layout fit() takes): one per forward that has a
+        successor in its request, labelled by the next `foresight` forwards' experts."""
         X, Y, H = [], [], []
-        for fw in forwards(rows, self.spec):
-            states, used = self._replay(fw)
-            n = len(fw)
-            for f in range(n - 1):
-                X.append(states[f][0])
-                H.append(states[f][1])
-                Y.append(used[f + 1 : f + 1 + self.cfg.foresight].amax(0))
+        for request in request_forwards(rows, self.spec):
+            used_FLE = torch.stack([used for _, used, _ in request])
+            state = self.new_state()
+            for f, (_, used_LE, hidden_D) in enumerate(request[:-1]):
+                state.observe(used_LE, hidden_D)
+                X.append(state.features())
+                H.append(state.hidden())
+                Y.append(used_FLE[f + 1 : f + 1 + self.cfg.foresight].amax(0))
+        if not X:
+            raise PredictorInputError(
+                "horizon: expected requests of at least two forwards (a prompt with decode "
+                "steps), found none; collect with --max-new-tokens > 0"
+            )
         out = {"X": torch.stack(X)[None], "Y": torch.stack(Y)[None]}
         if self.cfg.uses_hidden:
             out["H"] = torch.stack(H)[None]
@@ -213,59 +221,25 @@ class HorizonPredictor:
     def fit_summary(self) -> dict:
         return {}
 
-    # ------------------------------------------------------------ helpers
-
-    def _replay(self, fw: list[Forward]):
-        state = self.new_state()
-        states, used = [], torch.stack([f.used_LE for f in fw])
-        for f in fw:
-            state.observe(f.used_LE, f.hidden_D)
-            states.append((state.features(), state.hidden()))
-        return states, used
-
 
 def _h(b: dict) -> torch.Tensor | None:
     return b["H"][0] if "H" in b else None
 
 
-@dataclass(frozen=True)
-class Forward:
-    """One forward of a request as the runtime sees it: experts used per layer, last hidden."""
-
-    phase: Literal["prefill", "decode"]
-    used_LE: torch.Tensor
-    hidden_D: torch.Tensor | None
-    rows: tuple[int, int]  # [first, last + 1) rows of the trace rows it covers
-
-
-def forwards(rows: dict[str, torch.Tensor], spec: RoutingSpec) -> list[list[Forward]]:
-    """Trace rows -> per request, its forwards in order: one prefill forward (every prompt
-    token, experts unioned per layer) and one forward per decode token."""
+def request_forwards(rows: dict[str, torch.Tensor], spec: RoutingSpec) -> list[list[tuple]]:
+    """Per request (prompt), its forwards in run order (`trace.forwards`, batch 1): for each,
+    (phase "prefill"|"decode", experts used per layer [L, E] by any of its tokens, its last
+    token's gate input of the last MoE layer [D] or None for a routing-only trace)."""
     ids_TLK = rows["expert_ids_TLK"].long()
-    T, L = ids_TLK.shape[:2]
-    used_TLE = torch.zeros(T, L, spec.num_experts).scatter_(2, ids_TLK, 1.0)
+    used_TLE = torch.zeros(*ids_TLK.shape[:2], spec.num_experts).scatter_(2, ids_TLK, 1.0)
     hidden_TD = rows["gate_input_TLD"][:, -1].float() if "gate_input_TLD" in rows else None
-    prompt_T, phase_T = rows["prompt_index_T"], rows["phase_T"]
-    out: list[list[Forward]] = []
-    start = 0
-    while start < T:
-        end = start
-        while end < T and prompt_T[end] == prompt_T[start]:
-            end += 1
-        out.append(_request(used_TLE, hidden_TD, phase_T, start, end))
-        start = end
+    out, last_prompt = [], None
+    for fw in forwards(rows, batch=1):
+        prompt = int(rows["prompt_index_T"][fw.rows[0]])
+        if prompt != last_prompt:
+            out.append([])
+            last_prompt = prompt
+        hidden_D = None if hidden_TD is None else hidden_TD[int(fw.rows[-1])]
+        phase = "prefill" if fw.phase == 0 else "decode"
+        out[-1].append((phase, used_TLE[fw.rows].amax(0), hidden_D))
     return out
-
-
-def _request(used_TLE, hidden_TD, phase_T, start: int, end: int) -> list[Forward]:
-    fw = []
-    pre_end = start
-    while pre_end < end and phase_T[pre_end] == 0:
-        pre_end += 1
-    if pre_end > start:
-        h = hidden_TD[pre_end - 1] if hidden_TD is not None else None
-        fw.append(Forward("prefill", used_TLE[start:pre_end].amax(0), h, (start, pre_end)))
-    for t in range(pre_end, end):
-        h = hidden_TD[t] if hidden_TD is not None else None
-        fw.append(Forward("decode", used_TLE[t], h, (t, t + 1)))
-    return fw

@@ -1,0 +1,176 @@
+"""Cross-token foresight, measured: how well a `horizon` predictor sees the next forwards, and
+what that buys a cache, against the strongest caches without prediction and bounded oracles.
+
+Usage:
+    report = evaluate_foresight(pred, rows, cache_frac=0.25)   # rows: Trace.load, test split
+    report["replay"]["reuse/global/predicted"]["experts_per_token"], report["gap_closed"]
+
+Shape legend: F forwards, L MoE layers, E experts, K top-k.
+
+Every prediction is made after forward f from forwards <= f of its request only. Metrics, over
+decode forwards of held-out requests:
+  next_forward_recall   per layer, |top-K(reuse after f) ∩ experts of f+1| / K (f+1 a decode
+                        forward of the same request)
+  within_h_recall       per layer, |top-n(reuse after f) ∩ S| / n, S = experts used in
+                        forwards f+1..f+h of the request, n = |S| (R-precision)
+  replay                the requests replayed one after another, demand loads only (no
+                        prefetch, no timing: what a policy must read), through the runtime's own
+                        ResidentSet and policies: experts read per decode token for lru, lfu,
+                        lfru x pool global/per_layer x admission all/frequency (no prediction),
+                        `reuse` driven by the predictor (global pool, admission all/predicted),
+                        and Belady knowing h = 1, 2, 4, 8 forwards (the current one counts) or
+                        the whole future
+  best_no_prediction    the no-prediction cache that reads the fewest experts per token
+  gap_closed            (best no-prediction - best reuse) / (best no-prediction - full Belady)
+  good_decisions        share of reuse evictions whose victim is next used no sooner than the
+                        candidate Belady would have evicted (ties count as good)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Reuse, make_admission
+from tensorbend.offload.resident import ResidentSet
+from tensorbend.predictors.horizon import HorizonPredictor, request_forwards
+
+ORACLE_FORESIGHTS = (1, 2, 4, 8, None)  # None: all of the future
+ADMISSION_WINDOW = 8  # forwards, the runtime's default
+NO_PREDICTION = {"lru": LRU, "lfu": LFU, "lfru": LFRU}
+
+
+def evaluate_foresight(
+    pred: HorizonPredictor, rows: dict[str, torch.Tensor], cache_frac: float = 0.25
+) -> dict:
+    spec = pred.spec
+    L, E, K, h = spec.num_moe_layers, spec.num_experts, spec.top_k, pred.cfg.foresight
+    phases, used_FLE, reuse_FLE, starts = _predict(pred, rows)
+    slots = round(cache_frac * L * E)
+    steps = _steps_by_key(used_FLE)
+    replay, replay_args = {}, (phases, used_FLE, slots, L)
+    for name, cls in NO_PREDICTION.items():
+        for pool in ("global", "per_layer"):
+            for adm in ("all", "frequency"):
+                oracle = NextUse(steps, L)
+                replay[f"{name}/{pool}/{adm}"] = _replay(*replay_args, cls(), pool, adm, None, oracle)
+    best_name = min(replay, key=lambda n: replay[n]["experts_per_token"])
+    for adm in ("all", "predicted"):
+        replay[f"reuse/global/{adm}"] = _replay(
+            *replay_args, Reuse(L, h), "global", adm, reuse_FLE, NextUse(steps, L)
+        )
+    for hz in ORACLE_FORESIGHTS:
+        label = f"belady/h={hz}" if hz is not None else "belady/all"
+        replay[label] = _replay(*replay_args, NextUse(steps, L, hz), "global", "all")
+    best = replay[best_name]["experts_per_token"]
+    ours_name = min(("reuse/global/all", "reuse/global/predicted"),
+                    key=lambda n: replay[n]["experts_per_token"])  # fmt: skip
+    ours, full = replay[ours_name]["experts_per_token"], replay["belady/all"]["experts_per_token"]
+    return {
+        "foresight": h,
+        "inputs": pred.cfg.inputs,
+        "cache_frac": cache_frac,
+        "cache_slots": slots,
+        "requests": len(starts),
+        "decode_forwards": sum(p == "decode" for p in phases),
+        "next_forward_recall": _next_recall(phases, used_FLE, reuse_FLE, starts, K),
+        "within_h_recall": _within_h_recall(phases, used_FLE, reuse_FLE, starts, h),
+        "replay": replay,
+        "best_no_prediction": best_name,
+        "best_reuse": ours_name,
+        "gap_closed": (best - ours) / (best - full) if best > full else None,
+        "good_decisions": replay[ours_name]["good_decisions"],
+        "good_decisions_best_no_prediction": replay[best_name]["good_decisions"],
+    }
+
+
+def _predict(pred: HorizonPredictor, rows: dict[str, torch.Tensor]):
+    """Forwards of every request in order: phases, used [F, L, E], reuse after each [F, L, E],
+    and the index of each request's first forward."""
+    phases, used, reuse, starts = [], [], [], []
+    for request in request_forwards(rows, pred.spec):
+        starts.append(len(phases))
+        state = pred.new_state()
+        for phase, used_LE, hidden_D in request:
+            state.observe(used_LE, hidden_D)
+            phases.append(phase)
+            used.append(used_LE)
+            reuse.append(pred.reuse(state))
+    return phases, torch.stack(used), torch.stack(reuse), starts
+
+
+def _pairs(phases, starts, F: int, ahead: int = 1) -> list[int]:
+    """Decode forwards f whose forward f + ahead is a decode forward of the same request."""
+    ends = [*starts[1:], F]
+    return [
+        f
+        for s, e in zip(starts, ends, strict=True)
+        for f in range(s, e - ahead)
+        if phases[f] == "decode"
+    ]
+
+
+def _next_recall(phases, used_FLE, reuse_FLE, starts, K: int) -> list[float]:
+    fs = torch.tensor(_pairs(phases, starts, len(phases)), dtype=torch.long)
+    top_NLK = reuse_FLE[fs].topk(K, -1).indices
+    return (used_FLE[fs + 1].gather(-1, top_NLK).sum(-1) / K).mean(0).tolist()
+
+
+def _within_h_recall(phases, used_FLE, reuse_FLE, starts, h: int) -> list[float]:
+    ends = [*starts[1:], len(phases)]
+    L = used_FLE.shape[1]
+    hits, n = torch.zeros(L), torch.zeros(L)
+    for s, e in zip(starts, ends, strict=True):
+        for f in range(s, e - 1):
+            if phases[f] != "decode":
+                continue
+            S_LE = used_FLE[f + 1 : min(f + 1 + h, e)].amax(0)
+            for m in range(L):
+                size = int(S_LE[m].sum())
+                top = reuse_FLE[f, m].topk(size).indices
+                hits[m] += S_LE[m, top].sum() / size
+                n[m] += 1
+    return (hits / n.clamp(min=1)).tolist()
+
+
+def _steps_by_key(used_FLE: torch.Tensor) -> dict:
+    F, L, _ = used_FLE.shape
+    steps: dict = {}
+    for f, m, e in used_FLE.nonzero().tolist():
+        steps.setdefault((m, e), []).append(f * L + m)
+    return {k: sorted(v) for k, v in steps.items()}
+
+
+def _replay(phases, used_FLE, slots, L, policy, pool, admission, reuse_FLE=None, oracle=None):
+    """Demand-only replay: experts read per decode token; with `oracle`, the good-decision rate
+    of the evictions (see the module docstring)."""
+    adm = make_admission(admission, L, ADMISSION_WINDOW)
+    rs = ResidentSet(slots, L, policy, pool=pool, admission=adm)
+    reads = decode = good = evictions = 0
+    for f, phase in enumerate(phases):
+        for m in range(L):
+            now = f * L + m
+            for e in used_FLE[f, m].nonzero().flatten().tolist():
+                if rs.use((m, e), now):
+                    continue
+                reads += phase == "decode"
+                best = _belady_victim(rs, (m, e), now, oracle) if oracle is not None else None
+                placed = rs.place((m, e), now)
+                if placed.victim is not None and best is not None:
+                    evictions += 1
+                    good += oracle.next_use(placed.victim, now) >= oracle.next_use(best, now)
+        decode += phase == "decode"
+        if reuse_FLE is not None:
+            policy.set_reuse(reuse_FLE[f].tolist())
+    out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions}
+    if oracle is not None:
+        out["good_decisions"] = good / evictions if evictions else None
+    return out
+
+
+def _belady_victim(rs: ResidentSet, key, now: int, oracle: NextUse):
+    """The candidate Belady evicts to make room for key (None when the pool has room)."""
+    if rs.has_room(key):
+        return None
+    p = rs.pool_of(key)
+    cands = [k for k in rs if rs.pool_of(k) == p]
+    return max(cands, key=lambda k: oracle.next_use(k, now)) if cands else None
