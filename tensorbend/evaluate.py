@@ -76,6 +76,9 @@ class EvalConfig:
     """Over-provision p of hit@k+p (k itself is always added, as "K")."""
     allow_seen_split: bool = False
     """Score a checkpoint on prompts it was trained or early-stopped on (not held out)."""
+    cache_frac: float = 0.25
+    """Cache size (fraction of all routed experts) of the replay that scores a cross-token
+    (horizon) checkpoint against the caches and oracles."""
 
     def __post_init__(self):
         bad = [b for b in self.baselines if b != "all" and b not in BASELINES]
@@ -125,6 +128,7 @@ class EvalReport(JsonResult):
     lookaheads: dict
     prompts: dict
     results: list  # of EvalRow
+    foresight: list = dataclasses.field(default_factory=list)  # cross-token checkpoints' reports
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)  # results: EvalRow -> dicts too
@@ -138,6 +142,8 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
         _check_held_out(path, tr, cfg)
     fingerprint = tr.manifest["model"]["fingerprint"]
     loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
+    across = [p for p in loaded if KINDS[p.kind].cross_token]
+    loaded = [p for p in loaded if not KINDS[p.kind].cross_token]
     names = _baseline_names(cfg, tr)
     needs_train = any(KINDS[n].needs_train_data for n in names)
     data = TrainData(
@@ -159,7 +165,17 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
         lookaheads={n: get_lookahead(n).lead_time for n in named},
         prompts={s: info["splits"][s] for s in ("train", "val", "test")},
         results=results,
+        foresight=[_foresight(p, tr, cfg) for p in across],
     )
+
+
+def _foresight(pred, tr: Trace, cfg: EvalConfig) -> dict:
+    """A cross-token checkpoint's foresight metrics and cache replay (foresight.py)."""
+    from tensorbend.foresight import evaluate_foresight
+
+    rows = tr.load(pred.cfg.features, split=None if cfg.split == "all" else cfg.split)
+    report = evaluate_foresight(pred, rows, cache_frac=cfg.cache_frac)
+    return {"predictor": pred.kind, "checkpoint": pred.checkpoint, **report}
 
 
 def _lookaheads(cfg: EvalConfig, tr: Trace) -> tuple[str, ...]:
@@ -301,4 +317,28 @@ def format_table(report) -> str:
             f"{r['exact_match']:>6.3f} {r['params']:>9} {us:>12}"
         )
     lines.append("lead times: " + "; ".join(f"{k}: {v}" for k, v in rep["lookaheads"].items()))
+    for f in rep.get("foresight", []):
+        lines += _foresight_lines(f)
     return "\n".join(lines)
+
+
+def _foresight_lines(f: dict) -> list[str]:
+    """A horizon checkpoint: recalls per layer, then the replay (experts read per decode token)."""
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    lines = [
+        "",
+        f"{f['predictor']} ({f['inputs']}, foresight {f['foresight']} forwards) on "
+        f"{f['requests']} requests, {f['decode_forwards']} decode forwards: next-forward "
+        f"recall@k {mean(f['next_forward_recall']):.4f}, within-{f['foresight']} recall "
+        f"{mean(f['within_h_recall']):.4f}",
+        f"demand replay at cache {f['cache_frac']:.3f} ({f['cache_slots']} slots), experts read "
+        "per decode token:",
+    ]
+    for name, r in sorted(f["replay"].items(), key=lambda kv: kv[1]["experts_per_token"]):
+        lines.append(f"  {name:<26} {r['experts_per_token']:7.3f}")
+    gap = f["gap_closed"]
+    lines.append(
+        f"best no-prediction cache: {f['best_no_prediction']}; gap to full Belady closed by "
+        f"{f['best_reuse']}: {'-' if gap is None else f'{gap:.1%}'}"
+    )
+    return lines

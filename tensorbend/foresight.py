@@ -9,9 +9,9 @@ Shape legend: F forwards, L MoE layers, E experts, K top-k.
 
 Every prediction is made after forward f from forwards <= f of its request only. Metrics, over
 decode forwards of held-out requests:
-  next_forward_recall   per layer, |top-K(reuse after f) ∩ experts of f+1| / K (f+1 a decode
-                        forward of the same request)
-  within_h_recall       per layer, |top-n(reuse after f) ∩ S| / n, S = experts used in
+  next_forward_recall   per layer, |top-K(P(next use at f+1)) ∩ experts of f+1| / K (f+1 a
+                        decode forward of the same request)
+  within_h_recall       per layer, |top-n(P(use within h)) ∩ S| / n, S = experts used in
                         forwards f+1..f+h of the request, n = |S| (R-precision)
   replay                the requests replayed one after another, demand loads only (no
                         prefetch, no timing: what a policy must read), through the runtime's own
@@ -32,7 +32,7 @@ import torch
 
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Reuse, make_admission
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.predictors.horizon import HorizonPredictor, request_forwards
+from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
 
 ORACLE_FORESIGHTS = (1, 2, 4, 8, None)  # None: all of the future
 ADMISSION_WINDOW = 8  # forwards, the runtime's default
@@ -40,62 +40,77 @@ NO_PREDICTION = {"lru": LRU, "lfu": LFU, "lfru": LFRU}
 
 
 def evaluate_foresight(
-    pred: HorizonPredictor, rows: dict[str, torch.Tensor], cache_frac: float = 0.25
+    pred: HorizonPredictor,
+    rows: dict[str, torch.Tensor],
+    cache_frac: float = 0.25,
+    replay: bool = True,
 ) -> dict:
+    """The metrics of the module docstring (replay=False: the recalls only, for val)."""
     spec = pred.spec
     L, E, K, h = spec.num_moe_layers, spec.num_experts, spec.top_k, pred.cfg.foresight
-    phases, used_FLE, reuse_FLE, starts = _predict(pred, rows)
+    phases, used_FLE, fc, starts = _predict(pred, rows)
+    next_FLE, within_FLE = fc.first_use_LEJ[..., 0], fc.within_LE()
+    recalls = {
+        "foresight": h,
+        "inputs": pred.cfg.inputs,
+        "requests": len(starts),
+        "decode_forwards": sum(p == "decode" for p in phases),
+        "next_forward_recall": _next_recall(phases, used_FLE, next_FLE, starts, K),
+        "within_h_recall": _within_h_recall(phases, used_FLE, within_FLE, starts, h),
+    }
+    if not replay:
+        return recalls
     slots = round(cache_frac * L * E)
     steps = _steps_by_key(used_FLE)
-    replay, replay_args = {}, (phases, used_FLE, slots, L)
+    replays, replay_args = {}, (phases, used_FLE, slots, L)
     for name, cls in NO_PREDICTION.items():
         for pool in ("global", "per_layer"):
             for adm in ("all", "frequency"):
                 oracle = NextUse(steps, L)
-                replay[f"{name}/{pool}/{adm}"] = _replay(*replay_args, cls(), pool, adm, None, oracle)
-    best_name = min(replay, key=lambda n: replay[n]["experts_per_token"])
+                replays[f"{name}/{pool}/{adm}"] = _replay(
+                    *replay_args, cls(), pool, adm, None, oracle
+                )
+    best_name = min(replays, key=lambda n: replays[n]["experts_per_token"])
     for adm in ("all", "predicted"):
-        replay[f"reuse/global/{adm}"] = _replay(
-            *replay_args, Reuse(L, h), "global", adm, reuse_FLE, NextUse(steps, L)
+        replays[f"reuse/global/{adm}"] = _replay(
+            *replay_args, Reuse(L), "global", adm, fc, NextUse(steps, L)
         )
     for hz in ORACLE_FORESIGHTS:
         label = f"belady/h={hz}" if hz is not None else "belady/all"
-        replay[label] = _replay(*replay_args, NextUse(steps, L, hz), "global", "all")
-    best = replay[best_name]["experts_per_token"]
+        replays[label] = _replay(*replay_args, NextUse(steps, L, hz), "global", "all")
+    best = replays[best_name]["experts_per_token"]
     ours_name = min(("reuse/global/all", "reuse/global/predicted"),
-                    key=lambda n: replay[n]["experts_per_token"])  # fmt: skip
-    ours, full = replay[ours_name]["experts_per_token"], replay["belady/all"]["experts_per_token"]
+                    key=lambda n: replays[n]["experts_per_token"])  # fmt: skip
+    ours, full = replays[ours_name]["experts_per_token"], replays["belady/all"]["experts_per_token"]
     return {
-        "foresight": h,
-        "inputs": pred.cfg.inputs,
+        **recalls,
         "cache_frac": cache_frac,
         "cache_slots": slots,
-        "requests": len(starts),
-        "decode_forwards": sum(p == "decode" for p in phases),
-        "next_forward_recall": _next_recall(phases, used_FLE, reuse_FLE, starts, K),
-        "within_h_recall": _within_h_recall(phases, used_FLE, reuse_FLE, starts, h),
-        "replay": replay,
+        "replay": replays,
         "best_no_prediction": best_name,
         "best_reuse": ours_name,
         "gap_closed": (best - ours) / (best - full) if best > full else None,
-        "good_decisions": replay[ours_name]["good_decisions"],
-        "good_decisions_best_no_prediction": replay[best_name]["good_decisions"],
+        "good_decisions": replays[ours_name]["good_decisions"],
+        "good_decisions_best_no_prediction": replays[best_name]["good_decisions"],
     }
 
 
 def _predict(pred: HorizonPredictor, rows: dict[str, torch.Tensor]):
-    """Forwards of every request in order: phases, used [F, L, E], reuse after each [F, L, E],
-    and the index of each request's first forward."""
-    phases, used, reuse, starts = [], [], [], []
+    """Forwards of every request in order: phases, used [F, L, E], the forecast after each
+    (a Forecast stacked over F), and the index of each request's first forward."""
+    phases, used, probs, tails, starts = [], [], [], [], []
     for request in request_forwards(rows, pred.spec):
         starts.append(len(phases))
         state = pred.new_state()
         for phase, used_LE, hidden_D in request:
             state.observe(used_LE, hidden_D)
+            fc = pred.forecast(state)
             phases.append(phase)
             used.append(used_LE)
-            reuse.append(pred.reuse(state))
-    return phases, torch.stack(used), torch.stack(reuse), starts
+            probs.append(fc.first_use_LEJ)
+            tails.append(fc.tail_LE)
+    stacked = Forecast(torch.stack(probs), torch.stack(tails))
+    return phases, torch.stack(used), stacked, starts
 
 
 def _pairs(phases, starts, F: int, ahead: int = 1) -> list[int]:
@@ -140,7 +155,7 @@ def _steps_by_key(used_FLE: torch.Tensor) -> dict:
     return {k: sorted(v) for k, v in steps.items()}
 
 
-def _replay(phases, used_FLE, slots, L, policy, pool, admission, reuse_FLE=None, oracle=None):
+def _replay(phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle=None):
     """Demand-only replay: experts read per decode token; with `oracle`, the good-decision rate
     of the evictions (see the module docstring)."""
     adm = make_admission(admission, L, ADMISSION_WINDOW)
@@ -159,8 +174,8 @@ def _replay(phases, used_FLE, slots, L, policy, pool, admission, reuse_FLE=None,
                     evictions += 1
                     good += oracle.next_use(placed.victim, now) >= oracle.next_use(best, now)
         decode += phase == "decode"
-        if reuse_FLE is not None:
-            policy.set_reuse(reuse_FLE[f].tolist())
+        if fc is not None:
+            policy.set_forecast(f, fc.first_use_LEJ[f].tolist(), fc.tail_LE[f].tolist())
     out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions}
     if oracle is not None:
         out["good_decisions"] = good / evictions if evictions else None

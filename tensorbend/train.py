@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -63,8 +64,8 @@ class TrainConfig:
     """Predictor checkpoint to write (.safetensors)."""
     predictor: TrainableKind = "tensorbend"
     """Kind of predictor to train."""
-    lookahead: LookaheadName = "d1"
-    """Source point of the predictions."""
+    lookahead: LookaheadName | None = None
+    """Source point of the predictions (default d1; horizon predicts across tokens instead)."""
     seed: int = 0
     """Seed of initialisation, shuffling and row sampling."""
     loss: LossName | None = None
@@ -79,6 +80,10 @@ class TrainConfig:
     """Epoch budget (None: the kind's default)."""
     src_scores: bool | None = None
     """tensorbend: also feed the source layer's router scores (None: the default)."""
+    foresight: int | None = None
+    """horizon: forwards ahead its reuse label looks (None: the default, 4)."""
+    inputs: Literal["routing", "routing+hidden"] | None = None
+    """horizon: routing history only (imported traces), or also the last hidden state."""
     max_train_prompts: int | None = None
     """Use only the first N train prompts (ablations)."""
     tokens_per_forward: int | None = None
@@ -94,8 +99,21 @@ class TrainConfig:
                 f"--predictor {self.predictor!r}: expected one of {', '.join(TRAINABLE)} "
                 "(peers are built by `tensorbend eval --baselines`)"
             )
-        get_lookahead(self.lookahead)
-        counts = ("width", "epochs", "max_train_prompts", "tokens_per_forward", "max_train_rows")
+        if self.lookahead is not None:
+            get_lookahead(self.lookahead)
+            if get_kind(self.predictor).cross_token:
+                raise PredictorConfigError(
+                    f"--lookahead {self.lookahead} with --predictor {self.predictor}: expected "
+                    "no lookahead (it predicts the next forwards from the end of each forward)"
+                )
+        counts = (
+            "foresight",
+            "width",
+            "epochs",
+            "max_train_prompts",
+            "tokens_per_forward",
+            "max_train_rows",
+        )
         for name in counts:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -139,7 +157,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     t0 = time.perf_counter()
     kind, kind_cfg = get_kind(cfg.predictor), cfg.kind_config
     tr = Trace.open(cfg.trace)
-    la = get_lookahead(cfg.lookahead)
+    if kind.cross_token:
+        return _train_cross_token(cfg, kind, kind_cfg, tr, t0, progress)
+    la = get_lookahead(cfg.lookahead or "d1")
     missing = [f for f in la.features if f not in tr.features]
     if missing:
         raise TensorbendError(
@@ -183,6 +203,45 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         train_prompts=extra["train_prompts"],
         fit_summary=p.fit_summary(),
     )
+
+
+def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, progress: bool):
+    """horizon: fit on whole train requests (no row selection: it reads histories), select on
+    val, and keep the val foresight metrics (foresight.py) in the checkpoint."""
+    from tensorbend.foresight import evaluate_foresight
+
+    missing = [f for f in kind_cfg.features if f not in tr.features]
+    if missing:
+        raise TensorbendError(
+            f"--predictor {kind.name} with inputs {kind_cfg.inputs} needs trace features "
+            f"{list(kind_cfg.features)}, found {tr.features} in {cfg.trace}: use --inputs routing "
+            "(a routing-only trace) or recollect with --features ids gate_input"
+        )
+    train_rows = tr.load(kind_cfg.features, split="train")
+    val_rows = tr.load(kind_cfg.features, split="val")
+    p = kind.cls.fit(tr.spec, None, TrainData(train_rows, val_rows), kind_cfg, progress=progress)
+    val = evaluate_foresight(p, val_rows, replay=False)
+    seen = sorted(q["id"] for q in tr.prompts if q["split"] in ("train", "val"))
+    n_train = int(train_rows["prompt_index_T"].unique().numel())
+    extra = {"train_prompts": n_train, "trace": str(cfg.trace), "seen_prompts": seen}
+    fingerprint = tr.manifest["model"]["fingerprint"]
+    save_predictor(p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra=extra)
+    return TrainResult(
+        predictor=p.kind,
+        lookahead=p.lookahead.name,
+        out=str(cfg.out),
+        params=p.num_params(),
+        val={
+            "next_forward_recall": round(_mean(val["next_forward_recall"]), 4),
+            "within_h_recall": round(_mean(val["within_h_recall"]), 4),
+        },
+        seconds=round(time.perf_counter() - t0, 1),
+        train_prompts=n_train,
+    )
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 @dataclass(frozen=True)

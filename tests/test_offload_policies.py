@@ -162,19 +162,24 @@ def test_make_admission_window_is_in_forwards():
 
 
 def test_reuse_next_use_by_hand_and_victim_choice():
-    """L = 2 layers, foresight 4. At step 5 (forward 2, layer 1): layer 0 is next visited at
-    step 6, layer 1 at step 7. p = 1 - 0.5^4 gives q = 0.5 per forward: next use = visit + 2 * 1;
-    p = 1 - 0.9^4 gives q = 0.1: visit + 2 * 9. A hint for an exact step wins."""
-    pol = Reuse(num_layers=2, foresight=4)
-    half, tenth = 1 - 0.5**4, 1 - 0.9**4
-    pol.set_reuse([[half, tenth], [tenth, half]])
-    assert pol.next_use((0, 0), 5) == pytest.approx(6 + 2)
-    assert pol.next_use((0, 1), 5) == pytest.approx(6 + 18)
-    assert pol.next_use((1, 1), 5) == pytest.approx(7 + 2)
+    """L = 2 layers, h = 2, forecast made after forward 1. At now = 5 (forward 2, layer 1):
+    key (0, 0) with P(next use at forward 2, 3, later) = (0.5, 0.5, 0): forward 2's layer-0
+    step 4 has passed, so its next use is forward 3's step 6. Key (1, 0) with (0.5, 0.5, 0):
+    step 5 is now, not ahead, so step 7. Key (0, 1) with (0, 0, 1) and tail 3: step
+    (1 + 2) * 2 + 0 = 6, plus 3 forwards = 12. A hint for an exact step wins."""
+    pol = Reuse(num_layers=2)
+    first_use = [[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], [[0.5, 0.5, 0.0], [0.25, 0.25, 0.5]]]
+    tail = [[3.0, 3.0], [3.0, 1.0]]
+    pol.set_forecast(1, first_use, tail)
+    assert pol.next_use((0, 0), 5) == pytest.approx(6)
+    assert pol.next_use((1, 0), 5) == pytest.approx(7)
+    assert pol.next_use((0, 1), 5) == pytest.approx(12)
+    # (1, 1) at now = 3: steps 5 and 7 ahead (0.25 each), later = 7 + 2 * 1 = 9 (0.5) -> 7.5
+    assert pol.next_use((1, 1), 3) == pytest.approx((0.25 * 5 + 0.25 * 7 + 0.5 * 9) / 1.0)
     pol.hint((0, 1), 6)
     assert pol.next_use((0, 1), 5) == 6
-    rs = ResidentSet(capacity=2, num_layers=2, policy=Reuse(num_layers=2, foresight=4))
-    rs.policy.set_reuse([[half, tenth], [tenth, half]])
-    for key, step in (((0, 0), 0), ((0, 1), 0), ((1, 1), 1)):
+    rs = ResidentSet(capacity=2, num_layers=2, policy=Reuse(num_layers=2))
+    rs.policy.set_forecast(1, first_use, tail)
+    for key, step in (((0, 0), 4), ((0, 1), 4), ((1, 1), 5)):
         rs.access(key, step)
-    assert sorted(rs) == [(0, 0), (1, 1)]  # (0, 1), unlikely to be reused, left
+    assert sorted(rs) == [(0, 0), (1, 1)]  # (0, 1), expected back last, left

@@ -22,7 +22,7 @@ for every prediction that key is used at step `when` (any later step, also in a 
 
 Policies:  LRU (recency only), LFU (all-time use count), LFRU (count / (age + 1), age in steps
 since the last use), Predicted (farthest estimated next use from predictions + use rates),
-Reuse (the same from a cross-token predictor's reuse probabilities) and
+Reuse (Belady on a cross-token predictor's forecast of each next use) and
 NextUse (Belady's MIN from a recorded routing; with `foresight` h it knows only the routing of
 steps < (now // L + h) * L: the rest of the current forward and the next h - 1; keys not used
 within that window rank by recency, so h = 0 is LRU and h >= the run's forwards is full MIN).
@@ -193,43 +193,47 @@ class Predicted(LRU):
 
 
 class Reuse(Predicted):
-    """Evict the farthest estimated next use, from per-forward reuse probabilities.
+    """Belady with predicted distances: evict the farthest expected next use of a forecast.
 
-    A cross-token predictor (`predictors.horizon`) says, after each forward, the probability
-    p[m][e] that expert e is used at layer m within the next `foresight` forwards
-    (`set_reuse`). Per forward that is q = 1 - (1 - p)^(1 / foresight); the estimated next use
-    is the next visit of layer m stretched by the odds against use, (1 - q) / q forwards (the
-    same reading `Predicted` gives a decayed use rate). Hints (within-token predictions of an
-    exact step) come first. Before the first set_reuse, it is `Predicted`.
+    A cross-token predictor (`predictors.horizon`) gives, after forward f (`set_forecast`),
+    for every (layer m, expert e) the probabilities that its next use is at forward f + 1,
+    ..., f + h, or later (then `tail` forwards beyond f + h are expected). At step `now` the
+    expected next use is the mean step of the classes still ahead of `now` (a class whose
+    step has passed is dropped and the rest renormalised: it was not used there). Hints
+    (within-token predictions of an exact step) come first. Before any forecast: `Predicted`.
     """
 
     name = "reuse"
 
-    def __init__(self, num_layers: int, foresight: int):
+    def __init__(self, num_layers: int):
         super().__init__(num_layers)
-        assert foresight >= 1
-        self.foresight = foresight
-        self.reuse: list[list[float]] | None = None
+        self.forward: int | None = None
+        self.first_use: list | None = None  # [L][E][h + 1] probabilities
+        self.tail: list | None = None  # [L][E] forwards beyond h
 
-    def set_reuse(self, reuse_LE: list[list[float]]) -> None:
-        """Probabilities for every (layer, expert), replacing the previous ones."""
-        self.reuse = reuse_LE
+    def set_forecast(self, forward: int, first_use_LEJ: list, tail_LE: list) -> None:
+        """The forecast made after forward `forward` (nested lists), replacing the last one."""
+        self.forward, self.first_use, self.tail = forward, first_use_LEJ, tail_LE
 
     def next_use(self, key: Key, now: int) -> float:
-        if self.reuse is None:
+        if self.first_use is None:
             return super().next_use(key, now)
-        h = self.hints.get(key)
-        if h is not None and h > now:
-            return h
-        m, L = key[0], self.L
-        visit = now - now % L + m
-        if visit <= now:
-            visit += L
-        if self.layer_hint.get(m, -1) >= visit:
-            visit += L  # the predicted set for that visit excludes this expert
-        p = min(max(self.reuse[m][key[1]], 1e-6), 1 - 1e-9)
-        q = 1 - (1 - p) ** (1 / self.foresight)
-        return visit + L * (1 - q) / q
+        hint = self.hints.get(key)
+        if hint is not None and hint > now:
+            return hint
+        m, e = key
+        probs = self.first_use[m][e]
+        h, L, f = len(probs) - 1, self.L, self.forward
+        total = weighted = 0.0
+        for j in range(1, h + 1):
+            step = (f + j) * L + m
+            if step > now:
+                total += probs[j - 1]
+                weighted += probs[j - 1] * step
+        later = max((f + h) * L + m, now) + L * self.tail[m][e]
+        total += probs[h]
+        weighted += probs[h] * later
+        return weighted / total if total > 0 else later
 
 
 class AdmitAll:

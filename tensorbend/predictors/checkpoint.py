@@ -107,7 +107,8 @@ def load_predictor(
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     kind = KINDS[meta["kind"]]
-    p = kind.cls.from_state(saved_spec, LOOKAHEADS[meta["lookahead"]], meta["config"], tensors)
+    la = LOOKAHEADS.get(meta["lookahead"])  # None for a cross-token kind (its own)
+    p = kind.cls.from_state(saved_spec, la, meta["config"], tensors)
     p.checkpoint = str(path)
     p.metadata = meta
     return p
@@ -116,9 +117,11 @@ def load_predictor(
 def _check_fields(path: Path, meta: dict) -> None:
     """The metadata names a trainable kind, a lookahead, a config and a routing spec."""
     trainable = [k for k, v in KINDS.items() if v.trainable]
+    kind = KINDS.get(meta.get("kind"))
+    lookaheads = [kind.cls.lookahead.name] if kind and kind.cross_token else list(LOOKAHEADS)
     checks = (
         ("kind", meta.get("kind") in trainable, f"one of {trainable}"),
-        ("lookahead", meta.get("lookahead") in LOOKAHEADS, f"one of {list(LOOKAHEADS)}"),
+        ("lookahead", meta.get("lookahead") in lookaheads, f"one of {lookaheads}"),
         ("config", isinstance(meta.get("config"), dict), "a JSON object"),
         ("routing", isinstance(meta.get("routing"), dict), "a JSON object"),
         ("fingerprint", isinstance(meta.get("fingerprint"), str), "a string"),

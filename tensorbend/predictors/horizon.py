@@ -1,34 +1,39 @@
-"""Ours across tokens (kind `horizon`): which experts each MoE layer uses in the next forwards.
+"""Ours across tokens (kind `horizon`): when each MoE layer next uses each expert.
 
 Usage:
-    p = HorizonPredictor.fit(spec, data=TrainData(train_rows, val_rows))   # rows: Trace.load
+    p = HorizonPredictor.fit(spec, None, TrainData(train_rows, val_rows))   # Trace.load rows
     state = p.new_state()                  # one per request (prompt)
     state.observe(used_LE, hidden_D)       # after each forward: experts it used per layer
-    reuse_LE = p.reuse(state)              # P(expert e is used at layer m within `foresight`
-                                           #   forwards after this one) [L, E]
+    fc = p.forecast(state)                 # Forecast: P(first next use j forwards ahead)
+    fc.first_use_LEJ[m, e, j - 1]          #   for j = 1..h, and [..., h] = later than h
+    fc.within_LE(), fc.expected_offset_LE()
 
-Shape legend: F forwards of one request, N rows (forwards) of many, L MoE layers, E experts,
-D hidden size, X history features per (layer, expert).
+Shape legend: N rows (forwards) of many requests, L MoE layers, E experts, J = h + 1 classes,
+X history features per (layer, expert), D hidden size.
 
 What exists at the end of forward f (prefill: the whole prompt in one forward; decode: one
-token) and nothing later: which experts every layer used in forwards <= f of this request, and
+token), and nothing later: which experts every layer used in this request's forwards <= f, and
 the hidden state of f's last token. Per (m, e) the history features are: used in f (1),
 recency exp(-age / tau) for tau in RECENCY_TAUS (age: forwards since the last use), and
-log(1 + decayed use count) for each decay in COUNT_DECAYS. The score is
-    logit_LE = sum_x w[m, x] * feature[m, e, x] + b[m, e] + (W2 GELU(W1 h))[m, e]
+log(1 + decayed use count) for each decay in COUNT_DECAYS. For every class j (first next use
+1..h forwards ahead, or later):
+    logit_LEJ = sum_x w[m, j, x] * feature[m, e, x] + b[m, e, j] + (W2 GELU(W1 h))[m, e, j]
 with h = [rmsnorm(gate input of the last MoE layer), its running mean over the request]
-(`inputs="routing+hidden"`), or without the h term (`inputs="routing"`: what a routing-only
-trace imported from a serving engine supports). Trained with BCE against "used within the next
-`foresight` forwards" on the train split, early-stopped on val.
+(`inputs="routing+hidden"`), or no h term (`inputs="routing"`: what a routing-only trace
+imported from a serving engine supports). Softmax over j; cross-entropy against the true
+offset of the next use (a request that ends first counts as later), on the train split, early
+stopped on val. Linear in monotone recency features, classes still own intervals of age, so a
+routing that cycles across tokens is learned exactly (tested).
 
-How it is used: `offload.policies.Reuse` turns reuse_LE into an estimated next use of every
-cached expert (the next visit of its layer, stretched by the odds against use per forward) and
-evicts the farthest; `AdmitPredicted` bypasses a miss predicted to return later than the victim.
+How it is used: `offload.policies.Reuse` turns a forecast into the expected step of every
+cached expert's next use and evicts the farthest (Belady with predicted distances);
+`AdmitPredicted` bypasses a miss expected back later than the victim; the runtime prefetches
+the first layers' likeliest experts of the next forward during the last layers of this one.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
-    LOOKAHEADS,
+    Lookahead,
     PredictorConfigError,
     PredictorInputError,
     TrainData,
@@ -47,6 +52,10 @@ from tensorbend.predictors.fit import FitConfig, fit
 from tensorbend.predictors.ops import rmsnorm
 from tensorbend.trace import forwards
 
+# Where its predictions start: the end of a forward, for the next `foresight` forwards.
+NEXT_FORWARDS = Lookahead(
+    "next_forwards", 0, "gate_input", "one forward (a decode token) or more: across tokens"
+)
 RECENCY_TAUS = (1.0, 4.0, 16.0)
 COUNT_DECAYS = (0.7, 0.9, 0.97)
 NUM_FEATURES = 1 + len(RECENCY_TAUS) + len(COUNT_DECAYS)
@@ -56,7 +65,7 @@ HIDDEN_EMA = 0.8  # running mean of the hidden state over a request's forwards
 @dataclass(frozen=True)
 class HorizonConfig:
     foresight: int = 4
-    """Forwards ahead the label looks: used within the next `foresight` forwards."""
+    """Forwards ahead it places the next use (h); anything later is one class."""
     inputs: Literal["routing", "routing+hidden"] = "routing+hidden"
     """Routing history only (imported traces), or also the last layer's hidden state."""
     width: int = 64
@@ -78,6 +87,48 @@ class HorizonConfig:
     @property
     def uses_hidden(self) -> bool:
         return self.inputs == "routing+hidden"
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Trace features it reads."""
+        return ("ids", "gate_input") if self.uses_hidden else ("ids",)
+
+    @classmethod
+    def from_train(cls, t) -> HorizonConfig:
+        """From `tensorbend train`'s options (a train.TrainConfig); None keeps the default."""
+        for name in ("loss", "prev_routing", "src_scores"):
+            if getattr(t, name) is not None:
+                raise PredictorConfigError(
+                    f"horizon has no option {name}: expected it unset, found {getattr(t, name)!r}"
+                )
+        d = cls()
+        return cls(
+            foresight=t.foresight or d.foresight,
+            inputs=t.inputs or d.inputs,
+            width=t.width or d.width,
+            fit=replace(d.fit, seed=t.seed, epochs=t.epochs or d.fit.epochs),
+        )
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """After forward f: first_use_LEJ[m, e, j-1] = P(next use of e at layer m is at forward
+    f + j), j = 1..h; [..., h] = P(later than f + h). tail_LE: forwards beyond h expected for
+    "later" (from the long-run use rate)."""
+
+    first_use_LEJ: torch.Tensor
+    tail_LE: torch.Tensor
+
+    def within_LE(self) -> torch.Tensor:
+        """P(used within the next h forwards)."""
+        return 1 - self.first_use_LEJ[..., -1]
+
+    def expected_offset_LE(self) -> torch.Tensor:
+        """Expected forwards until the next use."""
+        h = self.first_use_LEJ.shape[-1] - 1
+        j_J = torch.arange(1, h + 1, dtype=torch.float32)
+        soon = (self.first_use_LEJ[..., :h] * j_J).sum(-1)
+        return soon + self.first_use_LEJ[..., h] * (h + self.tail_LE)
 
 
 class HorizonState:
@@ -102,10 +153,8 @@ class HorizonState:
         if hidden_D is not None:
             h_D = rmsnorm(hidden_D.float()[None])[0]
             first = self.forwards == 0
-            self.hidden_mean_D = (
-                h_D if first else HIDDEN_EMA * self.hidden_mean_D + (1 - HIDDEN_EMA) * h_D
-            )
-            self.hidden_D = h_D
+            mean_D = HIDDEN_EMA * self.hidden_mean_D + (1 - HIDDEN_EMA) * h_D
+            self.hidden_mean_D, self.hidden_D = (h_D if first else mean_D), h_D
         self.forwards += 1
 
     def features(self) -> torch.Tensor:
@@ -116,37 +165,44 @@ class HorizonState:
     def hidden(self) -> torch.Tensor:
         return torch.cat([self.hidden_D, self.hidden_mean_D])
 
+    def tail(self) -> torch.Tensor:
+        """[L, E] forwards expected beyond h for a "later" use: the odds against use per forward
+        at the long-run rate (the slowest decayed count), capped at 1000."""
+        rate_LE = (self.counts_CLE[-1] * (1 - COUNT_DECAYS[-1])).clamp(1e-3, 1.0)
+        return (1 - rate_LE) / rate_LE
+
 
 class _Net(torch.nn.Module):
-    def __init__(self, L: int, E: int, D: int, width: int, uses_hidden: bool):
+    def __init__(self, L: int, E: int, J: int, D: int, width: int, uses_hidden: bool):
         super().__init__()
-        self.w_LX = torch.nn.Parameter(torch.zeros(L, NUM_FEATURES))
-        self.b_LE = torch.nn.Parameter(torch.zeros(L, E))
-        self.L, self.E = L, E
+        self.w_LJX = torch.nn.Parameter(torch.zeros(L, J, NUM_FEATURES))
+        self.b_LEJ = torch.nn.Parameter(torch.zeros(L, E, J))
+        self.shape = (L, E, J)
         self.mlp = None
         if uses_hidden:
             self.mlp = torch.nn.Sequential(
-                torch.nn.Linear(2 * D, width), torch.nn.GELU(), torch.nn.Linear(width, L * E)
+                torch.nn.Linear(2 * D, width), torch.nn.GELU(), torch.nn.Linear(width, L * E * J)
             )
             torch.nn.init.zeros_(self.mlp[2].weight)
             torch.nn.init.zeros_(self.mlp[2].bias)
 
     def forward(self, X_NLEX: torch.Tensor, h_ND: torch.Tensor | None) -> torch.Tensor:
-        z_NLE = (X_NLEX * self.w_LX[:, None, :]).sum(-1) + self.b_LE
+        """Class logits [N, L, E, J]."""
+        z_NLEJ = torch.einsum("nlex,ljx->nlej", X_NLEX, self.w_LJX) + self.b_LEJ
         if self.mlp is not None:
-            z_NLE = z_NLE + self.mlp(h_ND).view(-1, self.L, self.E)
-        return z_NLE
+            z_NLEJ = z_NLEJ + self.mlp(h_ND).view(-1, *self.shape)
+        return z_NLEJ
 
 
 class HorizonPredictor:
     kind = "horizon"
     needs_truth = False
-    lookahead = LOOKAHEADS["d1"]  # unused; cross-token predictions are not per lookahead
+    lookahead = NEXT_FORWARDS
 
     def __init__(self, spec: RoutingSpec, cfg: HorizonConfig):
         self.spec, self.cfg = spec, cfg
         L, E, D = spec.num_moe_layers, spec.num_experts, spec.hidden_size
-        self.net = _Net(L, E, D, cfg.width, cfg.uses_hidden).eval()
+        self.net = _Net(L, E, cfg.foresight + 1, D, cfg.width, cfg.uses_hidden).eval()
         self.history: list[dict] = []
 
     # ------------------------------------------------------------ API
@@ -156,16 +212,15 @@ class HorizonPredictor:
         cfg = cfg or HorizonConfig()
         torch.manual_seed(cfg.fit.seed)
         p = cls(spec, cfg)
-        train = p.dataset(data.train_rows)
-        val = p.dataset(data.val_rows)
+        train, val = p.dataset(data.train_rows), p.dataset(data.val_rows)
+        J = cfg.foresight + 1
 
         def loss_fn(net, b):
-            return F.binary_cross_entropy_with_logits(net(b["X"][0], _h(b)), b["Y"][0])
+            return F.cross_entropy(net(b["X"][0], _h(b)).reshape(-1, J), b["Y"][0].reshape(-1))
 
         def val_fn(net):
-            return -float(
-                F.binary_cross_entropy_with_logits(net(val["X"][0], _h(val)), val["Y"][0])
-            )
+            z = net(val["X"][0], _h(val)).reshape(-1, J)
+            return -float(F.cross_entropy(z, val["Y"][0].reshape(-1)))
 
         _, p.history = fit(p.net, train, loss_fn, val_fn, cfg.fit, progress, desc="horizon")
         return p
@@ -175,15 +230,16 @@ class HorizonPredictor:
         return HorizonState(s.num_moe_layers, s.num_experts, s.hidden_size)
 
     @torch.no_grad()
-    def reuse(self, state: HorizonState) -> torch.Tensor:
-        """[L, E] probability that each expert is used within the next `foresight` forwards."""
+    def forecast(self, state: HorizonState) -> Forecast:
         h = state.hidden()[None] if self.cfg.uses_hidden else None
-        return torch.sigmoid(self.net(state.features()[None], h))[0]
+        probs_LEJ = torch.softmax(self.net(state.features()[None], h)[0], dim=-1)
+        return Forecast(probs_LEJ, state.tail())
 
     def dataset(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Training rows ([1, N, ...], the layout fit() takes): one per forward that has a
-        successor in its request, labelled by the next `foresight` forwards' experts."""
+        successor in its request; Y_NLE = class of the next use (offset - 1, h: later)."""
         X, Y, H = [], [], []
+        h = self.cfg.foresight
         for request in request_forwards(rows, self.spec):
             used_FLE = torch.stack([used for _, used, _ in request])
             state = self.new_state()
@@ -191,7 +247,7 @@ class HorizonPredictor:
                 state.observe(used_LE, hidden_D)
                 X.append(state.features())
                 H.append(state.hidden())
-                Y.append(used_FLE[f + 1 : f + 1 + self.cfg.foresight].amax(0))
+                Y.append(first_use_class(used_FLE[f + 1 : f + 1 + h], h))
         if not X:
             raise PredictorInputError(
                 "horizon: expected requests of at least two forwards (a prompt with decode "
@@ -220,6 +276,17 @@ class HorizonPredictor:
 
     def fit_summary(self) -> dict:
         return {}
+
+
+def first_use_class(next_FLE: torch.Tensor, h: int) -> torch.Tensor:
+    """[L, E] class of the first use within the next forwards next_FLE (j - 1 for a first use
+    j forwards ahead; h when none of the <= h forwards uses it)."""
+    F_ = next_FLE.shape[0]
+    if F_ == 0:
+        return torch.full(next_FLE.shape[1:], h, dtype=torch.long)
+    used = next_FLE > 0
+    first_LE = used.float().argmax(0)  # first True (0 when none)
+    return torch.where(used.any(0), first_LE, torch.full_like(first_LE, h))
 
 
 def _h(b: dict) -> torch.Tensor | None:

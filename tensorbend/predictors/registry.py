@@ -37,6 +37,7 @@ from tensorbend.predictors.baselines import (
     SpecGatePredictor,
     TransitionPredictor,
 )
+from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
 from tensorbend.predictors.residual_gate import ResidualGateConfig, ResidualGatePredictor
 from tensorbend.predictors.seed_mlp import SeedMLPConfig, SeedMLPPredictor
 
@@ -50,6 +51,7 @@ class PredictorKind:
     baseline: bool
     needs_train_data: bool
     help: str
+    cross_token: bool = False  # predicts the next forwards' experts (foresight), not layer m's
 
 
 _ROWS = (
@@ -61,6 +63,16 @@ _ROWS = (
         baseline=False,
         needs_train_data=True,
         help="ours: the target router on the source hidden state plus a small learned correction",
+    ),
+    PredictorKind(
+        name="horizon",
+        cls=HorizonPredictor,
+        config_cls=HorizonConfig,
+        trainable=True,
+        baseline=False,
+        needs_train_data=True,
+        help="ours across tokens: P(expert used within the next h forwards), for eviction",
+        cross_token=True,
     ),
     PredictorKind(
         name="seed_mlp",
@@ -132,7 +144,8 @@ BASELINES = tuple(k.name for k in _ROWS if k.baseline)
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 TrainableKind = Literal[TRAINABLE]  # type: ignore[valid-type]
 BaselineName = Literal[BASELINES]  # type: ignore[valid-type]
-_TRAIN_OPTIONS = ("loss", "width", "epochs", "prev_routing", "src_scores")
+_TRAIN_OPTIONS = ("loss", "width", "epochs", "prev_routing", "src_scores", "foresight", "inputs")
+CROSS_TOKEN_OPTIONS = ("foresight", "inputs")
 
 
 def get_kind(name: str) -> PredictorKind:
@@ -176,6 +189,13 @@ def config_from_train(kind: PredictorKind, train_cfg):
     its config class's `from_train`, or None for a kind without options; raises
     PredictorConfigError for an option the kind does not have."""
     assert kind.trainable, kind.name
+    if not kind.cross_token:
+        for o in CROSS_TOKEN_OPTIONS:
+            if getattr(train_cfg, o) is not None:
+                raise PredictorConfigError(
+                    f"{kind.name} has no option {o}: expected it unset, found "
+                    f"{getattr(train_cfg, o)!r}; it is an option of --predictor horizon"
+                )
     if kind.config_cls is not None:
         return kind.config_cls.from_train(train_cfg)
     given = [o for o in _TRAIN_OPTIONS if getattr(train_cfg, o) is not None]

@@ -50,8 +50,7 @@ from tensorbend.simulate.predictions import (
     routing_rows,
 )
 from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
-from tensorbend.trace import forwards
-from tensorbend.trace import Trace
+from tensorbend.trace import Trace, forwards
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
 POLICIES: tuple[str, ...] = PolicyName.__args__
