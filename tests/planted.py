@@ -5,6 +5,11 @@ layer m-1's. Hidden states are noise, so only the routing of earlier layers is i
 a transition table (and anything that reads the source routing) can reach recall 1.0 at d1,
 popularity (frequency) cannot do better than about K/E.
 
+`cycle_trace`: every request starts at the same point of a cycle of two expert sets per layer
+(A, B, A, B, ... across tokens: 1 prefill token, then decode) and has an even length, so the
+whole run's routing is a function of the present one: a cross-token predictor can place every
+next use exactly, and Belady is reached.
+
 `router_trace`: each layer routes like a real linear router, top-K of W_m @ gate_input[m], and
 the trace's router weights are those W_m (spec_gate at same_layer is exact). Only the hidden
 state is informative: a model that learns the linear map from train rows reaches recall well
@@ -52,6 +57,29 @@ def _record(i: int, tokens: int, decode: int) -> dict:
 
 def _phase(tokens: int, decode: int) -> torch.Tensor:
     return torch.cat([torch.zeros(tokens), torch.ones(decode)]).to(torch.int8)
+
+
+def cycle_trace(root, *, L=2, K=2, prompts=40, decode=11, D=8):
+    """E = 2K experts per layer: set A = experts 0..K-1, set B = K..2K-1; token t uses A at
+    even t, B at odd t (t counts from 0 at the prompt's single prefill token)."""
+    E, T = 2 * K, 1 + decode
+    assert T % 2 == 0, "an even request length keeps the cycle going across requests"
+    spec = _spec(L, E, K, D)
+    w = _writer(root, spec, {}, "planted-cycle")
+    sets_K = [torch.arange(K), torch.arange(K, 2 * K)]
+    for i in range(prompts):
+        ids_TK = torch.stack([sets_K[t % 2] for t in range(T)])
+        rows = {
+            "expert_ids_TLK": ids_TK[:, None, :].expand(T, L, K).to(torch.int16).contiguous(),
+            "gate_input_TLD": torch.zeros(T, L, D).half(),
+            "layer_input_TLD": torch.zeros(T, L, D).half(),
+            "token_ids_T": torch.zeros(T, dtype=torch.int32),
+            "positions_T": torch.arange(T, dtype=torch.int32),
+            "phase_T": _phase(1, decode),
+        }
+        w.add_prompt(_record(i, 1, decode), rows)
+    w.close()
+    return spec
 
 
 def permutation_trace(root, *, L=4, E=16, K=2, D=16, prompts=40, tokens=24, decode=8, seed=0):

@@ -64,13 +64,15 @@ HIDDEN_EMA = 0.8  # running mean of the hidden state over a request's forwards
 
 @dataclass(frozen=True)
 class HorizonConfig:
-    foresight: int = 4
+    foresight: int = 8
     """Forwards ahead it places the next use (h); anything later is one class."""
     inputs: Literal["routing", "routing+hidden"] = "routing+hidden"
     """Routing history only (imported traces), or also the last layer's hidden state."""
     width: int = 64
     """Width of the hidden-state MLP."""
-    fit: FitConfig = field(default_factory=lambda: FitConfig(epochs=30, batch_rows=256, lr=5e-3))
+    fit: FitConfig = field(
+        default_factory=lambda: FitConfig(epochs=30, batch_rows=256, lr=5e-3, min_steps=600)
+    )
     """Training loop settings."""
 
     def __post_init__(self) -> None:

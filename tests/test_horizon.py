@@ -1,0 +1,87 @@
+"""The cross-token predictor (kind `horizon`) and its measurement (foresight.py)."""
+
+import pytest
+import torch
+from planted import cycle_trace, permutation_trace
+
+from tensorbend.cli import main
+from tensorbend.errors import TensorbendError
+from tensorbend.foresight import evaluate_foresight
+from tensorbend.predictors.base import TrainData
+from tensorbend.predictors.checkpoint import load_predictor
+from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor, first_use_class
+from tensorbend.trace import Trace
+
+
+def test_first_use_class_by_hand():
+    # next 3 forwards of 1 layer x 3 experts: e0 used at +2, e1 at +1 and +3, e2 never
+    next_FLE = torch.tensor([[[0, 1, 0]], [[1, 0, 0]], [[0, 1, 0]]])
+    assert first_use_class(next_FLE, h=3).tolist() == [[1, 0, 3]]
+    assert first_use_class(next_FLE[:0], h=3).tolist() == [[3, 3, 3]]  # request over: later
+
+
+@pytest.fixture(scope="module")
+def cycle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cycle") / "t"
+    cycle_trace(root)
+    return Trace.open(root)
+
+
+def test_a_cycle_across_tokens_is_learned_exactly_and_reaches_belady(cycle):
+    """Routing that alternates A, B, A, ... across tokens: the next use of every expert is a
+    function of the present, so next-forward recall is 1.0 and a cache evicting by the
+    forecast reads exactly what Belady (full future) reads, while LRU thrashes."""
+    rows = {s: cycle.load(("ids",), split=s) for s in ("train", "val", "test")}
+    cfg = HorizonConfig(foresight=2, inputs="routing")
+    p = HorizonPredictor.fit(cycle.spec, None, TrainData(rows["train"], rows["val"]), cfg)
+    rep = evaluate_foresight(p, rows["test"], cache_frac=6 / 8)  # 6 slots, 8 experts in use
+    assert rep["next_forward_recall"] == [1.0, 1.0]
+    assert rep["within_h_recall"] == [1.0, 1.0]
+    replay = {k: v["experts_per_token"] for k, v in rep["replay"].items()}
+    assert replay["reuse/global/all"] == pytest.approx(replay["belady/h=all/all"])
+    assert replay["reuse/global/predicted"] == pytest.approx(replay["belady/h=all/predicted"])
+    assert replay["lru/global/all"] == pytest.approx(4.0)  # every use misses
+    assert replay["belady/h=all/all"] < 2.5 and replay["belady/h=all/predicted"] < 1.2
+
+
+def test_train_eval_cli_round_trip_and_refusals(tmp_path, capsys):
+    permutation_trace(tmp_path / "t", prompts=16)
+    out = tmp_path / "h.safetensors"
+    argv = ["train", "--trace", str(tmp_path / "t"), "--out", str(out), "--quiet"]
+    assert main([*argv, "--predictor", "horizon", "--foresight", "3"]) == 0
+    p = load_predictor(out)
+    assert (p.kind, p.cfg.foresight, p.lookahead.name) == ("horizon", 3, "next_forwards")
+    capsys.readouterr()
+    assert main(["eval", "--trace", str(tmp_path / "t"), "--predictor", str(out),
+                 "--baselines", "none", "--lookahead", "d1"]) == 0  # fmt: skip
+    assert "gap to full Belady closed by" in capsys.readouterr().out
+    bad = [
+        (["--predictor", "horizon", "--lookahead", "d2"], "expected no lookahead"),
+        (["--predictor", "horizon", "--loss", "bce"], "horizon has no option loss"),
+        (["--predictor", "tensorbend", "--foresight", "3"], "tensorbend has no option foresight"),
+    ]
+    for extra, msg in bad:
+        assert main([*argv, *extra]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
+    """An imported (routing-only) trace: inputs=routing trains; routing+hidden says why not."""
+    from tensorbend.engines.importer import ImportConfig, import_trace
+
+    csv = tmp_path / "r.csv"
+    lines = ["prompt_id,layer,position,expert_ids,phase"]
+    for p in range(40):
+        for t in range(8):
+            for m in range(2):
+                ids = f"{(t + m) % 4} {(t + m + 1) % 4}"
+                lines.append(f"p{p},{m},{t},{ids},{'prefill' if t == 0 else 'decode'}")
+    csv.write_text("\n".join(lines) + "\n")
+    import_trace(ImportConfig("csv", csv, tmp_path / "t", progress=False))
+    base = ["train", "--trace", str(tmp_path / "t"), "--predictor", "horizon", "--quiet",
+            "--out", str(tmp_path / "h.safetensors")]  # fmt: skip
+    assert main([*base, "--inputs", "routing"]) == 0
+    with pytest.raises(TensorbendError, match="--inputs routing"):
+        from tensorbend.train import TrainConfig, train
+
+        train(TrainConfig(tmp_path / "t", tmp_path / "x.safetensors", "horizon"), progress=False)
