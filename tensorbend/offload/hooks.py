@@ -101,9 +101,13 @@ class PredictionHooks:
         cache=None,
         extra: int = 0,
         on_route=None,
+        horizon=None,
+        token_ahead_layers: int = 0,
     ):
         self.spec, self.clock, self.history = spec, clock, history
         self.predictor, self.loader, self.cache, self.extra = predictor, loader, cache, extra
+        self.horizon, self.token_ahead_layers = horizon, token_ahead_layers
+        self._state = None  # the horizon's per-request history
         self.on_route = on_route  # (m, ids_TK): layer m's demand loads, before any prefetch
         self.la: Lookahead | None = getattr(predictor, "lookahead", None)
         self.ahead = getattr(predictor, "ahead", None)
@@ -127,6 +131,8 @@ class PredictionHooks:
         if self.on_route is not None:
             self.on_route(s, call.ids_TK)
         self.history.cur[s] = call.ids_TK.detach().reshape(-1, call.ids_TK.shape[-1]).cpu()
+        if self.horizon is not None and s == self.spec.num_moe_layers - 1:
+            self._foresee(call.gate_input_TD()[-1])
         la = self.la
         if la is None or la.hidden != "gate_input":
             return
@@ -159,10 +165,32 @@ class PredictionHooks:
         when = self.clock.step(m)
         self._issue([((m, e), when) for e in _ranked(scores_TE, K, self.extra)])
 
-    def _issue(self, predictions: list[tuple[Key, int]]) -> None:
+    def _foresee(self, hidden_D: torch.Tensor) -> None:
+        """At the last MoE layer's router: the forward's routing is known; update the horizon's
+        request history (a new one at a prompt's first forward), hand its forecast to the
+        cache's policy, and prefetch the next forward's first layers' likeliest experts."""
+        L, E = self.spec.num_moe_layers, self.spec.num_experts
+        if not self.history.prev or self._state is None:  # a prompt's first forward
+            self._state = self.horizon.new_state()
+        used_LE = torch.zeros(L, E)
+        for m in range(L):
+            used_LE[m, self.history.cur[m].flatten()] = 1.0
+        self._state.observe(used_LE, hidden_D.detach().float().cpu())
+        fc = self.horizon.forecast(self._state)
+        f = self.clock.forward
+        if self.cache is not None:
+            self.cache.set_forecast(f, fc.first_use_LEJ.tolist(), fc.tail_LE.tolist())
+        ahead = [
+            ((m, e), (f + 1) * L + m)
+            for m in range(min(self.token_ahead_layers, L))
+            for e in fc.first_use_LEJ[m, :, 0].topk(self.spec.top_k).indices.tolist()
+        ]
+        self._issue(ahead, hint=False)
+
+    def _issue(self, predictions: list[tuple[Key, int]], hint: bool = True) -> None:
         """Hint every predicted (key, step) to the cache and queue its prefetch, in rank order."""
         for rank, (key, when) in enumerate(predictions):
-            if self.cache is not None:
+            if hint and self.cache is not None:
                 self.cache.hint(key, when)
             if self.loader is not None:
                 self.loader.prefetch(key, rank, when)

@@ -24,7 +24,15 @@ from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
 from tensorbend.offload import NO_PREDICTION_CACHES, PolicyName
 from tensorbend.offload.cache import CacheConfig, ExpertCache
-from tensorbend.offload.policies import LFRU, LFU, LRU, AdmissionName, Predicted, make_admission
+from tensorbend.offload.policies import (
+    LFRU,
+    LFU,
+    LRU,
+    AdmissionName,
+    Predicted,
+    Reuse,
+    make_admission,
+)
 from tensorbend.offload.resident import PoolName, ResidentSet
 from tensorbend.offload.store import ExpertLayout
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
@@ -59,6 +67,9 @@ class PolicyConfig:
     prefetch_backlog: float = 0.5
     """Start a prefetch only while the link is busy for at most this many expert transfers
     (inf: always)."""
+    token_ahead_layers: int = 1
+    """With --horizon: during a forward's last MoE layer, prefetch the likeliest experts of the
+    next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""
 
     def __post_init__(self) -> None:
         _check_policy(self)
@@ -85,15 +96,21 @@ class PolicyConfig:
 
 
 def build_cache(
-    pc: PolicyConfig, spec: RoutingSpec, layout: ExpertLayout, predictor, device: str
+    pc: PolicyConfig,
+    spec: RoutingSpec,
+    layout: ExpertLayout,
+    predictor,
+    device: str,
+    horizon=None,
 ) -> ExpertCache:
-    """A fresh ExpertCache for one run of `pc` (the oracle's predictor brings its eviction)."""
+    """A fresh ExpertCache for one run of `pc` (the oracle's predictor brings its eviction; a
+    cross-token `horizon` predictor's forecasts drive `Reuse`)."""
     L = spec.num_moe_layers
     slots = 0 if pc.policy == "on_demand" else pc.slots(spec, layout.nbytes)
     if pc.policy == "oracle":
         policy = predictor.eviction_policy()
     elif pc.policy == "prefetch":
-        policy = Predicted(L)
+        policy = Reuse(L) if horizon is not None else Predicted(L)
     else:
         policy = {"lfu": LFU, "lfru": LFRU}.get(pc.policy, LRU)()
     admission = make_admission(pc.admission, L, pc.admission_window)
@@ -123,7 +140,7 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"oracle (a policy that predicts); use --admission frequency for "
             f"{', '.join(NO_PREDICTION_CACHES)}"
         )
-    for name in ("admission_window", "prefetch_extra", "prefetch_backlog"):
+    for name in ("admission_window", "prefetch_extra", "prefetch_backlog", "token_ahead_layers"):
         low = 1 if name == "admission_window" else 0
         if not getattr(pc, name) >= low:
             flag = "--" + name.replace("_", "-")

@@ -34,7 +34,8 @@ class RunResult:
     knows, null = all), link {name, bandwidth_MBps, latency_us, note}, io, decode, device,
     prefetch_extra, prefetch_backlog (null = unbounded), cache_slots, expert_bytes,
     tokens {prefill, decode}, prompts, prefill {stall_s_per_token, bytes_read_per_token,
-    demand_hit_rate}, counters {CacheStats fields, whole run}.
+    demand_hit_rate}, counters {CacheStats fields, whole run}, horizon (the cross-token
+    predictor's checkpoint driving eviction and next-forward prefetches, or null).
     """
 
     model: str
@@ -67,6 +68,7 @@ class RunResult:
     prompts: int
     prefill: dict
     counters: dict
+    horizon: str | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

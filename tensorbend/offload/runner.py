@@ -48,6 +48,10 @@ class RunConfig:
     """Trained predictor checkpoint (for --policy prefetch)."""
     baseline: str | None = field(default=None, metadata={"choices": RUN_BASELINES})
     """Peer predictor by name (for --policy prefetch)."""
+    horizon: Path | None = None
+    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`) for --policy
+    prefetch: its forecasts drive eviction (Reuse) and next-forward prefetches; combinable
+    with --predictor/--baseline (within-token prefetches)."""
     trace: Path | None = None
     """Trace of this model whose train split fits the table baselines (frequency, prev_token,
     transition)."""
@@ -93,11 +97,13 @@ def run(cfg: RunConfig) -> RunResult:
     predictor = build_predictor(
         model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
     )
+    horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
+    _check_kinds(predictor, horizon)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
     try:
         link = sess.link(cfg.link, cfg.link_speedup)
-        return sess.run_policy(cfg.offload, predictor, link)
+        return sess.run_policy(cfg.offload, predictor, link, horizon)
     finally:
         sess.close()
 
@@ -126,13 +132,31 @@ def build_predictor(
     )
 
 
+def _check_kinds(predictor, horizon) -> None:
+    """--predictor is within-token, --horizon cross-token (checked once loaded)."""
+    from tensorbend.predictors.registry import KINDS
+
+    if predictor is not None and KINDS[predictor.kind].cross_token:
+        raise TensorbendError(
+            f"--predictor {predictor.checkpoint}: a cross-token ({predictor.kind}) checkpoint; "
+            "pass it as --horizon"
+        )
+    if horizon is not None and not KINDS[horizon.kind].cross_token:
+        raise TensorbendError(
+            f"--horizon {horizon.checkpoint}: expected a cross-token (horizon) checkpoint, "
+            f"found kind {horizon.kind}; pass it as --predictor"
+        )
+
+
 def _check_predictor(cfg: RunConfig) -> None:
     policy = cfg.offload.policy
     if cfg.predictor is not None and cfg.baseline is not None:
         raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
-    has = cfg.predictor is not None or cfg.baseline is not None
+    has = cfg.predictor is not None or cfg.baseline is not None or cfg.horizon is not None
     if policy == "prefetch" and not has:
-        raise TensorbendError("--policy prefetch needs --predictor PRED or --baseline NAME")
+        raise TensorbendError(
+            "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
+        )
     if policy != "prefetch" and has:
         raise TensorbendError(
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "

@@ -21,6 +21,7 @@ are timed and counted separately; the headline numbers are decode's.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -121,18 +122,26 @@ class OffloadSession:
         pc = PolicyConfig("resident", cache_frac=1.0)
         return self._result(pc, None, Link(), self.reference, None)
 
-    def run_policy(self, pc: PolicyConfig, predictor=None, link: Link | None = None) -> RunResult:
+    def run_policy(
+        self, pc: PolicyConfig, predictor=None, link: Link | None = None, horizon=None
+    ) -> RunResult:
+        """One offloaded run. predictor: within-token (prefetch + hints); horizon: cross-token
+        (forecasts for eviction + the next forward's first layers), both for policy prefetch."""
         if pc.policy == "resident":
             return self.resident_result()
         link = link or Link()
-        if pc.policy == "prefetch" and predictor is None:
-            raise TensorbendError("--policy prefetch needs --predictor PRED or --baseline NAME")
+        if pc.policy == "prefetch" and predictor is None and horizon is None:
+            raise TensorbendError(
+                "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
+            )
+        if pc.policy != "prefetch":
+            horizon = None
         if pc.policy == "oracle":
             la = get_lookahead(pc.lookahead)
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
         elif pc.policy != "prefetch":
             predictor = None
-        cache = build_cache(pc, self.spec, self.layout, predictor, str(self.device))
+        cache = build_cache(pc, self.spec, self.layout, predictor, str(self.device), horizon)
         store = ExpertStore.open(self.store_path, StoreConfig(self.cfg.io), link)
         backlog_s = pc.prefetch_backlog * link.seconds(cache.nbytes)
         loader = Loader(store, cache, self.cfg.io_threads, max_backlog_s=backlog_s)
@@ -149,6 +158,8 @@ class OffloadSession:
             cache,
             extra=pc.prefetch_extra,
             on_route=lambda s, ids_TK: self.experts[s].forward.route(ids_TK),
+            horizon=horizon,
+            token_ahead_layers=pc.token_ahead_layers,
         )
         try:
             gen = self._generate(hooks, cache)
@@ -157,7 +168,10 @@ class OffloadSession:
             store.close()
             self.active = None
         cache.finalize()
-        return self._result(pc, predictor, link, gen, cache)
+        result = self._result(pc, predictor, link, gen, cache)
+        if horizon is not None:
+            result = dataclasses.replace(result, horizon=getattr(horizon, "checkpoint", "horizon"))
+        return result
 
     def close(self) -> None:
         if self._tmp:
