@@ -43,7 +43,7 @@ from tensorbend.predictors.base import (
 )
 from tensorbend.predictors.checkpoint import load_predictor, read_metadata
 from tensorbend.predictors.latency import us_per_token
-from tensorbend.predictors.registry import BASELINES, KINDS, build
+from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, build
 from tensorbend.trace import PHASES, Trace
 
 
@@ -64,8 +64,8 @@ class EvalConfig:
     """Trace directory to score."""
     predictors: tuple[Path, ...] = ()
     """Trained checkpoints (each at its own lookahead)."""
-    baselines: tuple[str, ...] = ("all",)
-    """Peers to build in the run: registry baseline names, ("all",), or () for none."""
+    baselines: tuple[BaselineChoice, ...] = ("all",)
+    """Peers to build in the run (all: every baseline kind; empty: none)."""
     lookaheads: tuple[LookaheadName, ...] = ()
     """Lookaheads of the peers (empty: every headline lookahead the trace supports)."""
     split: Literal["test", "val", "train", "all"] = "test"

@@ -249,9 +249,13 @@ class RowSelection:
     """Which train rows to fit on (None: no limit); see the module docstring."""
 
     max_prompts: int | None = None
+    """Keep the first N prompts."""
     tokens_per_forward: int | None = None
+    """Keep the first N prefill tokens of each prompt (decode steps are one token each)."""
     max_rows: int | None = None
+    """Then keep a uniform random sample of N rows."""
     seed: int = 0
+    """Seed of the sample."""
 
 
 def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, torch.Tensor]:

@@ -144,6 +144,7 @@ BASELINES = tuple(k.name for k in _ROWS if k.baseline)
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 TrainableKind = Literal[TRAINABLE]  # type: ignore[valid-type]
 BaselineName = Literal[BASELINES]  # type: ignore[valid-type]
+BaselineChoice = Literal[(*BASELINES, "all")]  # type: ignore[valid-type]
 _TRAIN_OPTIONS = ("loss", "width", "epochs", "prev_routing", "src_scores", "foresight", "inputs")
 CROSS_TOKEN_OPTIONS = ("foresight", "inputs")
 
