@@ -35,6 +35,8 @@ import typing
 from functools import cache
 from pathlib import Path
 
+from tensorbend.errors import TensorbendError
+
 
 def add_config_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -74,15 +76,15 @@ def add_config_flags(
                 kw["action"] = "store_true"
             parser.add_argument(*names, default=bool(default), **kw)
             continue
-        choices = f.metadata.get("choices") or (
-            typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
-        )
+        choices = _choices(f, base)
         kw["type"] = _converter(type(choices[0]) if choices else base)
         if choices:
             kw["choices"] = list(choices)
         if kind == "tuple":
-            kw.update(nargs="+", action="extend")
-            kw["type"] = str  # split and converted in config_from_args
+            kw.update(nargs="+", action="extend", type=str)  # split and checked in config_from_args
+            kw.pop("choices", None)
+            if choices:
+                kw["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         if default is dataclasses.MISSING or f.name in required:
             kw["required"] = True
         else:
@@ -106,15 +108,36 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides):
         elif f.name in ns and ns[f.name] is not None:
             value = ns[f.name]
             if isinstance(value, list):
-                value = _tuple_value(value, _converter(_kind(hints[f.name])[1]))
+                base = _kind(hints[f.name])[1]
+                value = _tuple_value(value, _converter(base), _choices(f, base), f.name)
             values[f.name] = value
     return cls(**values)
 
 
-def _tuple_value(values: list[str], convert) -> tuple:
+def _tuple_value(values: list[str], convert, choices, name: str) -> tuple:
     """Repeated flags and comma-separated lists both work; a lone `none` is the empty tuple."""
     items = [x for v in values for x in str(v).split(",") if x]
-    return () if items == ["none"] else tuple(convert(x) for x in items)
+    if items == ["none"]:
+        return ()
+    flag = "--" + name.replace("_", "-")
+    try:
+        out = tuple(convert(x) for x in items)
+    except ValueError as e:
+        raise TensorbendError(f"{flag}: invalid value in {items} ({e})") from e
+    bad = [x for x in out if choices and x not in choices]
+    if bad:
+        raise TensorbendError(
+            f"{flag}: invalid choice {bad[0]!r} (choose from {', '.join(map(str, choices))}, "
+            "or none)"
+        )
+    return out
+
+
+def _choices(f: dataclasses.Field, base) -> tuple | None:
+    """A field's fixed choices: metadata["choices"], or the values of its Literal type."""
+    if f.metadata.get("choices"):
+        return tuple(f.metadata["choices"])
+    return typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
 
 
 @cache

@@ -26,15 +26,8 @@ def _modules_with_examples() -> list[str]:
     return names
 
 
-# Usage blocks being rewritten on the predictors / offload branches (removed at their merge).
-_PENDING = ("tensorbend.compat", "tensorbend.evaluate", "tensorbend.metrics", "tensorbend.plots",
-            "tensorbend.train", "tensorbend.predictors.", "tensorbend.offload.")  # fmt: skip
-
-
 @pytest.mark.parametrize("name", _modules_with_examples())
 def test_usage_examples_run(name):
-    if name.startswith(_PENDING):
-        pytest.skip("usage block being rewritten on another branch")
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

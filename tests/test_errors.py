@@ -77,7 +77,7 @@ CASES = [
     ("train-bad-kind", "train --trace {d}/trace --out {d}/p.safetensors --predictor magic", r"magic", False),
     ("eval-missing-predictor", "eval --trace {d}/trace --predictor {d}/none.safetensors", r"none.safetensors: no such file", False),
     ("eval-junk-predictor", "eval --trace {d}/trace --predictor {d}/junk.safetensors", r"junk.safetensors: not a readable safetensors file", False),
-    ("eval-bad-baseline", "eval --trace {d}/trace --baselines magic", r"--baselines .*magic.*expected", False),
+    ("eval-bad-baseline", "eval --trace {d}/trace --baselines magic", r"--baselines: invalid choice 'magic'", False),
     ("eval-bad-lookahead", "eval --trace {d}/trace --lookahead d9", r"'d9'.*(expected one of|choose from)", False),
     ("run-bad-policy", "run --model {d}/model --policy fastest", r"--policy.*fastest", False),
     ("run-bad-frac", "run --model {d}/model --cache-frac 2", r"--cache-frac 2.0: expected a fraction in \(0, 1\]", False),

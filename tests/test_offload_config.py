@@ -40,7 +40,10 @@ def no_model_load(monkeypatch):
         (["--cache-bytes", "0"], "--cache-bytes 0: expected a positive byte count"),
         (["--link", "fast"], "--link 'fast': expected none, h100-pcie5-kimi, or BANDWIDTH"),
         (["--link", "0MB/s"], "--link '0MB/s': expected none"),
-        (["--policy", "prefetch"], "--policy prefetch needs --predictor PRED or --baseline"),
+        (
+            ["--policy", "prefetch"],
+            "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon",
+        ),
         (["--baseline", "spec_gate"], "--predictor/--baseline with --policy lru: expected"),
         (["--foresight", "2"], "--foresight 2 with --policy lru: expected a count >= 0 with"),
         (["--admission", "predicted"], "--admission predicted with --policy lru: expected"),

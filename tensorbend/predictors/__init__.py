@@ -2,10 +2,11 @@
 
 >>> from tensorbend.predictors import KINDS, TRAINABLE, build_baseline, load_predictor, LOOKAHEADS
 >>> list(KINDS)[:2]
-['tensorbend', 'seed_mlp']
+['tensorbend', 'horizon']
 
 Modules: base (lookaheads, SourceBatch, the Predictor protocol), ops (shared tensor ops),
 registry (the table of kinds), baselines (peers), residual_gate + residual_fast (ours),
+horizon (ours across tokens: when each expert is next used),
 seed_mlp + seed_net (the seed's predictor), seed_api (the seed's ExpertPredictorSet),
 fit (the training loop), checkpoint (save/load).
 """

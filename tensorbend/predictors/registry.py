@@ -3,7 +3,7 @@
 Usage:
     >>> from tensorbend.predictors.registry import KINDS, TRAINABLE, BASELINES
     >>> TRAINABLE
-    ('tensorbend', 'seed_mlp', 'transition', 'frequency')
+    ('tensorbend', 'horizon', 'seed_mlp', 'transition', 'frequency')
     >>> BASELINES
     ('spec_gate', 'transition', 'prev_token', 'frequency', 'random', 'oracle')
     >>> KINDS["spec_gate"].needs_train_data, KINDS["oracle"].cls.needs_truth
