@@ -70,7 +70,7 @@ def _cmd_train(args) -> int:
     from tensorbend.train import TrainConfig, train
 
     result = train(config_from_args(TrainConfig, args), progress=not args.quiet)
-    print(_format_summary(_as_json(result)))
+    print(_format_summary(result.to_json()))
     return 0
 
 
@@ -79,11 +79,11 @@ def _cmd_eval(args) -> int:
 
     report = evaluate(config_from_args(EvalConfig, args))
     print(format_table(report))
-    _write_json(args.json, _as_json(report))
+    _write_json(args.json, report.to_json())
     if args.plots:
         from tensorbend.plots import plot_eval
 
-        for p in plot_eval(_as_json(report), Path(args.plots)):
+        for p in plot_eval(report, Path(args.plots)):
             print(f"plot: {p}")
     return 0
 
@@ -91,7 +91,7 @@ def _cmd_eval(args) -> int:
 def _cmd_run(args) -> int:
     from tensorbend.offload.runner import RunConfig, run
 
-    result = _as_json(run(config_from_args(RunConfig, args)))
+    result = run(config_from_args(RunConfig, args)).to_json()
     _write_json(args.json, result)
     print(_format_summary({k: v for k, v in result.items() if k != "counters"}))
     return 0
@@ -217,10 +217,6 @@ def _verb(sub, name: str, func, help_text: str, quiet: bool = True) -> argparse.
     if quiet:
         v.add_argument("--quiet", action="store_true", help="no progress bars")
     return v
-
-
-def _as_json(result) -> dict:
-    return result.to_json() if hasattr(result, "to_json") else result
 
 
 def _write_json(path: str | None, obj: dict) -> None:

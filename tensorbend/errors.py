@@ -29,5 +29,13 @@ class ZooError(TensorbendError):
     """A zoo model name is unknown or its files are missing."""
 
 
+class PredictorConfigError(TensorbendError):
+    """A predictor or training option is unknown or out of range."""
+
+
+class PredictorInputError(TensorbendError):
+    """A tensor or trace handed to a predictor does not fit it (shape, phases, features)."""
+
+
 class StoreError(TensorbendError):
     """The on-disk expert store is missing, truncated or unreadable."""

@@ -47,17 +47,6 @@ from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, bui
 from tensorbend.trace import PHASES, Trace
 
 
-class JsonResult(dict):
-    """Base of result dataclasses: `to_json()` is the API. Transitional: the dataclass is also the
-    dict of its JSON, because cli.py still prints and json.dumps results as dicts."""
-
-    def __post_init__(self):
-        dict.update(self, self.to_json())
-
-    def to_json(self) -> dict:
-        raise NotImplementedError
-
-
 @dataclass(frozen=True)
 class EvalConfig:
     trace: Path
@@ -117,7 +106,7 @@ class EvalRow:
 
 
 @dataclass(frozen=True)
-class EvalReport(JsonResult):
+class EvalReport:
     model: str
     trace: str
     split: str

@@ -17,7 +17,7 @@ checkpoint carries the val metrics and the ids of the prompts it saw (train and 
   seconds     wall time of the whole call      train_prompts  train prompts used
   + the predictor's fit summary (seed_mlp: train_rows_recall, the seed's own training-rows number)
 
-Row selection (`select_rows`; should move to trace.py): the first N train prompts, the first
+Row selection (`rows.select_rows`): the first N train prompts, the first
 N prefill tokens of each prompt (the seed's hook kept at most 4 tokens per forward pass; decode
 steps are one token each), and a uniform sample of N rows (the seed kept at most 10,000 per
 layer), in that order. Each kept row keeps its previous token's routing even when that token's
@@ -36,13 +36,12 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.evaluate import JsonResult, score_predictor
+from tensorbend.evaluate import score_predictor
 from tensorbend.predictors.base import (
     LookaheadName,
     PredictorConfigError,
     TrainData,
     get_lookahead,
-    previous_token,
 )
 from tensorbend.predictors.checkpoint import save_predictor
 from tensorbend.predictors.registry import (
@@ -53,6 +52,7 @@ from tensorbend.predictors.registry import (
     config_from_train,
     get_kind,
 )
+from tensorbend.rows import RowSelection, select_rows
 from tensorbend.trace import Trace
 
 
@@ -127,7 +127,7 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class TrainResult(JsonResult):
+class TrainResult:
     predictor: str
     lookahead: str
     out: str
@@ -242,48 +242,3 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
-
-
-@dataclass(frozen=True)
-class RowSelection:
-    """Which train rows to fit on (None: no limit); see the module docstring."""
-
-    max_prompts: int | None = None
-    """Keep the first N prompts."""
-    tokens_per_forward: int | None = None
-    """Keep the first N prefill tokens of each prompt (decode steps are one token each)."""
-    max_rows: int | None = None
-    """Then keep a uniform random sample of N rows."""
-    seed: int = 0
-    """Seed of the sample."""
-
-
-def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, torch.Tensor]:
-    """Rows kept by `sel`, each with its previous token's routing (prev_expert_ids_TLK, prev_phase_T)
-    taken before any row is dropped; prev_row_T points into the kept rows (-1: not kept)."""
-    prev_ids_TLK, prev_phase_T = previous_token(rows)
-    rows = {**rows, "prev_expert_ids_TLK": prev_ids_TLK, "prev_phase_T": prev_phase_T}
-    prompt_T = rows["prompt_index_T"]
-    keep_T = torch.ones(prompt_T.shape[0], dtype=torch.bool)
-    if sel.max_prompts is not None:
-        first = torch.tensor(list(dict.fromkeys(prompt_T.tolist()))[: sel.max_prompts])
-        keep_T &= torch.isin(prompt_T, first.to(prompt_T.dtype))
-    if sel.tokens_per_forward is not None:  # positions count from a prompt's first token
-        keep_T &= (rows["phase_T"] != 0) | (rows["positions_T"] < sel.tokens_per_forward)
-    if sel.max_rows is not None and int(keep_T.sum()) > sel.max_rows:
-        idx_N = keep_T.nonzero().flatten()
-        gen = torch.Generator().manual_seed(sel.seed)
-        chosen_N = idx_N[torch.randperm(idx_N.numel(), generator=gen)[: sel.max_rows]]
-        keep_T = torch.zeros_like(keep_T)
-        keep_T[chosen_N] = True
-    if bool(keep_T.all()):
-        return rows
-    new_index_T = torch.cumsum(keep_T.long(), 0) - 1
-    prev_T = rows["prev_row_T"]
-    prev_kept_T = (prev_T >= 0) & keep_T[prev_T.clamp(min=0)]
-    out = {k: v[keep_T] for k, v in rows.items()}
-    remapped_T = torch.where(
-        prev_kept_T, new_index_T[prev_T.clamp(min=0)], torch.full_like(prev_T, -1)
-    )
-    out["prev_row_T"] = remapped_T[keep_T]
-    return out

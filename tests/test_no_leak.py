@@ -14,8 +14,9 @@ from tensorbend.predictors.fit import FitConfig
 from tensorbend.predictors.registry import KINDS, build
 from tensorbend.predictors.residual_gate import ResidualGateConfig
 from tensorbend.predictors.seed_mlp import SEED_FIT, SeedMLPConfig
+from tensorbend.rows import RowSelection, select_rows
 from tensorbend.trace import Trace
-from tensorbend.train import RowSelection, TrainConfig, select_rows, train
+from tensorbend.train import TrainConfig, train
 
 
 @pytest.fixture(scope="module")

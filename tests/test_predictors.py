@@ -9,11 +9,10 @@ from planted import permutation_trace, tiny_real_trace
 from safetensors.torch import load_file, save_file
 
 from tensorbend.cli import main
-from tensorbend.errors import CheckpointError, TensorbendError
+from tensorbend.errors import CheckpointError, PredictorConfigError, TensorbendError
 from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
 from tensorbend.metrics import set_metrics
 from tensorbend.predictors import build_baseline, load_predictor, sources_from_rows
-from tensorbend.predictors.base import PredictorConfigError
 from tensorbend.predictors.checkpoint import META_KEY
 from tensorbend.trace import Trace
 from tensorbend.train import TrainConfig, train

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from tensorbend import ExpertPredictorSet
-from tensorbend.errors import CheckpointError
-from tensorbend.predictors.base import PredictorInputError
+from tensorbend.errors import CheckpointError, PredictorInputError
 
 L, D, E, P = 3, 12, 10, 16
 

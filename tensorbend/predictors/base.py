@@ -39,19 +39,16 @@ from typing import Literal, Protocol, get_args
 
 import torch
 
-from tensorbend.errors import CheckpointError, TensorbendError
+from tensorbend.errors import (
+    CheckpointError,
+    PredictorConfigError,
+    PredictorInputError,
+    TensorbendError,
+)
 from tensorbend.models import RoutingSpec
-from tensorbend.predictors.ops import multi_hot
+from tensorbend.rows import previous_token
 
-__all__ = ["multi_hot"]  # re-exported: offload/prefetch.py imports it from here
-
-
-class PredictorConfigError(TensorbendError):
-    """A predictor or training option is unknown or out of range (should move to errors.py)."""
-
-
-class PredictorInputError(TensorbendError):
-    """A tensor handed to a predictor has the wrong shape (should move to errors.py)."""
+__all__ = ["PredictorConfigError", "PredictorInputError", "previous_token"]  # re-exported
 
 
 LookaheadName = Literal["same_layer", "pre_attn", "d1", "d2", "d3"]
@@ -125,18 +122,6 @@ class SourceBatch:
             self.has_prev_T[i : i + 1],
             self.src_layer,
         )
-
-
-def previous_token(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prev_expert_ids_TLK, prev_phase_T): each row's previous token's routing at every layer,
-    and its phase (-1: no previous token). Row selection stores both before dropping rows, so a
-    kept row keeps its previous token even when that token's row was not kept."""
-    if "prev_expert_ids_TLK" in rows:
-        return rows["prev_expert_ids_TLK"], rows["prev_phase_T"]
-    prev_T = rows["prev_row_T"]
-    idx_T = prev_T.clamp(min=0)
-    phase_T = torch.where(prev_T >= 0, rows["phase_T"].long()[idx_T], -1)
-    return rows["expert_ids_TLK"][idx_T], phase_T
 
 
 def sources_from_rows(rows: dict[str, torch.Tensor], la: Lookahead, m: int) -> SourceBatch:

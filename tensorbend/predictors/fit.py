@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from tensorbend.predictors.base import PredictorConfigError
+from tensorbend.errors import PredictorConfigError
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from tensorbend.predictors.base import (
 )
 from tensorbend.predictors.fit import FitConfig, fit
 from tensorbend.predictors.ops import rmsnorm
-from tensorbend.trace import forwards
+from tensorbend.rows import forwards
 
 # Where its predictions start: the end of a forward, for the next `foresight` forwards.
 NEXT_FORWARDS = Lookahead(

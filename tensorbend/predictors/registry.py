@@ -26,8 +26,9 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from tensorbend.errors import PredictorConfigError
 from tensorbend.models import RoutingSpec
-from tensorbend.predictors.base import Lookahead, PredictorConfigError, TrainData
+from tensorbend.predictors.base import Lookahead, TrainData
 from tensorbend.predictors.baselines import (
     FrequencyPredictor,
     OraclePredictor,

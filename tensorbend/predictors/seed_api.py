@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.atomic import atomic_save_tensors, atomic_write
-from tensorbend.errors import CheckpointError
-from tensorbend.predictors.base import PredictorInputError
+from tensorbend.errors import CheckpointError, PredictorInputError
 from tensorbend.predictors.seed_net import SeedMLPNet
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format

@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from tensorbend.offload.policies import Key
+from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
 from tensorbend.simulate.mapping import Mapping
 from tensorbend.simulate.predictions import Ranked, prefetch_order
-from tensorbend.trace import Forward
 
 
 def demand_lists(

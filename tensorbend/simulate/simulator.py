@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
 from tqdm import tqdm
 
 from tensorbend.errors import TensorbendError
@@ -34,6 +33,7 @@ from tensorbend.offload.policies import (
 )
 from tensorbend.offload.resident import PoolName
 from tensorbend.predictors import get_lookahead
+from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
 from tensorbend.simulate.ep import EPConfig, ep_report
@@ -50,7 +50,7 @@ from tensorbend.simulate.predictions import (
     routing_rows,
 )
 from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
-from tensorbend.trace import Trace, forwards
+from tensorbend.trace import Trace
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
 POLICIES: tuple[str, ...] = PolicyName.__args__
@@ -278,13 +278,7 @@ def _rows(cfg, tr: Trace):
     if rows["expert_ids_TLK"].shape[0] == 0:
         raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to replay")
     if cfg.max_prompts is not None:
-        from tensorbend.trace import subset_rows
-
-        first = sorted(set(rows["prompt_index_T"].tolist()))[: cfg.max_prompts]
-        keep = torch.isin(
-            rows["prompt_index_T"], torch.tensor(first, dtype=rows["prompt_index_T"].dtype)
-        )
-        rows = subset_rows(rows, keep)
+        rows = select_rows(rows, RowSelection(max_prompts=cfg.max_prompts))
     return rows
 
 
