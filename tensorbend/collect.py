@@ -29,8 +29,9 @@ from tqdm import tqdm
 from tensorbend.capture import RoutingCapture
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
-from tensorbend.models import describe_model, model_fingerprint, router_params
+from tensorbend.models import describe_model
 from tensorbend.prompts import file_sha, load_prompts
+from tensorbend.routers import model_fingerprint, router_params
 from tensorbend.trace import FEATURES, MANIFEST
 from tensorbend.trace_writer import TraceWriter
 from tensorbend.zoo import resolve_model

@@ -7,7 +7,8 @@ from tiny_models import CONFIGS, EXPECTED_MOE_LAYERS, build
 
 from tensorbend.capture import RoutingCapture
 from tensorbend.errors import UnsupportedModelError
-from tensorbend.models import describe_model, moe_block, router_params, select_experts
+from tensorbend.models import describe_model, moe_block
+from tensorbend.routers import router_params, select_experts
 
 
 def _consumed_ids(model, spec):

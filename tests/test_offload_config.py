@@ -10,12 +10,12 @@ from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 import tensorbend.hf
 from tensorbend.cli import main
 from tensorbend.hf import DecodeConfig
-from tensorbend.models import router_params
 from tensorbend.offload import runner
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt
+from tensorbend.routers import router_params
 
 PROMPTS = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel module river")]
 CUDA = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 from tensorbend.cli import main
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
-from tensorbend.models import describe_model, router_params
+from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.link import Link
 from tensorbend.offload.oracle import RecordedRouting
@@ -20,6 +20,7 @@ from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt
+from tensorbend.routers import router_params
 from tensorbend.zoo import list_models
 
 PROMPTS = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel module river")]

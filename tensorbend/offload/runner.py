@@ -21,12 +21,13 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.models import describe_model, model_fingerprint
+from tensorbend.models import describe_model
 from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.registry import BASELINES, KINDS
+from tensorbend.routers import model_fingerprint
 
 RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
 NEEDS_TRAIN = tuple(b for b in BASELINES if KINDS[b].needs_train_data)
@@ -119,8 +120,8 @@ def build_predictor(
         return load_predictor(path, spec, model_fingerprint(model, spec))
     if baseline is None:
         return None
-    from tensorbend.models import router_params
     from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.routers import router_params
 
     rows = None
     if trace is not None:

@@ -31,7 +31,7 @@ import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
-from tensorbend.models import RoutingSpec, describe_model, model_fingerprint, moe_block
+from tensorbend.models import RoutingSpec, describe_model, moe_block
 from tensorbend.offload.cache import ExpertCache
 from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
@@ -43,6 +43,7 @@ from tensorbend.offload.plan import PolicyConfig, build_cache
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
+from tensorbend.routers import model_fingerprint
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.models import RoutingSpec, router_scores
+from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
     Lookahead,
     PredictorBase,
@@ -36,6 +36,7 @@ from tensorbend.predictors.base import (
     get_lookahead,
 )
 from tensorbend.predictors.ops import multi_hot, rmsnorm
+from tensorbend.routers import router_scores
 
 _TIE = 1e-3  # weight of frequency as a tie-breaker
 

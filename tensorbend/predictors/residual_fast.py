@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tensorbend.models import scores_from_logits
 from tensorbend.predictors.base import SourceBatch
 from tensorbend.predictors.ops import rms_inverse, standardise
+from tensorbend.routers import scores_from_logits
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorbend.metrics import layer_mean_recall
-from tensorbend.models import RoutingSpec, router_scores
+from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
     Lookahead,
     PredictorBase,
@@ -43,6 +43,7 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
+from tensorbend.routers import router_scores
 
 OursLoss = Literal["listwise", "bce"]
 SEED_WIDTH = 256  # the seed MLP's p that the parameter budget is measured against
