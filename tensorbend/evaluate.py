@@ -307,27 +307,7 @@ def format_table(report) -> str:
         )
     lines.append("lead times: " + "; ".join(f"{k}: {v}" for k, v in rep["lookaheads"].items()))
     for f in rep.get("foresight", []):
-        lines += _foresight_lines(f)
+        from tensorbend.foresight import format_foresight
+
+        lines += ["", format_foresight(f)]
     return "\n".join(lines)
-
-
-def _foresight_lines(f: dict) -> list[str]:
-    """A horizon checkpoint: recalls per layer, then the replay (experts read per decode token)."""
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    lines = [
-        "",
-        f"{f['predictor']} ({f['inputs']}, foresight {f['foresight']} forwards) on "
-        f"{f['requests']} requests, {f['decode_forwards']} decode forwards: next-forward "
-        f"recall@k {mean(f['next_forward_recall']):.4f}, within-{f['foresight']} recall "
-        f"{mean(f['within_h_recall']):.4f}",
-        f"demand replay at cache {f['cache_frac']:.3f} ({f['cache_slots']} slots), experts read "
-        "per decode token:",
-    ]
-    for name, r in sorted(f["replay"].items(), key=lambda kv: kv[1]["experts_per_token"]):
-        lines.append(f"  {name:<26} {r['experts_per_token']:7.3f}")
-    gap = f["gap_closed"]
-    lines.append(
-        f"best no-prediction cache: {f['best_no_prediction']}; gap to full Belady closed by "
-        f"{f['best_reuse']}: {'-' if gap is None else f'{gap:.1%}'}"
-    )
-    return lines

@@ -101,6 +101,35 @@ def evaluate_foresight(
     }
 
 
+def format_foresight(f: dict) -> str:
+    """A horizon checkpoint: recalls per layer, then the replay (experts read per decode token)."""
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    lines = [
+        f"{f['predictor']} ({f['inputs']}, foresight {f['foresight']} forwards) on "
+        f"{f['requests']} requests, {f['decode_forwards']} decode forwards: next-forward "
+        f"recall@k {mean(f['next_forward_recall']):.4f}, within-{f['foresight']} recall "
+        f"{mean(f['within_h_recall']):.4f}",
+        f"demand replay at cache {f['cache_frac']:.3f} ({f['cache_slots']} slots), experts read "
+        "per decode token:",
+    ]
+    for name, r in sorted(f["replay"].items(), key=lambda kv: kv[1]["experts_per_token"]):
+        lines.append(f"  {name:<26} {r['experts_per_token']:7.3f}")
+    gap = f["gap_closed"]
+    lines.append(
+        f"best no-prediction cache: {f['best_no_prediction']}; gap to full Belady closed by "
+        f"{f['best_reuse']}: {'-' if gap is None else f'{gap:.1%}'}"
+    )
+    lines.append(
+        f"good decisions (evictions as good as Belady's): {_pct(f['good_decisions'])}, best "
+        f"no-prediction cache: {_pct(f['good_decisions_best_no_prediction'])}"
+    )
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def _predict(pred: HorizonPredictor, rows: dict[str, torch.Tensor]):
     """Forwards of every request in order: phases, used [F, L, E], the forecast after each
     (a Forecast stacked over F), and the index of each request's first forward."""

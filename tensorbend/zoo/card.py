@@ -81,23 +81,8 @@ def evaluate(
 
     W, S = windows_WS.shape
     ids_LTK = torch.stack([torch.cat(c) for c in captured])  # [L, W*S, K]
-    L, T, K = ids_LTK.shape
-    E = spec.num_experts
-    layers = []
-    for m in range(L):
-        load_E = torch.bincount(ids_LTK[m].reshape(-1), minlength=E).double()
-        share_E = load_E / load_E.sum()
-        nz = share_E[share_E > 0]
-        row = {
-            "max_over_mean_load": round(float(load_E.max() / load_E.mean()), 3),
-            "min_over_mean_load": round(float(load_E.min() / load_E.mean()), 3),
-            "dead_experts": int((load_E == 0).sum()),
-            "load_entropy_norm": round(float(-(nz * nz.log()).sum() / math.log(E)), 4),
-            "prev_token_overlap": round(_prev_token_overlap(ids_LTK[m].view(W, S, K), E), 4),
-        }
-        if m > 0:
-            row["cross_layer_overlap"] = round(_set_overlap(ids_LTK[m - 1], ids_LTK[m], E), 4)
-        layers.append(row)
+    layers = [_layer_stats(ids_LTK, m, W, S, spec.num_experts) for m in range(spec.num_moe_layers)]
+    K, E = spec.top_k, spec.num_experts
     return {
         "heldout_loss": round(loss, 4),
         "heldout_perplexity": round(math.exp(loss), 2),
@@ -112,6 +97,24 @@ def evaluate(
         },
         "samples": _generate_samples(model, tok),
     }
+
+
+def _layer_stats(ids_LTK: torch.Tensor, m: int, W: int, S: int, E: int) -> dict:
+    """Load balance and overlaps of MoE layer m over W held-out windows of S tokens."""
+    K = ids_LTK.shape[-1]
+    load_E = torch.bincount(ids_LTK[m].reshape(-1), minlength=E).double()
+    share_E = load_E / load_E.sum()
+    nz = share_E[share_E > 0]
+    row = {
+        "max_over_mean_load": round(float(load_E.max() / load_E.mean()), 3),
+        "min_over_mean_load": round(float(load_E.min() / load_E.mean()), 3),
+        "dead_experts": int((load_E == 0).sum()),
+        "load_entropy_norm": round(float(-(nz * nz.log()).sum() / math.log(E)), 4),
+        "prev_token_overlap": round(_prev_token_overlap(ids_LTK[m].view(W, S, K), E), 4),
+    }
+    if m > 0:
+        row["cross_layer_overlap"] = round(_set_overlap(ids_LTK[m - 1], ids_LTK[m], E), 4)
+    return row
 
 
 def write_cards(out: Path, model: torch.nn.Module, cfg, run: dict, stats: dict) -> None:

@@ -125,6 +125,23 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     tok, train_ids_N, heldout_ids_N = _prepare_data(cfg, size.vocab_size, state_dir, progress)
+    model, opt = _build_model(cfg, size, tok, device)
+    run = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "last_loss": None}
+    if cfg.resume and ckpt_path.exists():
+        run = _load_checkpoint(ckpt_path, cfg, model, opt)
+    _train_loop(cfg, model, opt, run, train_ids_N, state_dir, progress)
+    _save_checkpoint(ckpt_path, cfg, model, opt, run)
+
+    model.eval()
+    stats = zoo_card.evaluate(model, tok, train_ids_N, heldout_ids_N, size.seq_len,
+                              cfg.eval_tokens, progress=progress)  # fmt: skip
+    _save_hf(model, tok, out)
+    zoo_card.write_cards(out, model, cfg, run, stats)
+    return out
+
+
+def _build_model(cfg: ZooTrainConfig, size, tok, device: torch.device):
+    """The model from the size preset (seeded init) and AdamW (no decay on norms and routers)."""
     torch.manual_seed(cfg.seed)
     hf_config = build_config(
         cfg.arch, size, len(tok), tok.eos_token_id, aux_loss_coef=cfg.aux_loss_coef
@@ -138,10 +155,14 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
         lr=size.lr,
         betas=(0.9, 0.95),
     )
-    run = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "last_loss": None}
-    if cfg.resume and ckpt_path.exists():
-        run = _load_checkpoint(ckpt_path, cfg, model, opt)
+    return model, opt
 
+
+def _train_loop(cfg: ZooTrainConfig, model, opt, run: dict, train_ids_N, state_dir: Path,
+                progress: bool) -> None:  # fmt: skip
+    """Steps until the budget; checkpoints periodically and on Ctrl-C / SIGTERM (then raises)."""
+    size, device = SIZES[cfg.size], next(model.parameters()).device
+    ckpt_path = state_dir / CHECKPOINT
     aux_coef = 0.0 if cfg.arch == "deepseek_v3" else cfg.aux_loss_coef
     routers = RouterLoad(model, keep_logits=aux_coef > 0)
     tokens_per_step = size.batch_size * size.seq_len
@@ -172,15 +193,7 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
             run["step"] += 1
             run["tokens_seen"] += tokens_per_step
             run["last_loss"] = lm_loss
-            imbalance = float((load_LE.max(1).values / load_LE.mean(1)).max())
-            bar.update(1)
-            bar.set_postfix(loss=f"{lm_loss:.3f}", lr=f"{lr:.1e}", max_over_mean=f"{imbalance:.2f}")
-            if run["step"] % 25 == 0:
-                log.write(json.dumps({"step": run["step"], "tokens": run["tokens_seen"],
-                                      "seconds": round(time.monotonic() - t_start, 1),
-                                      "loss": round(lm_loss, 4), "lr": lr,
-                                      "max_over_mean_load": round(imbalance, 3)}) + "\n")  # fmt: skip
-                log.flush()
+            _report(bar, log, run, lr, load_LE, time.monotonic() - t_start)
             if stop.requested:
                 raise KeyboardInterrupt
             if time.monotonic() - t_ckpt > cfg.checkpoint_minutes * 60:
@@ -195,14 +208,19 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
         bar.close()
         log.close()
         routers.remove()
-    _save_checkpoint(ckpt_path, cfg, model, opt, run)
 
-    model.eval()
-    stats = zoo_card.evaluate(model, tok, train_ids_N, heldout_ids_N, size.seq_len,
-                              cfg.eval_tokens, progress=progress)  # fmt: skip
-    _save_hf(model, tok, out)
-    zoo_card.write_cards(out, model, cfg, run, stats)
-    return out
+
+def _report(bar, log, run: dict, lr: float, load_LE: torch.Tensor, seconds: float) -> None:
+    """Progress bar every step; a JSON line in train_log.jsonl every 25 steps."""
+    imbalance = float((load_LE.max(1).values / load_LE.mean(1)).max())
+    bar.update(1)
+    bar.set_postfix(loss=f"{run['last_loss']:.3f}", lr=f"{lr:.1e}",
+                    max_over_mean=f"{imbalance:.2f}")  # fmt: skip
+    if run["step"] % 25 == 0:
+        log.write(json.dumps({"step": run["step"], "tokens": run["tokens_seen"],
+                              "seconds": round(seconds, 1), "loss": round(run["last_loss"], 4),
+                              "lr": lr, "max_over_mean_load": round(imbalance, 3)}) + "\n")  # fmt: skip
+        log.flush()
 
 
 # ---------------------------------------------------------------- one step
