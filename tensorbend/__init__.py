@@ -8,7 +8,9 @@ Usage (public names import lazily from the package; torch loads on first use):
     True
 
 The data flow: `collect.collect` (model -> trace) -> `train.train` (trace -> predictor) ->
-`evaluate.evaluate` (held-out report); `offload.runner.run` generates with offloaded experts.
+`evaluate.evaluate` (held-out report); `offload.runner.run` generates with offloaded experts;
+`simulate.simulate` projects a trace onto another model geometry and hardware;
+`engines.importer.import_trace` turns a serving engine's routing dump into a trace.
 Each takes one config dataclass and returns a result dataclass with `to_json()`; the keys are
 documented in docs/formats.md. (The verb functions are not re-exported here because their
 names are also module names: `tensorbend.collect` must stay the module.)
@@ -35,11 +37,20 @@ _EXPORTS = {
     "CollectConfig": "tensorbend.collect",
     "CollectResult": "tensorbend.collect",
     "TrainConfig": "tensorbend.train",
+    "TrainResult": "tensorbend.train",
     "EvalConfig": "tensorbend.evaluate",
+    "EvalReport": "tensorbend.evaluate",
     "LOOKAHEADS": "tensorbend.predictors",
+    "KINDS": "tensorbend.predictors",
     "load_predictor": "tensorbend.predictors",
     "build_baseline": "tensorbend.predictors",
     "RunConfig": "tensorbend.offload.runner",
+    "RunResult": "tensorbend.offload.result",
+    "PolicyConfig": "tensorbend.offload.plan",
+    "SimulateConfig": "tensorbend.simulate.simulator",
+    "SimulateResult": "tensorbend.simulate.simulator",
+    "ImportConfig": "tensorbend.engines.importer",
+    "import_trace": "tensorbend.engines.importer",
     "ExpertPredictorSet": "tensorbend.predictors.seed_api",
 }
 __all__ = sorted(_EXPORTS)

@@ -33,3 +33,9 @@ def test_usage_examples_run(name):
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(importlib.import_module(name), optionflags=flags, verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
+
+
+def test_every_public_name_resolves():
+    assert 20 <= len(tensorbend.__all__) <= 30
+    for name in tensorbend.__all__:
+        assert getattr(tensorbend, name) is not None, name
