@@ -133,7 +133,7 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
     loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
     across = [p for p in loaded if KINDS[p.kind].cross_token]
     loaded = [p for p in loaded if not KINDS[p.kind].cross_token]
-    names = _baseline_names(cfg, tr)
+    names = _check_features(_baseline_names(cfg, tr), lookaheads, tr, "all" not in cfg.baselines)
     needs_train = any(KINDS[n].needs_train_data for n in names)
     data = TrainData(
         train_rows=tr.load(("ids",), split="train") if needs_train else None,
@@ -168,31 +168,43 @@ def _foresight(pred, tr: Trace, cfg: EvalConfig) -> dict:
 
 
 def _lookaheads(cfg: EvalConfig, tr: Trace) -> tuple[str, ...]:
-    """The peers' lookaheads: as configured, or every headline one the trace has features for."""
-    names = cfg.lookaheads or tuple(
-        n for n in HEADLINE_LOOKAHEADS if get_lookahead(n).hidden in tr.features
-    )
-    for name in names:
-        hidden = get_lookahead(name).hidden
-        if hidden not in tr.features:
+    """The peers' lookaheads: as configured, or every headline one the trace has features for
+    (on a routing-only trace: d1..d3, where routing-only peers read the source layer's ids)."""
+    routing_only = not any(f in tr.features for f in ("gate_input", "layer_input"))
+    default = tuple(n for n in HEADLINE_LOOKAHEADS if get_lookahead(n).hidden in tr.features)
+    return cfg.lookaheads or (("d1", "d2", "d3") if routing_only else default)
+
+
+def _check_features(names: list[str], lookaheads, tr: Trace, explicit: bool) -> list[str]:
+    """Drop (all) or refuse (named) peers whose lookahead needs a hidden state the trace lacks."""
+    keep = []
+    for n in names:
+        missing = [
+            h for la in lookaheads
+            if KINDS[n].needs_hidden and (h := get_lookahead(la).hidden) not in tr.features
+        ]  # fmt: skip
+        if not missing:
+            keep.append(n)
+        elif explicit:
             raise TensorbendError(
-                f"lookahead {name} needs feature {hidden!r}, trace has {tr.features}: "
-                f"recollect with --features ids {hidden}"
+                f"{n} at lookahead {', '.join(lookaheads)} needs trace feature {missing[0]!r}, "
+                f"found {tr.features} in {tr.root}: recollect with --features ids {missing[0]}, "
+                "or use routing-only peers (frequency, transition, prev_token)"
             )
-    return names
+    return keep
 
 
 def _score_jobs(jobs: list, tr: Trace, cfg: EvalConfig) -> list[EvalRow]:
     """Score (predictor, checkpoint) pairs on the split, loading rows once per hidden feature."""
     over = tuple(dict.fromkeys((*cfg.overprovision, tr.spec.top_k)))  # p = K reported as "K"
-    rows_cache: dict[str, dict] = {}
+    rows_cache: dict[tuple, dict] = {}
     results = []
     for pred, ckpt in jobs:
-        la = pred.lookahead
-        if la.hidden not in rows_cache:
+        feats = KINDS[pred.kind].features(pred.lookahead)
+        if feats not in rows_cache:
             split = None if cfg.split == "all" else cfg.split
-            rows_cache[la.hidden] = tr.load(("ids", la.hidden), split=split)
-        rows = rows_cache[la.hidden]
+            rows_cache[feats] = tr.load(feats, split=split)
+        rows = rows_cache[feats]
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
         results += _rows_of(pred, ckpt, rows, over, cfg.timing_rows)

@@ -160,15 +160,18 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     if kind.cross_token:
         return _train_cross_token(cfg, kind, kind_cfg, tr, t0, progress)
     la = get_lookahead(cfg.lookahead or "d1")
-    missing = [f for f in la.features if f not in tr.features]
+    feats = kind.features(la)
+    missing = [f for f in feats if f not in tr.features]
     if missing:
         raise TensorbendError(
-            f"lookahead {la.name} needs trace features {list(la.features)}, found {tr.features} "
-            f"in {cfg.trace}: recollect with --features {' '.join(sorted({*tr.features, *missing}))}"
+            f"--predictor {kind.name} at lookahead {la.name} needs trace features {list(feats)}, "
+            f"found {tr.features} in {cfg.trace}: recollect with --features "
+            f"{' '.join(sorted({*tr.features, *missing}))} (a routing-only trace trains "
+            "frequency, transition or horizon --inputs routing)"
         )
     sel = RowSelection(cfg.max_train_prompts, cfg.tokens_per_forward, cfg.max_train_rows, cfg.seed)
-    train_rows = select_rows(tr.load(la.features, split="train"), sel)
-    val_rows = tr.load(la.features, split="val")
+    train_rows = select_rows(tr.load(feats, split="train"), sel)
+    val_rows = tr.load(feats, split="val")
     for name, rows in (("train", train_rows), ("val", val_rows)):
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(

@@ -81,6 +81,16 @@ def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
     base = ["train", "--trace", str(tmp_path / "t"), "--predictor", "horizon", "--quiet",
             "--out", str(tmp_path / "h.safetensors")]  # fmt: skip
     assert main([*base, "--inputs", "routing"]) == 0
+    t = str(tmp_path / "t")
+    ev = ["eval", "--trace", t, "--json", str(tmp_path / "e.json")]
+    assert main([*ev, "--baselines", "all"]) == 0  # routing-only peers, at d1..d3
+    import json
+
+    kinds = {r["predictor"] for r in json.loads((tmp_path / "e.json").read_text())["results"]}
+    assert kinds == {"transition", "prev_token", "frequency", "random", "oracle"}
+    assert main([*ev, "--baselines", "spec_gate"]) == 2  # needs hidden states: says so
+    assert main(["train", "--trace", t, "--predictor", "transition", "--quiet",
+                 "--out", str(tmp_path / "tr.safetensors")]) == 0  # fmt: skip
     with pytest.raises(TensorbendError, match="--inputs routing"):
         from tensorbend.train import TrainConfig, train
 

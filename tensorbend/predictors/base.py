@@ -127,7 +127,8 @@ class SourceBatch:
 def sources_from_rows(rows: dict[str, torch.Tensor], la: Lookahead, m: int) -> SourceBatch:
     """SourceBatch for target layer m from rows loaded with `Trace.load(la.features)`."""
     ids_TLK = rows["expert_ids_TLK"].long()
-    hidden_TLD = rows[f"{la.hidden}_TLD"]
+    T, L = ids_TLK.shape[:2]  # a routing-only trace: an empty hidden state (routing-only kinds)
+    hidden_TLD = rows.get(f"{la.hidden}_TLD", torch.zeros(T, L, 0))
     s = la.source_layer(m)
     assert 0 <= s < ids_TLK.shape[1], f"target {m} has no source layer at {la.name}"
     route_layer = m - max(la.distance, 1)  # latest layer routed before the source point

@@ -53,6 +53,11 @@ class PredictorKind:
     needs_train_data: bool
     help: str
     cross_token: bool = False  # predicts the next forwards' experts (foresight), not layer m's
+    needs_hidden: bool = True  # reads the source hidden state (else routing only: imported traces)
+
+    def features(self, la: Lookahead) -> tuple[str, ...]:
+        """Trace features it reads at lookahead la."""
+        return la.features if self.needs_hidden else ("ids",)
 
 
 _ROWS = (
@@ -101,6 +106,7 @@ _ROWS = (
         baseline=True,
         needs_train_data=True,
         help="P(target expert | source-layer expert) tables from the train split",
+        needs_hidden=False,
     ),
     PredictorKind(
         name="prev_token",
@@ -110,6 +116,7 @@ _ROWS = (
         baseline=True,
         needs_train_data=True,
         help="the previous token's experts at the target layer where they exist, else frequency",
+        needs_hidden=False,
     ),
     PredictorKind(
         name="frequency",
@@ -119,6 +126,7 @@ _ROWS = (
         baseline=True,
         needs_train_data=True,
         help="per-layer expert popularity on the train split",
+        needs_hidden=False,
     ),
     PredictorKind(
         name="random",
@@ -128,6 +136,7 @@ _ROWS = (
         baseline=True,
         needs_train_data=False,
         help="uniform random scores (the floor)",
+        needs_hidden=False,
     ),
     PredictorKind(
         name="oracle",
@@ -137,6 +146,7 @@ _ROWS = (
         baseline=True,
         needs_train_data=False,
         help="the true experts (the ceiling)",
+        needs_hidden=False,
     ),
 )
 KINDS: dict[str, PredictorKind] = {k.name: k for k in _ROWS}
