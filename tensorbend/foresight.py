@@ -130,6 +130,12 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def forecasts(pred: HorizonPredictor, rows: dict[str, torch.Tensor]) -> list[Forecast]:
+    """The forecast after every forward of `rows` (batch 1, run order: `rows.forwards`)."""
+    _, _, fc, _ = _predict(pred, rows)
+    return [Forecast(p_LEJ, t_LE) for p_LEJ, t_LE in zip(fc.first_use_LEJ, fc.tail_LE, strict=True)]
+
+
 def _predict(pred: HorizonPredictor, rows: dict[str, torch.Tensor]):
     """Forwards of every request in order: phases, used [F, L, E], the forecast after each
     (a Forecast stacked over F), and the index of each request's first forward."""

@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from test_import import csv_rows, planted_routing
 
 from tensorbend.engines import ImportConfig, import_trace
@@ -319,3 +320,42 @@ def test_oracle_sees_across_the_forward_boundary_within_its_foresight(planted, t
     one = sim(planted, cal, foresight=1, **kw).results[0]
     assert full["stall_s_per_token"] == 0.0 and full["demand_hit_rate"] == 1.0
     assert one["stall_s_per_token"] > 0.0 and one["demand_hit_rate"] < 1.0
+
+
+def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
+    """On a trace whose routing cycles across tokens (policy prefetch, no within-token
+    predictor, no prefetch ahead: demand loads only): learned forecasts read fewer bytes than
+    the eviction without them (Predicted) and than LRU; exact forecasts (one-hot, from the
+    trace's future) read no more than the learned ones."""
+    from planted import cycle_trace
+
+    import tensorbend.simulate.simulator as simulator
+    from tensorbend.cli import main
+    from tensorbend.predictors.horizon import Forecast, first_use_class, request_forwards
+
+    cycle_trace(tmp_path / "t", prompts=40)
+    ckpt = tmp_path / "h.safetensors"
+    assert main(["train", "--trace", str(tmp_path / "t"), "--out", str(ckpt), "--quiet",
+                 "--predictor", "horizon", "--inputs", "routing", "--foresight", "2"]) == 0  # fmt: skip
+    cal = calibration(tmp_path / "c.json", wire_s=0.1, attn_s=1.0)
+    kw = dict(policies=("lru", "prefetch"), predictors=("none",), horizon=ckpt,
+              token_ahead_layers=0, cache_fracs=(0.75,), split="test", max_prompts=None)  # fmt: skip
+    learned = sim(tmp_path / "t", cal, **kw).results
+
+    def exact(cfg, tr, rows):
+        out = []
+        for request in request_forwards(rows, tr.spec):
+            used_FLE = torch.stack([u for _, u, _ in request])
+            for f in range(len(request)):
+                cls_LE = first_use_class(used_FLE[f + 1 : f + 3], 2)
+                probs_LEJ = torch.nn.functional.one_hot(cls_LE, 3).float()
+                out.append(Forecast(probs_LEJ, torch.zeros(cls_LE.shape)))
+        return out
+
+    monkeypatch.setattr(simulator, "_forecasts", exact)
+    true = sim(tmp_path / "t", cal, **kw).results
+    by = {r["predictor"]: r["bytes_read_per_token"] for r in learned if r["policy"] == "prefetch"}
+    by_true = {r["predictor"]: r["bytes_read_per_token"] for r in true if r["policy"] == "prefetch"}
+    lru = next(r["bytes_read_per_token"] for r in learned if r["policy"] == "lru")
+    assert by_true["none+horizon"] <= by["none+horizon"] < by["none"] < lru
+    assert by["none"] == by_true["none"]  # runs without forecasts are untouched

@@ -301,7 +301,9 @@ def request_forwards(rows: dict[str, torch.Tensor], spec: RoutingSpec) -> list[l
     token's gate input of the last MoE layer [D] or None for a routing-only trace)."""
     ids_TLK = rows["expert_ids_TLK"].long()
     used_TLE = torch.zeros(*ids_TLK.shape[:2], spec.num_experts).scatter_(2, ids_TLK, 1.0)
-    hidden_TD = rows["gate_input_TLD"][:, -1].float() if "gate_input_TLD" in rows else None
+    gate_TLD = rows.get("gate_input_TLD")
+    has_hidden = gate_TLD is not None and gate_TLD.shape[-1] > 0  # zero-width: routing only
+    hidden_TD = gate_TLD[:, -1].float() if has_hidden else None
     out, last_prompt = [], None
     for fw in forwards(rows, batch=1):
         prompt = int(rows["prompt_index_T"][fw.rows[0]])

@@ -41,6 +41,8 @@ class LayerWork:
         default_factory=list
     )  # (target layer, ranked ids)
     at_router: list[tuple[int, list[int]]] = field(default_factory=list)
+    forecast: tuple | None = None  # (forward, first_use_LEJ, tail_LE) for policies.Reuse
+    ahead: list[tuple[int, list[int]]] = field(default_factory=list)  # prefetched, not hinted
 
 
 @dataclass
@@ -115,6 +117,9 @@ class EventRun:
         for e, _ in lw.demand:
             self._claim((step - base, e))
         self.total.prefetch_cancelled += self.link.cancel_stale(step)
+        if lw.forecast is not None:  # a cross-token forecast, as the runtime's last-layer hook
+            self.rs.set_forecast(*lw.forecast)
+            self._predict(lw.ahead, hint=False)
         self._predict(lw.at_router)
         pending = {(step - base, e): n for e, n in lw.demand}
         while pending:
@@ -134,13 +139,14 @@ class EventRun:
                 self._advance(self.t)
                 self._release(k)
 
-    def _predict(self, preds: list[tuple[int, list[int]]]) -> None:
+    def _predict(self, preds: list[tuple[int, list[int]]], hint: bool = True) -> None:
         """Hint each predicted (layer, expert) for its step and queue its prefetch, in rank order."""
         for when, ids in preds:
             self.t += self.times.predict_s
             for rank, e in enumerate(ids):
                 key = (when % self.L, e)
-                self.rs.hint(key, when)
+                if hint:
+                    self.rs.hint(key, when)
                 if key not in self.link.queued and key not in self.entries:
                     self.link.push(PREFETCH, (when, rank), key, when, self.t)
                     self.total.prefetch_issued += 1

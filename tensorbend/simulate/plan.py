@@ -106,6 +106,23 @@ def add_oracle(
                 (lw.at_router if at_router else lw.at_start).append((target, by_step[target]))
 
 
+def add_horizon(work: list[ForwardWork], mapping: Mapping, forecasts, ahead_layers: int, K: int):
+    """A cross-token predictor's forecast after each forward (batch 1: one per forward, in run
+    order), handed to the policy at the forward's last geometry layer, plus prefetches of the
+    likeliest experts of the next forward's first `ahead_layers` layers (as the runtime)."""
+    layer_of = list(mapping.layer_of)
+    Lg = mapping.geometry_layers
+    assert len(forecasts) == len(work), "one forecast per forward (batch 1)"
+    for f, (fw, fc) in enumerate(zip(work, forecasts, strict=True)):
+        first_use_GEJ, tail_GE = fc.first_use_LEJ[layer_of], fc.tail_LE[layer_of]
+        last = fw.layers[-1]
+        last.forecast = (f, first_use_GEJ.tolist(), tail_GE.tolist())
+        last.ahead = [
+            ((f + 1) * Lg + g, first_use_GEJ[g, :, 0].topk(K).indices.tolist())
+            for g in range(min(ahead_layers, Lg))
+        ]
+
+
 def steps_by_key(work: list[ForwardWork]) -> dict[Key, list[int]]:
     """Sorted steps (forward * L + g) at which each (g, e) is demanded."""
     out: dict[Key, list[int]] = {}

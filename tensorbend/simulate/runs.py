@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, make_admission
+from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse, make_admission
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
@@ -37,12 +37,13 @@ def make_resident_set(
     admission_window: int = 8,
     steps=None,
     foresight: int | None = None,
+    horizon: bool = False,
 ) -> ResidentSet:
     """The runtime's cache of each policy name (as `offload.plan.build_cache` makes it): lru and
     on_demand LRU (on_demand: capacity 0), lfu LFU, lfru LFRU, prefetch Predicted, oracle NextUse
     over the run's routing within `foresight`; pool and admission for every policy."""
     if policy == "prefetch":
-        ev = Predicted(num_layers)
+        ev = Reuse(num_layers) if horizon else Predicted(num_layers)
     elif policy == "oracle":
         ev = NextUse(steps, num_layers, foresight)
     else:
@@ -52,13 +53,17 @@ def make_resident_set(
     return make_indexed(cap, num_layers, ev, pool=pool, admission=adm)
 
 
-def run_one(cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo) -> dict:
-    """One policy (x predictor) at one cache fraction; returns its result row."""
+def run_one(
+    cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo, forecasts=None
+) -> dict:
+    """One policy (x predictor, x cross-token forecasts) at one cache fraction; its result row."""
     L, K = mapping.geometry_layers, mapping.trace_top_k
     units = L * mapping.trace_experts if policy == "resident" else cache_units(cfg, frac, mapping)
     extra = cfg.prefetch_extra
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
+    if forecasts is not None:
+        plan.add_horizon(work, mapping, forecasts, cfg.token_ahead_layers, K)
     steps = None
     if policy == "oracle":
         la = get_lookahead(cfg.lookahead)
@@ -66,7 +71,7 @@ def run_one(cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo) ->
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
     rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight)  # fmt: skip
+                           steps, cfg.foresight, horizon=forecasts is not None)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
@@ -75,7 +80,11 @@ def run_one(cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo) ->
     if policy == "resident":
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
     run.run(work)
-    return _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
+    row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
+    row["horizon"] = str(cfg.horizon) if forecasts is not None else None
+    if forecasts is not None:
+        row["predictor"] = f"{row['predictor']}+horizon" if row["predictor"] else "horizon"
+    return row
 
 
 def cache_units(cfg, frac: float, mapping) -> int:

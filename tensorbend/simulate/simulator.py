@@ -75,6 +75,11 @@ class SimulateConfig:
     )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
     prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
+    horizon: Path | None = None
+    """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
+    simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
+    token_ahead_layers: int = 1
+    """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
     lookahead: str = "d1"
     """Lookahead of named peers and of the oracle's prefetches."""
     train_trace: Path | None = None
@@ -124,6 +129,11 @@ class SimulateConfig:
         if any(not 0 < f <= 1 for f in self.cache_fracs):
             raise TensorbendError(
                 f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
+            )
+        if self.horizon is not None and self.batch != 1:
+            raise TensorbendError(
+                f"--horizon with --batch {self.batch}: expected --batch 1 (its forecasts are "
+                "per request; batched forecasts are not simulated)"
             )
         if (
             self.batch < 1
@@ -187,14 +197,18 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
     rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
+    fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
+    variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
     jobs = [
-        (p, r, f)
+        (p, r, f, fc)
         for f in fracs
         for p in cfg.policies
-        for r in (rankeds if p == "prefetch" else [None])
+        for r, fc in (variants if p == "prefetch" else [(None, None)])
     ]
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
-    results = [run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo) for p, r, f in bar]
+    results = [
+        run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo, fc) for p, r, f, fc in bar
+    ]
     relative(results)
     res = SimulateResult(
         hardware=cfg.hardware,
@@ -223,6 +237,29 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     return res
 
 
+def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
+    """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
+    from tensorbend.foresight import forecasts
+    from tensorbend.predictors.checkpoint import load_predictor
+    from tensorbend.predictors.registry import KINDS
+
+    pred = load_predictor(
+        cfg.horizon, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"]
+    )
+    if not KINDS[pred.kind].cross_token:
+        raise TensorbendError(
+            f"--horizon {cfg.horizon}: expected a cross-token (horizon) checkpoint, found kind "
+            f"{pred.kind}; pass it as --predictor"
+        )
+    missing = [f for f in pred.cfg.features if f not in tr.features]
+    if missing:
+        raise TensorbendError(
+            f"--horizon {cfg.horizon} reads trace features {list(pred.cfg.features)}, found "
+            f"{tr.features}: train one with --inputs routing for this trace"
+        )
+    return forecasts(pred, rows)
+
+
 def _setup(cfg: SimulateConfig, tr: Trace):
     """(hardware, calibration | None, geometry, mapping, costs) of a run."""
     spec = tr.spec
@@ -248,12 +285,12 @@ def format_table(res: SimulateResult) -> str:
         f"batch {res.batch}, {res.tokens['decode']} decode + {res.tokens['prefill']} prefill tokens)"
     ]
     lines += [f"mapping: {x}" for x in res.mapping["notes"]]
-    head = f"{'policy':<10} {'predictor':<12} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
+    head = f"{'policy':<10} {'predictor':<20} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
     lines += [head, "-" * len(head)]
     for r in res.results:
         tok_s = "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.2f}"
         lines.append(
-            f"{r['policy']:<10} {str(r['predictor'] or '-'):<12} {r['cache_frac']:>6.3f} {tok_s:>9} "
+            f"{r['policy']:<10} {str(r['predictor'] or '-'):<20} {r['cache_frac']:>6.3f} {tok_s:>9} "
             f"{r['stall_s_per_token'] * 1e3:>12.3f} {r['bytes_read_per_token'] / 1e6:>9.2f} "
             f"{r['demand_hit_rate']:>6.3f} {r['wasted_prefetch_bytes'] / 1e6:>10.1f}"
         )
@@ -274,6 +311,11 @@ def _rows(cfg, tr: Trace):
             from tensorbend.predictors.checkpoint import read_metadata
 
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
+    if cfg.horizon is not None and "prefetch" in cfg.policies:
+        from tensorbend.predictors.checkpoint import read_metadata
+
+        if read_metadata(cfg.horizon)["config"].get("inputs") == "routing+hidden":
+            hidden.add("gate_input")
     rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
     if rows["expert_ids_TLK"].shape[0] == 0:
         raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to replay")
