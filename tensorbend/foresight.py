@@ -216,7 +216,9 @@ def _replay(phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle
                     good += oracle.next_use(placed.victim, now) >= oracle.next_use(best, now)
         decode += phase == "decode"
         if fc is not None:
-            policy.set_forecast(f, fc.first_use_LEJ[f].tolist(), fc.tail_LE[f].tolist())
+            policy.set_forecast(
+                f, *Forecast(fc.first_use_LEJ[f], fc.tail_LE[f]).next_use_steps(f, L)
+            )
     out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions}
     if oracle is not None:
         out["good_decisions"] = good / evictions if evictions else None

@@ -122,3 +122,32 @@ def test_a_forecast_never_sees_later_forwards(tmp_path):
         assert torch.equal(fa.first_use_LEJ, fb.first_use_LEJ)
     sb.observe(*scrambled[cut][1:])
     assert not torch.equal(p.forecast(sb).first_use_LEJ, fa.first_use_LEJ)  # it does read f
+
+
+def test_fast_numpy_path_equals_the_torch_computation(cycle):
+    """The runtime's numpy path (state, forecast, next-use steps) equals HorizonPredictor's."""
+    import numpy as np
+
+    from tensorbend.predictors.horizon import request_forwards
+    from tensorbend.predictors.horizon_fast import FastHorizon
+
+    for inputs in ("routing", "routing+hidden"):
+        rows = {s: cycle.load(("ids", "gate_input"), split=s) for s in ("train", "val")}
+        cfg = HorizonConfig(foresight=3, inputs=inputs)
+        p = HorizonPredictor.fit(cycle.spec, None, TrainData(rows["train"], rows["val"]), cfg)
+        torch.nn.init.normal_(p.net.w_LJX)  # non-trivial weights everywhere
+        if p.net.mlp is not None:
+            torch.nn.init.normal_(p.net.mlp[2].weight, std=0.1)
+        fast = FastHorizon(p)
+        request = request_forwards(rows["val"], cycle.spec)[0]
+        st, fst = p.new_state(), fast.new_state()
+        for f, (_, used_LE, _) in enumerate(request):
+            h = torch.randn(8)  # the cycle trace stores zeros: exercise the MLP
+            st.observe(used_LE, h)
+            want = p.forecast(st).next_use_steps(f, cycle.spec.num_moe_layers)
+            got = fast.step(fst, used_LE.numpy(), h.numpy(), forward=f)
+            for a, b in zip(want, got, strict=True):
+                np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-4)
+            np.testing.assert_allclose(
+                fast.next_forward_probs, p.forecast(st).first_use_LEJ[..., 0].numpy(), atol=1e-5
+            )

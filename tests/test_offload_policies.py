@@ -4,6 +4,7 @@ bounded-foresight oracle against full Belady and LRU, per-layer pools."""
 import random
 
 import pytest
+import torch
 
 from tensorbend.offload.policies import (
     LFRU,
@@ -162,24 +163,31 @@ def test_make_admission_window_is_in_forwards():
 
 
 def test_reuse_next_use_by_hand_and_victim_choice():
-    """L = 2 layers, h = 2, forecast made after forward 1. At now = 5 (forward 2, layer 1):
-    key (0, 0) with P(next use at forward 2, 3, later) = (0.5, 0.5, 0): forward 2's layer-0
-    step 4 has passed, so its next use is forward 3's step 6. Key (1, 0) with (0.5, 0.5, 0):
-    step 5 is now, not ahead, so step 7. Key (0, 1) with (0, 0, 1) and tail 3: step
-    (1 + 2) * 2 + 0 = 6, plus 3 forwards = 12. A hint for an exact step wins."""
+    """L = 2 layers, h = 2, forecast made after forward 1: class j of layer m is step
+    (1 + j) * 2 + m; "later" is (1 + 2) * 2 + m + 2 * tail. Key (0, 0) with P = (0.5, 0.5, 0):
+    ahead = 0.5 * 4 + 0.5 * 6 = 5; after class 1 passed = 6. Key (0, 1) with (0, 0, 1), tail 3:
+    6 + 6 = 12. At now = 3 (forward 1, layer 1) class 1 of layer 0 (step 4) is ahead; at
+    now = 5 it has passed. A hint for an exact step wins."""
+    from tensorbend.predictors.horizon import Forecast
+
+    first_use = torch.tensor(
+        [[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], [[0.5, 0.5, 0.0], [0.25, 0.25, 0.5]]]
+    )
+    tail = torch.tensor([[3.0, 3.0], [3.0, 1.0]])
+    ahead, after = Forecast(first_use, tail).next_use_steps(1, 2)
+    assert ahead[0][0] == pytest.approx(5) and after[0][0] == pytest.approx(6)
+    assert ahead[0][1] == pytest.approx(12) and after[0][1] == pytest.approx(12)
+    # (1, 1): steps 5, 7 (0.25 each), later 7 + 2 * 1 = 9 (0.5): ahead 7.5, after (7*.25+9*.5)/.75
+    assert ahead[1][1] == pytest.approx(7.5) and after[1][1] == pytest.approx(6.25 / 0.75)
     pol = Reuse(num_layers=2)
-    first_use = [[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], [[0.5, 0.5, 0.0], [0.25, 0.25, 0.5]]]
-    tail = [[3.0, 3.0], [3.0, 1.0]]
-    pol.set_forecast(1, first_use, tail)
+    pol.set_forecast(1, ahead, after)
+    assert pol.next_use((0, 0), 3) == pytest.approx(5)
     assert pol.next_use((0, 0), 5) == pytest.approx(6)
-    assert pol.next_use((1, 0), 5) == pytest.approx(7)
-    assert pol.next_use((0, 1), 5) == pytest.approx(12)
-    # (1, 1) at now = 3: steps 5 and 7 ahead (0.25 each), later = 7 + 2 * 1 = 9 (0.5) -> 7.5
-    assert pol.next_use((1, 1), 3) == pytest.approx((0.25 * 5 + 0.25 * 7 + 0.5 * 9) / 1.0)
+    assert pol.next_use((1, 0), 5) == pytest.approx(7)  # layer 1's class 1 (step 5) not ahead
     pol.hint((0, 1), 6)
     assert pol.next_use((0, 1), 5) == 6
     rs = ResidentSet(capacity=2, num_layers=2, policy=Reuse(num_layers=2))
-    rs.policy.set_forecast(1, first_use, tail)
+    rs.policy.set_forecast(1, ahead, after)
     for key, step in (((0, 0), 4), ((0, 1), 4), ((1, 1), 5)):
         rs.access(key, step)
     assert sorted(rs) == [(0, 0), (1, 1)]  # (0, 1), expected back last, left

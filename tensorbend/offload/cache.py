@@ -194,10 +194,10 @@ class ExpertCache:
         with self._cond:
             self.resident.hint(key, when)
 
-    def set_forecast(self, forward: int, first_use_LEJ: list, tail_LE: list) -> None:
+    def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast for the policy (policies.Reuse.set_forecast)."""
         with self._cond:
-            self.resident.policy.set_forecast(forward, first_use_LEJ, tail_LE)
+            self.resident.policy.set_forecast(forward, ahead_LE, after_first_LE)
 
     def finalize(self) -> None:
         """End of a run: prefetched experts never used count as wasted."""

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tensorbend.models import RouterCall, RouterHooks, RoutingSpec
 from tensorbend.offload.policies import INF, Key
 from tensorbend.predictors.base import Lookahead, SourceBatch
+from tensorbend.predictors.horizon_fast import FastHorizon
 
 
 @dataclass
@@ -106,7 +108,8 @@ class PredictionHooks:
     ):
         self.spec, self.clock, self.history = spec, clock, history
         self.predictor, self.loader, self.cache, self.extra = predictor, loader, cache, extra
-        self.horizon, self.token_ahead_layers = horizon, token_ahead_layers
+        self.token_ahead_layers = token_ahead_layers
+        self.horizon = None if horizon is None else FastHorizon(horizon)  # numpy per-forward path
         self._state = None  # the horizon's per-request history
         self.on_route = on_route  # (m, ids_TK): layer m's demand loads, before any prefetch
         self.la: Lookahead | None = getattr(predictor, "lookahead", None)
@@ -169,21 +172,22 @@ class PredictionHooks:
         """At the last MoE layer's router: the forward's routing is known; update the horizon's
         request history (a new one at a prompt's first forward), hand its forecast to the
         cache's policy, and prefetch the next forward's first layers' likeliest experts."""
-        L, E = self.spec.num_moe_layers, self.spec.num_experts
+        L, E, K = self.spec.num_moe_layers, self.spec.num_experts, self.spec.top_k
         if not self.history.prev or self._state is None:  # a prompt's first forward
             self._state = self.horizon.new_state()
-        used_LE = torch.zeros(L, E)
+        used_LE = np.zeros((L, E), dtype=np.float32)
         for m in range(L):
-            used_LE[m, self.history.cur[m].flatten()] = 1.0
-        self._state.observe(used_LE, hidden_D.detach().float().cpu())
-        fc = self.horizon.forecast(self._state)
+            used_LE[m, self.history.cur[m].flatten().numpy()] = 1.0
         f = self.clock.forward
+        hidden = hidden_D.detach().float().cpu().numpy()
+        steps = self.horizon.step(self._state, used_LE, hidden, forward=f)
         if self.cache is not None:
-            self.cache.set_forecast(f, fc.first_use_LEJ.tolist(), fc.tail_LE.tolist())
+            self.cache.set_forecast(f, *steps)
+        first_LE = self.horizon.next_forward_probs
         ahead = [
-            ((m, e), (f + 1) * L + m)
+            ((m, int(e)), (f + 1) * L + m)
             for m in range(min(self.token_ahead_layers, L))
-            for e in fc.first_use_LEJ[m, :, 0].topk(self.spec.top_k).indices.tolist()
+            for e in np.argsort(-first_LE[m], kind="stable")[:K]
         ]
         self._issue(ahead, hint=False)
 

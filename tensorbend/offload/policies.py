@@ -195,12 +195,12 @@ class Predicted(LRU):
 class Reuse(Predicted):
     """Belady with predicted distances: evict the farthest expected next use of a forecast.
 
-    A cross-token predictor (`predictors.horizon`) gives, after forward f (`set_forecast`),
-    for every (layer m, expert e) the probabilities that its next use is at forward f + 1,
-    ..., f + h, or later (then `tail` forwards beyond f + h are expected). At step `now` the
-    expected next use is the mean step of the classes still ahead of `now` (a class whose
-    step has passed is dropped and the rest renormalised: it was not used there). Hints
-    (within-token predictions of an exact step) come first. Before any forecast: `Predicted`.
+    A cross-token predictor (`predictors.horizon`) forecasts, after forward f, when every
+    (layer m, expert e) is next used; `set_forecast(f, ahead, after_first)` takes the expected
+    step of that use ([L][E] lists, `Forecast.next_use_steps`): with every forecast class still
+    ahead, and once layer m of forward f + 1 has passed without the expert (that class dropped,
+    the rest renormalised). Hints (within-token predictions of an exact step) come first.
+    Before any forecast: `Predicted`.
     """
 
     name = "reuse"
@@ -208,32 +208,23 @@ class Reuse(Predicted):
     def __init__(self, num_layers: int):
         super().__init__(num_layers)
         self.forward: int | None = None
-        self.first_use: list | None = None  # [L][E][h + 1] probabilities
-        self.tail: list | None = None  # [L][E] forwards beyond h
+        self.ahead: list | None = None
+        self.after_first: list | None = None
 
-    def set_forecast(self, forward: int, first_use_LEJ: list, tail_LE: list) -> None:
-        """The forecast made after forward `forward` (nested lists), replacing the last one."""
-        self.forward, self.first_use, self.tail = forward, first_use_LEJ, tail_LE
+    def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
+        """The forecast made after forward `forward`, replacing the last one."""
+        self.forward, self.ahead, self.after_first = forward, ahead_LE, after_first_LE
 
     def next_use(self, key: Key, now: int) -> float:
-        if self.first_use is None:
+        if self.ahead is None:
             return super().next_use(key, now)
         hint = self.hints.get(key)
         if hint is not None and hint > now:
             return hint
         m, e = key
-        probs = self.first_use[m][e]
-        h, L, f = len(probs) - 1, self.L, self.forward
-        total = weighted = 0.0
-        for j in range(1, h + 1):
-            step = (f + j) * L + m
-            if step > now:
-                total += probs[j - 1]
-                weighted += probs[j - 1] * step
-        later = max((f + h) * L + m, now) + L * self.tail[m][e]
-        total += probs[h]
-        weighted += probs[h] * later
-        return weighted / total if total > 0 else later
+        first = (self.forward + 1) * self.L + m  # the step of forecast class 1
+        value = self.ahead[m][e] if first > now else self.after_first[m][e]
+        return max(value, now + 1)  # a stale forecast never says "already past"
 
 
 class AdmitAll:

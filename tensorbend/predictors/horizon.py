@@ -125,6 +125,28 @@ class Forecast:
         """P(used within the next h forwards)."""
         return 1 - self.first_use_LEJ[..., -1]
 
+    def next_use_steps(self, forward: int, num_layers: int) -> tuple[list, list]:
+        """For a forecast made after `forward`: the expected step of every (m, e)'s next use
+        (step = forward * L + m), as nested lists [L][E] for `policies.Reuse`: with every class
+        still ahead, and once layer m of the next forward has passed without it (class 1
+        dropped, the rest renormalised)."""
+        h = self.first_use_LEJ.shape[-1] - 1
+        L, m_L1 = (
+            num_layers,
+            torch.arange(self.first_use_LEJ.shape[0], dtype=torch.float64)[:, None],
+        )
+        j_J = torch.arange(1, h + 1, dtype=torch.float64)
+        p_LEJ = self.first_use_LEJ.double()
+        steps_LEJ = (forward + j_J) * L + m_L1[..., None]  # [L, 1, h]
+        later_LE = (forward + h) * L + m_L1 + L * self.tail_LE.double()
+        soon_LE = (p_LEJ[..., :h] * steps_LEJ).sum(-1)
+        ahead_LE = soon_LE + p_LEJ[..., h] * later_LE
+        rest_LE = (1 - p_LEJ[..., 0]).clamp(min=1e-12)
+        after_LE = (
+            soon_LE - p_LEJ[..., 0] * steps_LEJ[..., 0] + p_LEJ[..., h] * later_LE
+        ) / rest_LE
+        return ahead_LE.tolist(), after_LE.tolist()
+
     def expected_offset_LE(self) -> torch.Tensor:
         """Expected forwards until the next use."""
         h = self.first_use_LEJ.shape[-1] - 1
@@ -183,7 +205,9 @@ class _Net(torch.nn.Module):
         self.mlp = None
         if uses_hidden:
             self.mlp = torch.nn.Sequential(
-                torch.nn.Linear(2 * D, width), torch.nn.GELU(), torch.nn.Linear(width, L * E * J)
+                torch.nn.Linear(2 * D, width),
+                torch.nn.GELU(approximate="tanh"),  # the runtime's numpy path computes the same
+                torch.nn.Linear(width, L * E * J),
             )
             torch.nn.init.zeros_(self.mlp[2].weight)
             torch.nn.init.zeros_(self.mlp[2].bias)

@@ -61,9 +61,9 @@ class MemoResidentSet(ResidentSet):
         self._dirty_layers.add(key[0])
         super().hint(key, when)
 
-    def set_forecast(self, forward: int, first_use_LEJ: list, tail_LE: list) -> None:
+    def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A new cross-token forecast (policies.Reuse) moves every rank: re-rank all."""
-        self.policy.set_forecast(forward, first_use_LEJ, tail_LE)
+        self.policy.set_forecast(forward, ahead_LE, after_first_LE)
         self._heap_now = None
 
     def remove(self, key: Key) -> None:

@@ -116,7 +116,7 @@ def add_horizon(work: list[ForwardWork], mapping: Mapping, forecasts, ahead_laye
     for f, (fw, fc) in enumerate(zip(work, forecasts, strict=True)):
         first_use_GEJ, tail_GE = fc.first_use_LEJ[layer_of], fc.tail_LE[layer_of]
         last = fw.layers[-1]
-        last.forecast = (f, first_use_GEJ.tolist(), tail_GE.tolist())
+        last.forecast = (f, *type(fc)(first_use_GEJ, tail_GE).next_use_steps(f, Lg))
         last.ahead = [
             ((f + 1) * Lg + g, first_use_GEJ[g, :, 0].topk(K).indices.tolist())
             for g in range(min(ahead_layers, Lg))
