@@ -4,13 +4,16 @@ Usage:
     python bench/offload_sweep.py --model zoo:default --trace runs/offload/trace \\
         [--predictor PRED.safetensors]... [--baselines prev_token,spec_gate,transition,frequency,random] \\
         [--fracs 0.125,0.25,0.5] [--link h100-pcie5-kimi] [--link-speedups 1,4] \\
-        [--foresights 0,1,2,4,8,all] --out runs/offload/sweep
+        [--foresights 0,1,2,4,8,all] [--horizon HORIZON.safetensors] --out runs/offload/sweep
 
 Per link (the calibrated `--link`, and the same link N times faster per `--link-speedups`) and
 per cache fraction it runs: on_demand; every cache without prediction (lru, lfu, lfru x pool
 global / per_layer x admission all / frequency); prefetch with no predictor (Predicted eviction
-alone) and with each predictor; the oracle at every foresight h (tokens of exact routing it
-knows; `all` = the whole run). All runs share one resident reference, the same prompts and
+alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its forecasts
+driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
+(admission all, and predicted), and with our within-token predictor (the first --predictor)
+on top; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
+whole run). All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
 fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
 `vs_best_cache` (decode tok/s / the best no-prediction cache's), `gap_closed_bytes` = (best
@@ -51,6 +54,9 @@ def main(argv=None) -> int:
     model, tok = load_model(a.model)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
     predictors = _predictors(a, model)
+    horizon = (
+        build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
+    )
     t0 = time.perf_counter()
     dc = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens)
     cfg = SessionConfig(dc, io=a.io, io_threads=a.io_threads)
@@ -63,8 +69,8 @@ def main(argv=None) -> int:
             print(f"link: {link.to_dict()}", file=sys.stderr)
             runs = [resident]
             for frac in _floats(a.fracs):
-                for pc, p in _plan(a, frac, predictors, sess.spec.num_experts):
-                    r = _tag(sess.run_policy(pc, p, link).to_json(), speedup)
+                for pc, p, hz in _plan(a, frac, predictors, sess.spec.num_experts, horizon):
+                    r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
                     runs.append(r)
                     print(_row(r), file=sys.stderr)
             links.append({"speedup": speedup, "link": link.to_dict(), "runs": runs})
@@ -81,24 +87,37 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan(a, frac: float, predictors: list, num_experts: int) -> list[tuple[PolicyConfig, object]]:
-    """Every run at one cache fraction: (PolicyConfig, predictor or None)."""
+def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[tuple]:
+    """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None)."""
     common = dict(
         cache_frac=frac,
         lookahead=a.lookahead,
         prefetch_extra=a.extra,
         prefetch_backlog=float("inf") if a.backlog < 0 else a.backlog,
     )
-    plan = [(PolicyConfig("on_demand", **common), None)]
+    plan = [(PolicyConfig("on_demand", **common), None, None)]
     for policy in _names(a.caches):
         for pool in _names(a.pools):
             for adm in _names(a.admissions):
-                plan.append((PolicyConfig(policy, pool=pool, admission=adm, **common), None))
+                pc = PolicyConfig(policy, pool=pool, admission=adm, **common)
+                plan.append((pc, None, None))
     none = NoPredictor(num_experts, get_lookahead(a.lookahead))  # Predicted eviction alone
-    plan += [(PolicyConfig("prefetch", **common), p) for p in [none, *predictors]]
+    plan += [(PolicyConfig("prefetch", **common), p, None) for p in [none, *predictors]]
+    if horizon is not None:
+        ours = predictors[0] if predictors else None
+        plan += [
+            (PolicyConfig("prefetch", token_ahead_layers=0, **common), none, horizon),
+            (PolicyConfig("prefetch", **common), none, horizon),
+            (PolicyConfig("prefetch", admission="predicted", **common), none, horizon),
+        ]
+        if ours is not None:
+            pc = PolicyConfig("prefetch", admission="predicted", **common)
+            plan.append((pc, ours, horizon))
     for h in _names(a.foresights):
         foresight = None if h == "all" else int(h)
-        plan.append((PolicyConfig("oracle", foresight=foresight, **common), None))
+        for adm in ("all", "predicted") if foresight is None else ("all",):
+            pc = PolicyConfig("oracle", foresight=foresight, admission=adm, **common)
+            plan.append((pc, None, None))
     return plan
 
 
@@ -106,7 +125,8 @@ def summarize(runs: list[dict], frac: float) -> dict:
     """Best no-prediction cache, full oracle, and each run's ratios, at one cache fraction."""
     at = [r for r in runs if r["policy"] != "resident" and abs(r["cache_frac"] - frac) < 0.01]
     caches = [r for r in at if r["policy"] in NO_PREDICTION_CACHES]
-    oracle = next((r for r in at if r["policy"] == "oracle" and r["foresight"] is None), None)
+    full = [r for r in at if r["policy"] == "oracle" and r["foresight"] is None]
+    oracle = min(full, key=lambda r: r["bytes_read_per_token"]) if full else None
     if not caches:
         return {}
     fast = max(caches, key=lambda r: r["decode_tok_s"] or 0)
@@ -163,6 +183,8 @@ def label(r: dict) -> str:
         name = f"oracle@h={h}"
     elif r["policy"] == "prefetch":
         name = f"prefetch:{r['predictor']}" + (f"@{r['lookahead']}" if r["lookahead"] else "")
+        if r.get("horizon"):
+            name += "+horizon" + ("" if r.get("token_ahead_layers", 1) else "(no prefetch ahead)")
     else:
         name = r["policy"]
     if r["policy"] not in ("resident", "on_demand"):
@@ -347,6 +369,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", default="teacher", help="teacher (feed continuations) or greedy")
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
+    p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")
     p.add_argument("--lookahead", default="d1", help="lookahead of baselines and the oracle")
     p.add_argument("--extra", type=int, default=0, help="prefetch top-(K + extra) at decode")

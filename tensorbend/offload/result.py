@@ -35,7 +35,8 @@ class RunResult:
     prefetch_extra, prefetch_backlog (null = unbounded), cache_slots, expert_bytes,
     tokens {prefill, decode}, prompts, prefill {stall_s_per_token, bytes_read_per_token,
     demand_hit_rate}, counters {CacheStats fields, whole run}, horizon (the cross-token
-    predictor's checkpoint driving eviction and next-forward prefetches, or null).
+    predictor's checkpoint driving eviction and next-forward prefetches, or null),
+    token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null).
     """
 
     model: str
@@ -69,6 +70,7 @@ class RunResult:
     prefill: dict
     counters: dict
     horizon: str | None = None
+    token_ahead_layers: int | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -171,7 +171,11 @@ class OffloadSession:
         cache.finalize()
         result = self._result(pc, predictor, link, gen, cache)
         if horizon is not None:
-            result = dataclasses.replace(result, horizon=getattr(horizon, "checkpoint", "horizon"))
+            result = dataclasses.replace(
+                result,
+                horizon=getattr(horizon, "checkpoint", "horizon"),
+                token_ahead_layers=pc.token_ahead_layers,
+            )
         return result
 
     def close(self) -> None:
