@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench-capture clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -35,8 +35,58 @@ lint: setup
 	$(PY) -m ruff check tensorbend tests bench
 	$(PY) -m ruff format --check tensorbend tests bench
 
-bench-capture: setup
-	$(PY) bench/capture_overhead.py --json $(DEMO_OUT)/capture_overhead.json
+# Every published number, regenerated (docs/ and docs/bench/). The accuracy part is
+# deterministic; the timing part must run alone on the machine (nothing else on the cores).
+BENCH := runs/bench
+TRACE_FLAGS := --decode teacher --max-new-tokens 64 --features ids weights gate_input layer_input
+
+bench: bench-accuracy bench-timing
+
+bench-traces: setup
+	test -f $(BENCH)/default/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:default \
+		--out $(BENCH)/default/trace $(TRACE_FLAGS) --quiet
+	test -f $(BENCH)/qwen/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:qwen3moe-tiny \
+		--out $(BENCH)/qwen/trace $(TRACE_FLAGS) --quiet
+	for m in default qwen; do \
+		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
+			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
+		test -f $(BENCH)/$$m/horizon_routing_hidden.safetensors || $(PY) -m tensorbend train \
+			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing+hidden \
+			--out $(BENCH)/$$m/horizon_routing_hidden.safetensors; \
+		test -f $(BENCH)/$$m/horizon_routing.safetensors || $(PY) -m tensorbend train \
+			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing \
+			--out $(BENCH)/$$m/horizon_routing.safetensors; \
+	done
+
+bench-accuracy: bench-traces
+	for m in default qwen; do \
+		$(PY) bench/foresight_eval.py --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m \
+			--json docs/foresight_$$m.json --doc docs/foresight_$$m.md > /dev/null; \
+	done
+	$(PY) bench/projections.py --trace $(BENCH)/default/trace \
+		--predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--json docs/projections.json --doc docs/projections.md > /dev/null
+
+bench-timing: bench-traces
+	for m in default qwen; do \
+		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
+		$(PY) bench/offload_sweep.py --model $$model --trace $(BENCH)/$$m/trace \
+			--predictor $(BENCH)/$$m/ours_d1.safetensors \
+			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
+			--baselines spec_gate,transition,random --max-prompts 6 --max-new-tokens 48 \
+			--out docs/bench/offload_$$m --doc docs/offload_$$m.md > /dev/null; \
+	done
+	$(PY) bench/simulate_validate.py --model zoo:default --max-prompts 5 --max-new-tokens 32 \
+		--predictor $(BENCH)/default/ours_d1.safetensors --baseline transition \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--train-trace $(BENCH)/default/trace --json docs/simulate_validation.json \
+		--doc docs/simulate_validation.md > /dev/null
+	cd bench && ../$(PY) predictor_cost.py --predictor ../$(BENCH)/default/ours_d1.safetensors \
+		--horizon ../$(BENCH)/default/horizon_routing_hidden.safetensors \
+		--json ../docs/bench/predictor_cost.json > /dev/null
+	cd bench && ../$(PY) capture_overhead.py --json ../docs/bench/capture_overhead.json > /dev/null
+	cd bench && ../$(PY) trace_io.py --json ../docs/bench/trace_io.json > /dev/null
 
 clean:
 	rm -rf $(VENV) runs

@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     train = Path(a.train_trace) if a.train_trace else None
     preds = [build_predictor(model, Path(p), None, a.lookahead, train) for p in a.predictor]
     preds += [build_predictor(model, None, b, a.lookahead, train) for b in a.baseline]
+    horizon = (
+        build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
+    )
     decode = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens,
                           max_prompt_tokens=a.max_prompt_tokens)  # fmt: skip
     cfg = SessionConfig(decode=decode, io_threads=a.io_threads)
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix="tb-validate-"))
         cal = _calibrate(sess, preds, link, a)
         cal_path = cal.save(work / "calibration.json")
-        runs = _runtime_runs(sess, preds, link, a)
+        runs = _runtime_runs(sess, preds, link, a, horizon)
         trace = _trace_of(sess, prompts, a, work)
     finally:
         sess.close()
@@ -96,6 +99,7 @@ def _simulated(a, trace: Path, cal_path: Path, runs: list[dict]) -> list[dict]:
         policies=tuple(dict.fromkeys(r["policy"] for r in runs)),
         predictors=tuple([*a.predictor, *a.baseline]) or ("none",), lookahead=a.lookahead,
         cache_fracs=(a.cache_frac,), split="all", train_trace=a.train_trace, progress=False,
+        horizon=Path(a.horizon) if a.horizon else None,
     )  # fmt: skip
     return simulate(cfg).results
 
@@ -186,12 +190,15 @@ def _predict_cost(sess, preds, link, a) -> float:
     return sorted(times)[len(times) // 2] if times else 0.0
 
 
-def _runtime_runs(sess, preds, link, a) -> list[dict]:
+def _runtime_runs(sess, preds, link, a, horizon=None) -> list[dict]:
     runs = []
     for policy in POLICIES:
-        for p in preds if policy == "prefetch" else [None]:
+        variants = [(p, None) for p in preds] + ([(preds[0], horizon)] if horizon else [])
+        for p, hz in variants if policy == "prefetch" else [(None, None)]:
             pc = PolicyConfig(policy, cache_frac=a.cache_frac, lookahead=a.lookahead)
-            r = sess.run_policy(pc, p, link).to_json()
+            r = sess.run_policy(pc, p, link, hz).to_json()
+            if hz is not None:
+                r["predictor"] = f"{r['predictor']}+horizon"
             assert r["output_matches_resident"], r
             runs.append(r)
             print(
@@ -307,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--baseline", action="append", default=[], help="peer name (repeatable)")
     p.add_argument("--train-trace", default=None, help="trace whose train split fits table peers")
+    p.add_argument(
+        "--horizon", default=None, help="cross-token checkpoint (with the first predictor)"
+    )
     p.add_argument("--lookahead", default="d1")
     p.add_argument("--cache-frac", type=float, default=0.25)
     p.add_argument("--link", default="h100-pcie5-kimi")

@@ -5,7 +5,20 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def _bench(name: str):
+    """A bench script as a module (its `markdown(report)` renders its doc from its JSON)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _tables(md: str) -> dict[str, list[list[str]]]:
@@ -64,3 +77,38 @@ def test_seed_study_table_matches_its_json():
         want += [_f3(run["test"]["prefill"]), _f3(run["test"]["decode"])]
         assert cells[1:] == want, cells
     assert rep["router_itself"]["test"]["decode"] > 0.999  # measured in the run, not typed in
+
+
+@pytest.mark.parametrize(
+    "bench, json_path, doc",
+    [
+        ("foresight_eval", "docs/foresight_default.json", "docs/foresight_default.md"),
+        ("foresight_eval", "docs/foresight_qwen.json", "docs/foresight_qwen.md"),
+        ("projections", "docs/projections.json", "docs/projections.md"),
+        ("offload_sweep", "docs/bench/offload_default.json", "docs/offload_default.md"),
+        ("offload_sweep", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
+    ],
+)
+def test_generated_docs_are_their_json_rendered(bench, json_path, doc):
+    """Each generated doc is exactly its bench's rendering of the committed JSON."""
+    if not (ROOT / json_path).is_file():
+        pytest.skip(f"{json_path} not generated yet (make bench)")
+    report = json.loads((ROOT / json_path).read_text())
+    assert _bench(bench).markdown(report) == (ROOT / doc).read_text(), f"regenerate {doc}"
+
+
+def test_readme_results_section_is_what_the_json_says():
+    """README's results tables are bench/summary.py's rendering of the committed JSON."""
+    summary = _bench("summary")
+    text = (ROOT / "README.md").read_text()
+    assert summary.render_readme(text, ROOT) == text, "run `python bench/summary.py`"
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    """The README's first Python example, as written (in a scratch directory)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    assert (tmp_path / "runs" / "readme" / "manifest.json").is_file()
