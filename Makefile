@@ -17,16 +17,11 @@ $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 
 setup: $(VENV)/.setup-done
 
-# The main job on the bundled default model: capture exact routing of every shipped prompt
-# (teacher-forced decode), train our predictor one MoE layer ahead (d1) on the train prompts,
-# and score it against every peer on the held-out test prompts.
+# The main job on the bundled default model (tensorbend/demo.py): capture routing, train ours
+# (within and across tokens) and the seed's MLP, score them with every peer on held-out prompts,
+# run offloaded generation against the best caches and the oracle, project onto Kimi-K2.5.
 demo: setup
-	$(PY) -m tensorbend collect --model zoo:default --out $(DEMO_OUT)/trace --decode teacher \
-		--max-new-tokens 16 --features ids weights gate_input layer_input --overwrite
-	$(PY) -m tensorbend trace info $(DEMO_OUT)/trace
-	$(PY) -m tensorbend train --trace $(DEMO_OUT)/trace --out $(DEMO_OUT)/ours_d1.safetensors --lookahead d1
-	$(PY) -m tensorbend eval --trace $(DEMO_OUT)/trace --predictor $(DEMO_OUT)/ours_d1.safetensors \
-		--baselines all --lookahead d1 --json $(DEMO_OUT)/eval.json --plots $(DEMO_OUT)/plots
+	$(PY) -m tensorbend demo --out $(DEMO_OUT)
 
 test: setup
 	$(PY) -m pytest

@@ -1,16 +1,16 @@
-"""The prediction stack's cost next to the model: per decode token, every within-token
-prediction plus the cross-token forecast, against that token's resident forward.
+"""The prediction stack's cost next to the model, through the engine-neutral prefetch API.
 
 Usage:
     python bench/predictor_cost.py --model zoo:default --predictor OURS_D1.safetensors \\
-        [--horizon HORIZON.safetensors] [--threads 1] [--json OUT]
+        --horizon HORIZON.safetensors [--threads 1] [--json OUT]
 
 Side by side in one run, interleaved per decode step, all on `--threads` threads: (a) one
-batch-1 decode forward of the resident model with a KV cache, (b) for each within-token
-predictor, scoring all its target layers for one token (what the runtime does at the source
-points), (c) the horizon's per-forward work: updating the request's history, the forecast,
-and turning it into the policy's lists. Reports medians and the ratio of (b) + (c) to (a);
-issue target: <= 2%. Inputs are random (cost does not depend on values).
+batch-1 decode forward of the resident model with a KV cache; (b) one token's calls to
+`engines.prefetcher.Prefetcher.observe` (after every MoE layer's router, with that layer's
+router input and ids), for the within-token predictor alone, the horizon alone, and both:
+exactly what the runtime and an engine call per token. Reports medians and each one's ratio
+to (a); issue target for the whole stack: <= 2%. Inputs are random (cost does not depend on
+values).
 """
 
 from __future__ import annotations
@@ -23,39 +23,31 @@ import time
 import torch
 from report import emit
 
+from tensorbend.engines.prefetcher import Prefetcher
 from tensorbend.hf import cache_kwarg, cache_of, load_model
 from tensorbend.predictors import load_predictor
-from tensorbend.predictors.base import SourceBatch
-from tensorbend.predictors.horizon_fast import FastHorizon
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="zoo:default")
-    ap.add_argument("--predictor", action="append", default=[])
-    ap.add_argument("--horizon", default=None)
+    ap.add_argument("--predictor", default=None, help="within-token checkpoint")
+    ap.add_argument("--horizon", default=None, help="cross-token checkpoint")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model)
-    preds = [load_predictor(p) for p in args.predictor]
+    pred = load_predictor(args.predictor) if args.predictor else None
     horizon = load_predictor(args.horizon) if args.horizon else None
-    spec = (preds[0] if preds else horizon).spec
+    spec = (pred or horizon).spec
+    stacks = {"within-token": (pred, None), "horizon": (None, horizon), "both": (pred, horizon)}
+    stacks = {k: Prefetcher(spec, p, h) for k, (p, h) in stacks.items() if p or h}
+    for pf in stacks.values():
+        pf.begin_request()
     g = torch.Generator().manual_seed(0)
-    D, E, K, L = spec.hidden_size, spec.num_experts, spec.top_k, spec.num_moe_layers
-    src = SourceBatch(
-        torch.randn(1, D, generator=g),
-        torch.randperm(E, generator=g)[:K][None],
-        torch.randperm(E, generator=g)[:K][None],
-        torch.tensor([True]),
-        0,
-    )
-    fast = FastHorizon(horizon) if horizon else None  # the runtime's per-forward path
-    state = fast.new_state() if horizon else None
-    fwd, cost = [], {p.checkpoint: [] for p in preds}
-    hz = []
+    fwd, cost = [], {k: [] for k in stacks}
     kw = cache_kwarg(model)
     with torch.inference_mode():
         ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=g)
@@ -65,53 +57,40 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             out = model(input_ids=nxt, use_cache=True, **{kw: cache_of(out)})
             fwd.append(time.perf_counter() - t0)
-            for p in preds:
+            calls = _token_calls(spec, g)
+            for name, pf in stacks.items():
                 t0 = time.perf_counter()
-                for m in p.lookahead.targets(L):
-                    p.scores(m, src)
-                cost[p.checkpoint].append(time.perf_counter() - t0)
-            if horizon is not None:
-                used_LE = torch.zeros(L, E).scatter_(1, torch.randint(0, E, (L, K), generator=g), 1)
-                used, hidden = used_LE.numpy(), torch.randn(D, generator=g).numpy()
-                t0 = time.perf_counter()
-                fast.step(state, used, hidden, forward=len(hz))
-                hz.append(time.perf_counter() - t0)
-    return emit(_report(args, preds, horizon, fwd, cost, hz), args.json)
-
-
-def _report(args, preds, horizon, fwd, cost, hz) -> dict:
+                for m, hidden_TD, ids_TK in calls:
+                    pf.observe(m, hidden_TD=hidden_TD, routed_ids_TK=ids_TK)
+                pf.on_token_end()
+                cost[name].append(time.perf_counter() - t0)
     med = lambda xs: statistics.median(xs[4:])  # noqa: E731 - skip warm-up steps
     f = med(fwd)
     rows = [
-        {
-            "predictor": p.kind,
-            "checkpoint": p.checkpoint,
-            "lookahead": p.lookahead.name,
-            "all_layers_us": med(cost[p.checkpoint]) * 1e6,
-            "ratio_to_decode_forward": med(cost[p.checkpoint]) / f,
-        }
-        for p in preds
+        {"stack": k, "us_per_token": med(v) * 1e6, "ratio_to_decode_forward": med(v) / f}
+        for k, v in cost.items()
     ]
-    if horizon is not None:
-        rows.append(
-            {
-                "predictor": horizon.kind,
-                "checkpoint": horizon.checkpoint,
-                "lookahead": horizon.lookahead.name,
-                "per_forward_us": med(hz) * 1e6,
-                "ratio_to_decode_forward": med(hz) / f,
-            }
-        )
-    stack = sum(r["ratio_to_decode_forward"] for r in rows)
-    return {
+    res = {
         "bench": "predictor_cost",
         "model": args.model,
+        "predictor": args.predictor,
+        "horizon": args.horizon,
         "threads": args.threads,
         "decode_forward_ms": f * 1e3,
         "results": rows,
-        "stack_ratio": stack,
+        "stack_ratio": rows[-1]["ratio_to_decode_forward"],
         "target_ratio": 0.02,
     }
+    return emit(res, args.json)
+
+
+def _token_calls(spec, g) -> list:
+    """One decode token's router calls: (layer, router input [1, D], routed ids [1, K])."""
+    D, E, K = spec.hidden_size, spec.num_experts, spec.top_k
+    return [
+        (m, torch.randn(1, D, generator=g), torch.randperm(E, generator=g)[:K][None])
+        for m in range(spec.num_moe_layers)
+    ]
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from report import emit  # noqa: E402
 
 from tensorbend.atomic import atomic_write_text  # noqa: E402
 from tensorbend.collect import CollectConfig, collect  # noqa: E402
+from tensorbend.engines.prefetcher import Prefetcher  # noqa: E402
 from tensorbend.hf import DecodeConfig, load_model  # noqa: E402
-from tensorbend.offload.hooks import PredictionHooks  # noqa: E402
 from tensorbend.offload.layer import OffloadedExperts  # noqa: E402
 from tensorbend.offload.link import Link  # noqa: E402
 from tensorbend.offload.plan import PolicyConfig  # noqa: E402
@@ -171,7 +171,7 @@ def _predict_cost(sess, preds, link, a) -> float:
     if not preds:
         return 0.0
     times: list[float] = []
-    orig = PredictionHooks._predict
+    orig = Prefetcher._predict
 
     def timed(self, *args):
         t = time.perf_counter()
@@ -180,13 +180,13 @@ def _predict_cost(sess, preds, link, a) -> float:
         finally:
             times.append(time.perf_counter() - t)
 
-    PredictionHooks._predict = timed
+    Prefetcher._predict = timed
     try:
         sess.run_policy(
             PolicyConfig("prefetch", cache_frac=a.cache_frac, lookahead=a.lookahead), preds[0], link
         )
     finally:
-        PredictionHooks._predict = orig
+        Prefetcher._predict = orig
     return sorted(times)[len(times) // 2] if times else 0.0
 
 

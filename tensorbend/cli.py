@@ -114,6 +114,13 @@ def _cmd_trace_import(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from tensorbend.demo import DemoConfig, demo
+
+    print(demo(config_from_args(DemoConfig, args, progress=not args.quiet)).text)
+    return 0
+
+
 def _cmd_zoo_list(args) -> int:
     from tensorbend.zoo import format_models, list_models
 
@@ -186,6 +193,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sm = _verb(sub, "simulate", _cmd_simulate, "simulate offloaded decode on a geometry + hardware")
     add_config_flags(sm, SimulateConfig, skip=("progress",))
     sm.add_argument("--json", help="write the results as JSON (keys in docs/formats.md)")
+    from tensorbend.demo import DemoConfig
+
+    dm = _verb(sub, "demo", _cmd_demo, "the whole chain on the bundled model, with a report")
+    add_config_flags(dm, DemoConfig)
     _zoo_parser(sub)
     return p
 

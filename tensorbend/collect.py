@@ -12,6 +12,12 @@ Prompts run one at a time through `hf.decode_prompt` (prefill, then one KV-cache
 decode step), with `capture.RoutingCapture` recording the chosen features per MoE layer. Every
 finished prompt is on disk before the next starts (see `trace_writer.py`), so an interrupted
 collection resumes with `--resume` losing nothing and duplicating nothing.
+
+Data-parallel: `torchrun --nproc-per-node N [--nnodes M ...] -m tensorbend collect ...`
+(torch.distributed, gloo): rank r collects the r-th contiguous block of the prompts into
+`out/rank-NNN/` (shards on a shared filesystem), then rank 0 writes the one manifest at `out`
+listing every rank's shards in rank order: the trace loads exactly as a single-process
+collection of the same prompts (tested). An interrupted run resumes per rank with --resume.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import torch
 from tqdm import tqdm
 
 from tensorbend.capture import RoutingCapture
+from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
 from tensorbend.models import describe_model
 from tensorbend.prompts import file_sha, load_prompts
 from tensorbend.routers import model_fingerprint, router_params
 from tensorbend.trace import FEATURES, MANIFEST
-from tensorbend.trace_writer import TraceWriter
+from tensorbend.trace_writer import TraceWriter, merge_rank_traces
 from tensorbend.zoo import resolve_model
 
 # Test hook: seconds to sleep after each prompt, so a kill -9 test can land mid-collection.
@@ -109,7 +116,9 @@ class CollectResult:
 
 
 def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
-    """Collect (or resume) a trace of `cfg.model` on `cfg.prompts`."""
+    """Collect (or resume) a trace of `cfg.model` on `cfg.prompts`. Under torchrun
+    (WORLD_SIZE > 1) each rank collects a contiguous block of the prompts into `out/rank-NNN/`
+    and rank 0 then indexes them as one trace at `out` (trace_writer.merge_rank_traces)."""
     t0 = time.perf_counter()
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
     if (Path(cfg.out) / MANIFEST).is_file() and not (cfg.resume or cfg.overwrite):
@@ -117,11 +126,14 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
             f"{cfg.out} already holds a trace: pass --resume to continue it or --overwrite to "
             "replace it (or choose another --out)"
         )
+    ctx = DistContext.from_env()
+    lo, hi = ctx.share(len(prompts))
+    out = Path(cfg.out) if ctx.world_size == 1 else Path(cfg.out) / f"rank-{ctx.rank:03d}"
     model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device, progress=progress)
     spec = describe_model(model)
     features = tuple(dict.fromkeys(("ids", *cfg.features)))
     writer = TraceWriter(
-        cfg.out,
+        out,
         model_meta=_model_meta(cfg, model, spec),
         spec=spec,
         features={f: ("int16" if f == "ids" else cfg.dtype) for f in features},
@@ -130,9 +142,38 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
         shard_tokens=cfg.shard_tokens,
         resume=cfg.resume,
         overwrite=cfg.overwrite,
+        first_prompt_index=lo,
     )
     done = writer.done_ids
-    todo = [(i, p) for i, p in enumerate(prompts) if p.id not in done]
+    todo = [(i, p) for i, p in enumerate(prompts[lo:hi], start=lo) if p.id not in done]
+    counts, no_continuation = _collect_prompts(
+        cfg, model, tok, spec, features, writer, todo, progress and ctx.is_main
+    )
+    manifest = writer.manifest
+    if ctx.world_size > 1:
+        ctx.barrier()  # every rank's prompts are on disk
+        if ctx.is_main:
+            ranks = [Path(cfg.out) / f"rank-{r:03d}" for r in range(ctx.world_size)]
+            manifest = merge_rank_traces(Path(cfg.out), ranks)
+        ctx.barrier()
+        ctx.close()
+    return CollectResult(
+        trace=str(cfg.out),
+        model=manifest["model"]["name"],
+        prompts_run=len(todo),
+        prompts_skipped_done=(hi - lo) - len(todo),
+        prompts_total=len(manifest["prompts"]),
+        tokens_added=counts,
+        decode_mode=cfg.decode.decode,
+        prompts_without_continuation=int(no_continuation),
+        shards=len(manifest["shards"]),
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+
+
+def _collect_prompts(cfg, model, tok, spec, features, writer, todo, progress: bool):
+    """Run `todo` [(global index, prompt)] and write each prompt; returns (token counts,
+    prompts without a continuation)."""
     counts = {"prefill": 0, "decode": 0}
     no_continuation = 0
     bar = tqdm(todo, desc="collect", unit="prompt", disable=not progress, file=sys.stderr)
@@ -154,18 +195,7 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
         finished = True
     finally:
         writer.close(complete=finished)  # finished prompts are on disk already, also on Ctrl-C
-    return CollectResult(
-        trace=str(cfg.out),
-        model=writer.manifest["model"]["name"],
-        prompts_run=len(todo),
-        prompts_skipped_done=len(prompts) - len(todo),
-        prompts_total=len(writer.manifest["prompts"]),
-        tokens_added=counts,
-        decode_mode=cfg.decode.decode,
-        prompts_without_continuation=int(no_continuation),
-        shards=len(writer.manifest["shards"]),
-        seconds=round(time.perf_counter() - t0, 1),
-    )
+    return counts, no_continuation
 
 
 def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, dc: DecodeConfig):

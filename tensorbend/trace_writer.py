@@ -66,9 +66,13 @@ class TraceWriter:
         shard_tokens: int = 4096,
         resume: bool = False,
         overwrite: bool = False,
+        first_prompt_index: int = 0,
     ):
+        """first_prompt_index: the global index of this writer's first prompt (a rank's block in
+        a distributed collection; its shards' prompt_index_T count from it)."""
         self.root = Path(root)
         self.shard_tokens = shard_tokens
+        self.first_prompt_index = first_prompt_index
         if (self.root / MANIFEST).is_file() and not overwrite:
             self.manifest = self._resume(model_meta, features, collection, resume)
         else:
@@ -103,7 +107,8 @@ class TraceWriter:
         assert all(v.shape[0] == T for v in rows.values()), {k: v.shape for k, v in rows.items()}
         assert T == record["prefill"] + record["decode"]
         index = len(self.manifest["prompts"])
-        rows = {**rows, "prompt_index_T": torch.full((T,), index, dtype=torch.int32)}
+        global_index = self.first_prompt_index + index
+        rows = {**rows, "prompt_index_T": torch.full((T,), global_index, dtype=torch.int32)}
         entry = self._write_shard(f"part-{index:06d}.safetensors", rows, [index, index])
         self.manifest["shards"].append(entry)
         self.manifest["prompts"].append({**record, "shard": len(self.manifest["shards"]) - 1})
@@ -189,6 +194,41 @@ class TraceWriter:
         _remove_trace_files(self.root, keep={s["file"] for s in old["shards"]})
         old["complete"] = False
         return old
+
+
+def merge_rank_traces(root: Path, rank_dirs: list[Path]) -> dict:
+    """Index the rank sub-traces of a distributed collection as one trace at `root`.
+
+    Each rank wrote whole prompts of a contiguous block into its own directory, its shards'
+    prompt_index_T already global; the merged manifest lists their prompts and shards in rank
+    order (shard files as `rank-NNN/shard-...`), so `Trace.load` returns the rows of a
+    single-process collection of the same prompts, in the same order. Nothing is copied.
+    """
+    root = Path(root)
+    parts = [read_manifest(d) for d in rank_dirs]
+    first = parts[0]
+    for d, m in zip(rank_dirs[1:], parts[1:], strict=True):
+        for key in ("model", "routing", "features", "collection", "format_version"):
+            if m[key] != first[key]:
+                raise TraceError(
+                    f"cannot merge {d}: its {key} differ from {rank_dirs[0]}'s ({m[key]} vs "
+                    f"{first[key]}); recollect with --overwrite"
+                )
+    merged = {k: v for k, v in first.items() if k not in ("prompts", "shards", "complete")}
+    merged.update(prompts=[], shards=[], complete=all(m.get("complete") for m in parts))
+    merged["ranks"] = [d.name for d in rank_dirs]
+    for d, m in zip(rank_dirs, parts, strict=True):
+        p0, s0 = len(merged["prompts"]), len(merged["shards"])
+        for p in m["prompts"]:
+            merged["prompts"].append({**p, "shard": p["shard"] + s0})
+        for s in m["shards"]:
+            lo, hi = s["prompts"]
+            merged["shards"].append({**s, "file": f"{d.name}/{s['file']}",
+                                     "prompts": [lo + p0, hi + p0]})  # fmt: skip
+    router = rank_dirs[0] / ROUTER_FILE
+    atomic_write_bytes(root / ROUTER_FILE, router.read_bytes())
+    atomic_write_text(root / MANIFEST, json.dumps(merged, indent=1))
+    return merged
 
 
 def _remove_trace_files(root: Path, keep: set[str] | None) -> None:

@@ -112,3 +112,10 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0], "README.md", "exec"), {})
     assert (tmp_path / "runs" / "readme" / "manifest.json").is_file()
+
+
+def test_report_is_its_json_rendered():
+    """docs/REPORT.md is bench/report_doc.py's rendering of the committed JSON."""
+    assert _bench("report_doc").report(ROOT) == (ROOT / "docs" / "REPORT.md").read_text(), (
+        "run `python bench/report_doc.py`"
+    )

@@ -1,0 +1,264 @@
+"""`tensorbend demo`: the whole chain on the bundled model, in one command, with a report.
+
+Usage:
+    tensorbend demo [--quick] [--out runs/demo]
+    from tensorbend.demo import DemoConfig, demo
+    summary = demo(DemoConfig(quick=True, out=Path("runs/demo_quick")))
+    print(summary.text)                  # the compact summary the CLI prints
+
+Steps, each skipped when its output already exists (a re-run resumes; --overwrite redoes all):
+ 1. collect  teacher-forced routing of the shipped prompts on `model` (train/val/test split)
+ 2. train    ours within the token (`tensorbend`, d1), ours across tokens (`horizon`), and
+             the seed's MLP with its recipe (d1), on the train split (val: early stopping)
+ 3. eval     every predictor and every peer at d1 on the held-out test prompts; the horizon's
+             foresight metrics and cache replay
+ 4. run      offloaded generation of test prompts at 25% cache over the `h100-pcie5-kimi` link:
+             the caches without prediction (lru, lfru with TinyLFU-style admission), ours
+             (horizon + d1, predicted admission) and the oracle; outputs checked bit-identical
+ 5. project  the same policies simulated on Kimi-K2.5 on a DGX Spark (`tensorbend simulate`)
+and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
+timings are this machine's; `--quick` (fewer prompts and tokens) is for the test suite.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tensorbend.atomic import atomic_write_text
+from tensorbend.errors import TensorbendError
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    out: Path = Path("runs/demo")
+    """Directory for the trace, checkpoints and report/ (steps whose outputs exist are reused)."""
+    quick: bool = False
+    """A minute-long version (fewer prompts, tokens and training epochs): the test suite's."""
+    model: str = "zoo:default"
+    """Bundled or local MoE model."""
+    overwrite: bool = False
+    """Redo every step, even those whose outputs exist."""
+    progress: bool = field(default=True, metadata={"cli": False})
+    """Progress bars on stderr."""
+
+    def __post_init__(self) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise TensorbendError(f"--out {self.out}: expected a directory, found a file")
+
+    @property
+    def size(self) -> dict:
+        """Prompts, tokens and run sizes of the two presets."""
+        if self.quick:
+            return {"prompts": 48, "tokens": 8, "run_prompts": 2, "run_tokens": 8,
+                    "epochs": 3, "sim_prompts": 3}  # fmt: skip
+        return {"prompts": None, "tokens": 24, "run_prompts": 4, "run_tokens": 32,
+                "epochs": None, "sim_prompts": 12}  # fmt: skip
+
+
+@dataclass
+class DemoSummary:
+    """What the demo measured; `text` is what the CLI prints, `to_json()` the report's JSON."""
+
+    out: str
+    seconds: float
+    recall_d1: dict  # predictor -> held-out decode recall@k at d1
+    foresight: dict  # gap closed, best cache and ours' experts per token (replay)
+    runs: list  # per offloaded run: label, decode tok/s, bytes/token, hit rate, matches
+    projection: list  # per simulated run: label, decode tok/s
+    text: str = ""
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k != "text"}
+
+
+def demo(cfg: DemoConfig) -> DemoSummary:
+    t0 = time.perf_counter()
+    out = Path(cfg.out)
+    report = out / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    trace = _collect(cfg, out)
+    ckpts = _train(cfg, out, trace)
+    ev = _eval(cfg, out, trace, ckpts, report)
+    runs = _run(cfg, out, trace, ckpts)
+    proj = _project(cfg, out, trace, ckpts)
+    summary = DemoSummary(
+        out=str(out), seconds=round(time.perf_counter() - t0, 1),
+        recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs, projection=proj,
+    )  # fmt: skip
+    summary.text = _text(summary, cfg)
+    atomic_write_text(report / "summary.md", summary.text + "\n")
+    atomic_write_text(report / "summary.json", json.dumps(summary.to_json(), indent=1))
+    return summary
+
+
+# ---------------------------------------------------------------- steps
+
+
+def _done(path: Path, cfg: DemoConfig, what: str) -> bool:
+    if path.exists() and not cfg.overwrite:
+        _say(cfg, f"{what}: reusing {path}")
+        return True
+    _say(cfg, f"{what} ...")
+    return False
+
+
+def _say(cfg: DemoConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"[demo] {msg}", file=sys.stderr)
+
+
+def _collect(cfg: DemoConfig, out: Path) -> Path:
+    from tensorbend.collect import CollectConfig, collect
+    from tensorbend.hf import DecodeConfig
+
+    trace = out / "trace"
+    if not _done(trace / "manifest.json", cfg, "collect"):
+        size = cfg.size
+        collect(
+            CollectConfig(model=cfg.model, out=trace, max_prompts=size["prompts"],
+                          decode=DecodeConfig(decode="teacher", max_new_tokens=size["tokens"]),
+                          features=("ids", "weights", "gate_input"), overwrite=True),
+            progress=cfg.progress,
+        )  # fmt: skip
+    return trace
+
+
+def _train(cfg: DemoConfig, out: Path, trace: Path) -> dict[str, Path]:
+    from tensorbend.train import TrainConfig, train
+
+    jobs = {
+        "tensorbend": dict(predictor="tensorbend", lookahead="d1"),
+        "horizon": dict(predictor="horizon"),
+        "seed_mlp": dict(predictor="seed_mlp", lookahead="d1"),
+    }
+    ckpts = {}
+    for name, kw in jobs.items():
+        path = out / f"{name}.safetensors"
+        if not _done(path, cfg, f"train {name}"):
+            train(TrainConfig(trace=trace, out=path, epochs=cfg.size["epochs"], **kw),
+                  progress=cfg.progress)  # fmt: skip
+        ckpts[name] = path
+    return ckpts
+
+
+def _eval(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict, report: Path) -> dict:
+    from tensorbend.evaluate import EvalConfig, evaluate
+    from tensorbend.plots import plot_eval
+
+    path = report / "eval.json"
+    if not _done(path, cfg, "eval (held-out test prompts)"):
+        rep = evaluate(EvalConfig(trace=trace, predictors=tuple(ckpts.values()), lookaheads=("d1",),
+                                  timing_rows=0)).to_json()  # fmt: skip
+        atomic_write_text(path, json.dumps(rep, indent=1))
+        plot_eval(rep, report / "plots")
+    return json.loads(path.read_text())
+
+
+def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
+    from tensorbend.hf import DecodeConfig, load_model
+    from tensorbend.offload.plan import PolicyConfig
+    from tensorbend.offload.runner import build_predictor
+    from tensorbend.offload.session import OffloadSession, SessionConfig
+    from tensorbend.prompts import load_prompts
+
+    path = out / "report" / "run.json"
+    if _done(path, cfg, "offloaded generation (25% cache, h100-pcie5-kimi link)"):
+        return json.loads(path.read_text())
+    size = cfg.size
+    model, tok = load_model(cfg.model)
+    prompts = [p for p in load_prompts(split="test") if p.continuation][: size["run_prompts"]]
+    dc = DecodeConfig(decode="teacher", max_new_tokens=size["run_tokens"])
+    sess = OffloadSession(model, tok, prompts, SessionConfig(decode=dc), model_name=cfg.model)
+    ours = build_predictor(model, ckpts["tensorbend"], None, "d1", None)
+    horizon = build_predictor(model, ckpts["horizon"], None, "d1", None)
+    plan = [
+        ("lru", PolicyConfig("lru"), None, None),
+        ("lfru + frequency admission", PolicyConfig("lfru", admission="frequency"), None, None),
+        ("ours: horizon + d1", PolicyConfig("prefetch", admission="predicted"), ours, horizon),
+        ("oracle (all future)", PolicyConfig("oracle", admission="predicted"), None, None),
+    ]
+    try:
+        link = sess.link("h100-pcie5-kimi")
+        rows = []
+        for label, pc, pred, hz in plan:
+            r = sess.run_policy(pc, pred, link, hz).to_json()
+            rows.append({"label": label, **{k: r[k] for k in _RUN_KEYS}})
+    finally:
+        sess.close()
+    atomic_write_text(path, json.dumps(rows, indent=1))
+    return rows
+
+
+_RUN_KEYS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
+             "output_matches_resident", "link")  # fmt: skip
+
+
+def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
+    from tensorbend.simulate import SimulateConfig, simulate
+
+    path = out / "report" / "simulate.json"
+    if not _done(path, cfg, "project onto Kimi-K2.5 on a DGX Spark (simulated)"):
+        res = simulate(SimulateConfig(
+            trace=trace, hardware="dgx-spark", geometry="kimi-k2.5", progress=False,
+            policies=("lru", "lfru", "prefetch", "oracle"), predictors=(str(ckpts["tensorbend"]),),
+            horizon=ckpts["horizon"], max_prompts=cfg.size["sim_prompts"],
+        )).to_json()  # fmt: skip
+        atomic_write_text(path, json.dumps(res, indent=1))
+    res = json.loads(path.read_text())
+    return [{"label": f"{r['policy']}" + (f":{r['predictor']}" if r["predictor"] else ""),
+             "decode_tok_s": r["decode_tok_s"]} for r in res["results"]]  # fmt: skip
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _recalls(ev: dict) -> dict:
+    return {r["predictor"]: r["recall_at_k"] for r in ev["results"]
+            if r["phase"] == "decode" and r["lookahead"] == "d1"}  # fmt: skip
+
+
+def _foresight(ev: dict) -> dict:
+    f = ev["foresight"][0]
+    rp = f["replay"]
+    return {
+        "best_no_prediction": f["best_no_prediction"],
+        "best_no_prediction_experts_per_token": rp[f["best_no_prediction"]]["experts_per_token"],
+        "ours_experts_per_token": rp[f["best_reuse"]]["experts_per_token"],
+        "full_oracle_experts_per_token": rp[f["full_oracle"]]["experts_per_token"],
+        "gap_closed": f["gap_closed"],
+    }
+
+
+def _text(s: DemoSummary, cfg: DemoConfig) -> str:
+    lines = [
+        f"tensorbend demo on {cfg.model}{' (quick)' if cfg.quick else ''}: {s.seconds:.0f} s, "
+        f"report in {s.out}/report",
+        "",
+        "Held-out decode recall@k at d1 (one MoE layer ahead):",
+    ]
+    for kind, x in sorted(s.recall_d1.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {kind:<12} {x:.3f}")
+    f = s.foresight
+    gap = "-" if f["gap_closed"] is None else f"{f['gap_closed']:.0%}"
+    lines += [
+        "",
+        "Across tokens (replay at 25% cache, experts read per decode token): best cache "
+        f"{f['best_no_prediction']} {f['best_no_prediction_experts_per_token']:.2f}, ours "
+        f"{f['ours_experts_per_token']:.2f}, full oracle {f['full_oracle_experts_per_token']:.2f} "
+        f"(gap closed {gap})",
+        "",
+        "Offloaded generation, 25% cache, h100-pcie5-kimi link (measured here):",
+    ]
+    for r in s.runs:
+        lines.append(
+            f"  {r['label']:<28} {r['decode_tok_s']:7.1f} tok/s  {r['bytes_read_per_token'] / 1e3:7.1f} "
+            f"KB/token  hit {r['demand_hit_rate']:.2f}  identical output: {r['output_matches_resident']}"
+        )
+    lines += ["", "Projected on Kimi-K2.5 / DGX Spark (simulated, not measured):"]
+    for r in s.projection:
+        lines.append(f"  {r['label']:<40} {r['decode_tok_s']:6.2f} tok/s")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Data-parallel collection under torchrun (2 CPU processes, gloo): the same trace content as a
+single-process collection of the same prompts, and a killed rank resumes losing nothing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import save_checkpoint, write_prompts
+
+from tensorbend.collect import CollectConfig, collect
+from tensorbend.hf import DecodeConfig
+from tensorbend.trace import Trace
+
+FEATURES = ("ids", "gate_input", "layer_input")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    save_checkpoint("deepseek_v3", d / "model")
+    write_prompts(d / "prompts.jsonl", n=9)
+    collect(CollectConfig(model=str(d / "model"), out=d / "ref", prompts=d / "prompts.jsonl",
+                          features=FEATURES, decode=DecodeConfig(max_new_tokens=4)),
+            progress=False)  # fmt: skip
+    return d
+
+
+def _torchrun(d: Path, out: Path, *extra, slow: float = 0.0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tensorbend", "collect", "--model", str(d / "model"), "--out", str(out),
+           "--prompts", str(d / "prompts.jsonl"), "--max-new-tokens", "4", "--quiet",
+           "--features", *FEATURES, *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TENSORBEND_TEST_SLOW_PROMPT_S": str(slow)}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def _same_as_reference(d: Path, out: Path) -> None:
+    ref, got = Trace.open(d / "ref"), Trace.open(out)
+    assert [p["id"] for p in got.prompts] == [p["id"] for p in ref.prompts]
+    assert got.info()["complete"] and got.manifest["ranks"] == ["rank-000", "rank-001"]
+    a, b = ref.load(FEATURES), got.load(FEATURES)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_two_ranks_collect_what_one_process_collects(setup):
+    p = _torchrun(setup, setup / "two")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    _same_as_reference(setup, setup / "two")
+
+
+def test_a_killed_rank_resumes_losing_and_duplicating_nothing(setup):
+    out = setup / "killed"
+    p = _torchrun(setup, out, slow=0.4)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(_done(out / "rank-001")) < 2:
+        time.sleep(0.05)
+    workers = _children(p.pid)
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGKILL)  # one rank dies mid-collection
+    p.communicate(timeout=120)
+    assert p.returncode != 0
+    before = {r: _done(out / r) for r in ("rank-000", "rank-001")}
+    assert 2 <= len(before["rank-001"]) < 4  # of its 4 prompts: the kill landed mid-run
+    p = _torchrun(setup, out, "--resume")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    _same_as_reference(setup, out)
+    for r, ids in before.items():  # what was finished was kept, not redone
+        assert _done(out / r)[: len(ids)] == ids
+
+
+def _done(rank_dir: Path) -> list[str]:
+    import json
+
+    m = rank_dir / "manifest.json"
+    return [p["id"] for p in json.loads(m.read_text())["prompts"]] if m.is_file() else []
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is pid (the torchrun agent's workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
