@@ -27,8 +27,8 @@ test: setup
 	$(PY) -m pytest
 
 lint: setup
-	$(PY) -m ruff check tensorbend tests bench
-	$(PY) -m ruff format --check tensorbend tests bench
+	$(PY) -m ruff check tensorbend tests bench tools
+	$(PY) -m ruff format --check tensorbend tests bench tools
 
 # Every published number, regenerated (docs/ and docs/bench/). The accuracy part is
 # deterministic; the timing part must run alone on the machine (nothing else on the cores).

@@ -19,6 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import summary  # noqa: E402
 
+from tensorbend.atomic import write_generated  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "REPORT.md"
 
@@ -219,11 +221,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true")
     a = p.parse_args(argv)
-    text = report()
-    if a.check:
-        return 0 if OUT.is_file() and OUT.read_text() == text else 1
-    OUT.write_text(text)
-    return 0
+    return write_generated(OUT, report(), a.check)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from tensorbend.atomic import write_generated
+
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
@@ -166,12 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true")
     a = p.parse_args(argv)
     readme = ROOT / "README.md"
-    text = readme.read_text()
-    new = render_readme(text)
-    if a.check:
-        return 0 if new == text else 1
-    readme.write_text(new)
-    return 0
+    return write_generated(readme, render_readme(readme.read_text()), a.check)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,18 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def write_generated(path: str | Path, text: str, check: bool = False) -> int:
+    """Write a generated doc atomically, or with `check` only compare: 0 when equal, else 1.
+
+    The exit status of every `--check` flag of the doc generators (bench/summary.py, ...).
+    """
+    path = Path(path)
+    if check:
+        return 0 if path.is_file() and path.read_text() == text else 1
+    atomic_write_text(path, text)
+    return 0
+
+
 def atomic_save_tensors(
     tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
 ) -> Path:
