@@ -23,6 +23,7 @@ collection of the same prompts (tested). An interrupted run resumes per rank wit
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,14 @@ from tqdm import tqdm
 from tensorbend.capture import RoutingCapture
 from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError, TraceError
-from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
+from tensorbend.hf import (
+    DTYPES,
+    DecodeConfig,
+    decode_prompt,
+    encode_prompt,
+    load_model,
+    parse_bytes,
+)
 from tensorbend.models import describe_model
 from tensorbend.prompts import file_sha, load_prompts
 from tensorbend.routers import model_fingerprint, router_params
@@ -75,8 +83,17 @@ class CollectConfig:
     """Compute dtype of the model (float32 on CPU: bf16 matmuls are ~100x slower there)."""
     device: str = "cpu"
     """Where the model runs: cpu or cuda[:N]."""
+    max_memory: str | None = None
+    """Models larger than memory: hold at most this much of the model on --device (8GB,
+    512MB, ...) and offload the rest with accelerate (to host memory from cuda, to disk from
+    cpu), streamed in per forward; the trace is identical to a resident run (tested)."""
+    offload_dir: Path | None = None
+    """Where disk-offloaded weights go with --max-memory on cpu (default: OUT/.offload,
+    deleted when the collection ends)."""
 
     def __post_init__(self) -> None:
+        if self.max_memory is not None:
+            parse_bytes(self.max_memory)  # a bad size fails before the model loads
         bad = set(self.features) - set(FEATURES)
         if bad:
             raise TensorbendError(
@@ -129,7 +146,19 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
     ctx = DistContext.from_env()
     lo, hi = ctx.share(len(prompts))
     out = Path(cfg.out) if ctx.world_size == 1 else Path(cfg.out) / f"rank-{ctx.rank:03d}"
-    model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device, progress=progress)
+    offload = cfg.offload_dir or out / ".offload"
+    try:
+        model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device, progress, cfg.max_memory,
+                                offload if cfg.max_memory else None)  # fmt: skip
+        return _collect_loaded(cfg, ctx, prompts, (lo, hi), out, model, tok, progress, t0)
+    finally:
+        if cfg.max_memory and cfg.offload_dir is None:
+            shutil.rmtree(offload, ignore_errors=True)
+
+
+def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress: bool, t0: float):
+    """collect() once the model is loaded: write this rank's block, then the merged manifest."""
+    lo, hi = block
     spec = describe_model(model)
     features = tuple(dict.fromkeys(("ids", *cfg.features)))
     writer = TraceWriter(

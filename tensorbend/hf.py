@@ -22,8 +22,9 @@ A caller that needs to act around each forward (hooks, timing, counters) passes
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -95,7 +96,12 @@ class Decoded:
 
 
 def load_model(
-    spec: str, dtype: torch.dtype | str = torch.float32, device: str = "cpu", progress: bool = False
+    spec: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+    progress: bool = False,
+    max_memory: str | int | None = None,
+    offload_dir: str | Path | None = None,
 ):
     """Load (model, tokenizer) from a local directory or zoo:NAME, offline, in eval mode.
 
@@ -103,6 +109,17 @@ def load_model(
     supports a choice: several times faster on CPU than the default grouped_mm, and the
     implementation the offload runtime reproduces bit for bit. transformers' own loading bars
     show only with `progress`.
+
+    Models larger than memory: with `max_memory` (bytes, or "8GB"/"512MB"), transformers +
+    accelerate place what fits on `device` within that budget (`device_map="auto"`) and
+    offload the rest (to CPU memory when `device` is cuda, to `offload_dir` on disk when it is
+    cpu), streaming the weights in for every forward. On CPU a matmul's result depends on its
+    weight's address alignment (another SIMD path: the 7th digit differs). Weights kept as in
+    the checkpoint are memory-mapped from it in both the resident and the offloaded model;
+    weights transformers converts at load (fused experts) live in fresh aligned memory when
+    resident but come back from the offload folder at unaligned offsets, so `_align_offloaded`
+    copies those to aligned memory per forward: the offloaded model computes bit for bit what
+    the resident one does (tested).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -111,6 +128,8 @@ def load_model(
         dtype = DTYPES[dtype]
     path = resolve_model(spec)
     kw = {"dtype": dtype, "local_files_only": True}
+    if max_memory is not None:
+        kw.update(_placement(device, max_memory, offload_dir))
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -125,11 +144,32 @@ def load_model(
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    if device != "cpu":
+    if max_memory is not None and device == "cpu":
+        _align_offloaded(model, offload_dir)
+    elif max_memory is None and device != "cpu":
         _check_device(device)
         model = model.to(device)
     model.eval()
     return model, tok
+
+
+def parse_bytes(text: str | int) -> int:
+    """'8GB' / '512MB' / '64KiB' / '1000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB)."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = float(num) * units[t[len(num) :].strip()]
+    except (ValueError, KeyError):
+        raise TensorbendError(
+            f"--max-memory {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
+        ) from None
+    if value < 1:
+        raise TensorbendError(f"--max-memory {text!r}: expected a size > 0")
+    return int(value)
 
 
 def encode_prompt(tok, prompt, cfg: DecodeConfig) -> PromptInput:
@@ -195,6 +235,74 @@ def cache_kwarg(model) -> str:
     """The forward() keyword that takes the KV cache in this transformers version."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _placement(device: str, max_memory: str | int, offload_dir) -> dict:
+    """from_pretrained keywords that place the model within `max_memory` on `device`."""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise TensorbendError(
+            "--max-memory places the model with accelerate, which is not installed: "
+            "pip install accelerate"
+        ) from None
+    budget = parse_bytes(max_memory)
+    if device == "cpu":
+        if offload_dir is None:
+            raise TensorbendError("--max-memory on cpu offloads to disk: give --offload-dir DIR")
+        return {"device_map": "auto", "max_memory": {"cpu": budget},
+                "offload_folder": str(offload_dir)}  # fmt: skip
+    _check_device(device)
+    index = torch.device(device).index or 0
+    return {"device_map": "auto", "max_memory": {index: budget, "cpu": _host_memory()}}
+
+
+def _host_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.9)
+
+
+def _align_offloaded(model, offload_dir) -> None:
+    """Give the weights streamed back from the offload folder the alignment the resident model
+    holds them in (see `load_model`)."""
+    folder = Path(offload_dir).resolve()
+    realigned: dict[int, _Realigned] = {}
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
+            wm = getattr(h, "weights_map", None)
+            loader = getattr(wm, "dataset", None)
+            if getattr(loader, "index", None) is None or isinstance(loader, _Realigned):
+                continue
+            wm.dataset = realigned.setdefault(id(loader), _Realigned(loader, folder))
+
+
+class _Realigned(Mapping):
+    """accelerate's offloaded-weights loader, returning 64-byte-aligned copies of the tensors
+    it maps from files in `folder` (weights transformers converted at load: fresh, aligned
+    memory in the resident model). Tensors mapped from the checkpoint itself sit at the same
+    offsets as in the resident model and pass through untouched."""
+
+    def __init__(self, inner: Mapping, folder: Path):
+        self.inner, self.folder = inner, folder
+
+    def __getitem__(self, key):
+        value = self.inner[key]
+        source = (self.inner.index.get(key) or {}).get("safetensors_file")
+        moved = source is not None and Path(source).resolve().is_relative_to(self.folder)
+        if moved and torch.is_tensor(value) and value.data_ptr() % 64:
+            return value.clone()
+        return value
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name):  # index, state_dict, save_folder, ... of the loader
+        return getattr(self.inner, name)
 
 
 def _device_of(model) -> torch.device:

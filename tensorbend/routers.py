@@ -44,21 +44,29 @@ def router_params(model: torch.nn.Module, spec: RoutingSpec) -> dict[str, torch.
     layers = decoder_layers(model)
     for m, lid in enumerate(spec.moe_layer_ids):
         router = router_module(model, spec, m)
-        out[f"layers.{m}.weight"] = router.weight.detach().float().cpu().clone()
-        if getattr(router, "bias", None) is not None:
-            out[f"layers.{m}.bias"] = router.bias.detach().float().cpu().clone()
-        if getattr(router, "e_score_correction_bias", None) is not None:
-            out[f"layers.{m}.correction_bias"] = (
-                router.e_score_correction_bias.detach().float().cpu().clone()
-            )
+        out[f"layers.{m}.weight"] = _read(router, "weight")
+        for key, attr in (("bias", "bias"), ("correction_bias", "e_score_correction_bias")):
+            if getattr(router, attr, None) is not None:
+                out[f"layers.{m}.{key}"] = _read(router, attr)
         for name, attr in (
             ("gate_norm", "post_attention_layernorm"),
             ("input_norm", "input_layernorm"),
         ):
             norm = getattr(layers[lid], attr, None)
             if norm is not None and getattr(norm, "weight", None) is not None:
-                out[f"layers.{m}.{name}"] = norm.weight.detach().float().cpu().clone()
+                out[f"layers.{m}.{name}"] = _read(norm, "weight")
     return out
+
+
+def _read(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """module.<name> as an fp32 CPU copy, read back from accelerate's offload when the model
+    was placed with --max-memory and the tensor lies on disk or in host memory (meta here)."""
+    if getattr(module, name).device.type == "meta":
+        from accelerate.utils import align_module_device
+
+        with align_module_device(module, torch.device("cpu")):
+            return getattr(module, name).detach().float().cpu().clone()
+    return getattr(module, name).detach().float().cpu().clone()
 
 
 def router_scores(
@@ -111,5 +119,5 @@ def model_fingerprint(model: torch.nn.Module, spec: RoutingSpec) -> str:
         h.update(params[k].numpy().tobytes())
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is not None:
-        h.update(emb.weight.detach().float().cpu()[:64].numpy().tobytes())
+        h.update(_read(emb, "weight")[:64].numpy().tobytes())
     return h.hexdigest()[:16]

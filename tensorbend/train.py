@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError
 from tensorbend.evaluate import score_predictor
 from tensorbend.predictors.base import (
@@ -84,6 +85,10 @@ class TrainConfig:
     """horizon: forwards ahead its reuse label looks (None: the default, 4)."""
     inputs: Literal["routing", "routing+hidden"] | None = None
     """horizon: routing history only (imported traces), or also the last hidden state."""
+    fit_layers: Literal["joint", "separate"] | None = None
+    """tensorbend, seed_mlp: fit all target layers in one loop (the default), or each alone
+    with its own early stopping; `separate` is what training over ranks under torchrun runs,
+    and gives the same bytes as one process."""
     max_train_prompts: int | None = None
     """Use only the first N train prompts (ablations)."""
     tokens_per_forward: int | None = None
@@ -157,6 +162,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     t0 = time.perf_counter()
     kind, kind_cfg = get_kind(cfg.predictor), cfg.kind_config
     tr = Trace.open(cfg.trace)
+    ctx = _ranks(kind, kind_cfg)
     if kind.cross_token:
         return _train_cross_token(cfg, kind, kind_cfg, tr, t0, progress)
     la = get_lookahead(cfg.lookahead or "d1")
@@ -179,7 +185,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
                 "so train and val prompts are present"
             )
     data = TrainData(train_rows, val_rows, tr.router_params())
-    p = kind.cls.fit(tr.spec, la, data, kind_cfg, progress=progress)
+    p = kind.cls.fit(tr.spec, la, data, kind_cfg, progress=progress and ctx.is_main)
     val = {
         ph: {k: v for k, v in r.items() if k != "per_layer"}
         for ph, r in score_predictor(p, val_rows).items()
@@ -192,7 +198,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
         **p.fit_summary(),
     }
     fingerprint = tr.manifest["model"]["fingerprint"]
-    save_predictor(p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra=extra)
+    if ctx.is_main:  # every rank holds the merged predictor; one writes it
+        save_predictor(p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra=extra)
+    ctx.barrier()
+    ctx.close()
     return TrainResult(
         predictor=p.kind,
         lookahead=la.name,
@@ -241,6 +250,25 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
         seconds=round(time.perf_counter() - t0, 1),
         train_prompts=n_train,
     )
+
+
+def _ranks(kind, kind_cfg) -> DistContext:
+    """torchrun's group (training over ranks splits the target layers), or a single rank."""
+    ctx = DistContext.from_env()
+    if ctx.world_size > 1 and kind.cross_token:
+        ctx.close()
+        raise TensorbendError(
+            f"--predictor {kind.name} fits one network over every MoE layer: train it in one "
+            f"process, found {ctx.world_size} ranks"
+        )
+    if ctx.world_size > 1 and kind_cfg.fit.layers != "separate":
+        ctx.close()
+        raise TensorbendError(
+            f"training over {ctx.world_size} ranks spreads the target layers: pass "
+            f"--fit-layers separate (each layer fits alone; one process with the same flag "
+            f"writes the same bytes), found {kind_cfg.fit.layers!r} for --predictor {kind.name}"
+        )
+    return ctx
 
 
 def _mean(xs: list[float]) -> float:

@@ -1,5 +1,6 @@
-"""Data-parallel collection under torchrun (2 CPU processes, gloo): the same trace content as a
-single-process collection of the same prompts, and a killed rank resumes losing nothing."""
+"""torchrun with 2 CPU processes (gloo). Data-parallel collection: the same trace content as a
+single-process collection of the same prompts, and a killed rank resumes losing nothing.
+Training over ranks (target layers spread): the same checkpoint bytes as one process."""
 
 import os
 import signal
@@ -76,6 +77,37 @@ def test_a_killed_rank_resumes_losing_and_duplicating_nothing(setup):
     _same_as_reference(setup, out)
     for r, ids in before.items():  # what was finished was kept, not redone
         assert _done(out / r)[: len(ids)] == ids
+
+
+@pytest.mark.parametrize("kind", ["tensorbend", "seed_mlp"])
+def test_training_over_two_ranks_writes_the_single_process_bytes(setup, kind):
+    from tensorbend.train import TrainConfig, train
+
+    args = ["--trace", str(setup / "ref"), "--predictor", kind, "--epochs", "3",
+            "--fit-layers", "separate", "--quiet"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "tensorbend", "train", *args, "--out",
+                          str(setup / f"{kind}_one.safetensors")], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tensorbend", "train", *args, "--out", str(setup / f"{kind}_two.safetensors")]  # fmt: skip
+    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr
+    a = (setup / f"{kind}_one.safetensors").read_bytes()
+    assert a == (setup / f"{kind}_two.safetensors").read_bytes()
+    joint = train(TrainConfig(trace=setup / "ref", out=setup / f"{kind}_joint.safetensors",
+                              predictor=kind, epochs=3), progress=False)  # fmt: skip
+    assert joint.params > 0 and (setup / f"{kind}_joint.safetensors").read_bytes() != a
+
+
+def test_training_over_ranks_without_separate_layers_is_refused(setup):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tensorbend", "train", "--trace", str(setup / "ref"), "--epochs", "1",
+           "--out", str(setup / "refused.safetensors"), "--quiet"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--fit-layers separate" in p.stderr
+    assert not (setup / "refused.safetensors").exists()
 
 
 def _done(rank_dir: Path) -> list[str]:

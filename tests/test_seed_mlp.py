@@ -97,14 +97,14 @@ def _fit_layers(data, L, clip):
         one.load_state_dict({k: v[:1] for k, v in net.state_dict().items()})
         net, data = one, {k: v[:1] for k, v in data.items()}
 
-    def loss_fn(n, b):
+    def loss_fn(n, b, layers):
         s = n(b["x"])
         t = torch.zeros_like(s).scatter_(2, b["truth"], 1.0)
         # layer 1's loss (and gradient) is huge: clipping jointly would shrink layer 0's steps
         return (seed_loss(s, t, "weighted_bce") * torch.tensor([1.0, 1e4])[:L]).sum()
 
     cfg = replace(SEED_FIT, epochs=10, clip=clip)
-    fit(net, data, loss_fn, lambda n: 0.0, cfg)
+    fit(net, data, loss_fn, lambda n, layers: 0.0, cfg)
     return net.fc1_w[0].detach()
 
 
@@ -115,6 +115,38 @@ def test_per_layer_clipping_trains_each_layer_as_if_alone():
     assert (_fit_layers(data, 2, "global") - alone).abs().max() > 1e-5
 
 
+def test_separate_layers_fit_each_layer_alone_with_its_own_best_epoch():
+    """layers="separate" gives layer 1 exactly what fitting layer 1 alone gives (same seed),
+    and each layer keeps its own best val epoch: here layer 0 peaks at epoch 0, layer 1 at
+    its last epoch, so a joint fit could not keep both."""
+    data = _two_layer_data()
+    torch.manual_seed(0)
+    init = SeedMLPNet(2, 5, 8, 4, dropout=0.0).state_dict()
+
+    def run(L, layers, first):
+        net = SeedMLPNet(L, 5, 8, 4, dropout=0.0)
+        net.load_state_dict({k: v[first : first + L] for k, v in init.items()})
+        d = {k: v[first : first + L] for k, v in data.items()}
+        calls = {}
+
+        def val_fn(n, sl):  # layer index (of the full stack) -> val by epoch
+            li = first + (sl.start or 0)
+            calls[li] = calls.get(li, -1) + 1
+            return -calls[li] if li == 0 else calls[li]
+
+        loss = lambda n, b, sl: n(b["x"]).pow(2).mean()  # noqa: E731
+        fit(net, d, loss, val_fn, replace(SEED_FIT, epochs=4, keep="best_val", layers=layers))
+        return net
+
+    both = run(2, "separate", 0)
+    assert torch.equal(both.fc1_w[1], run(1, "joint", 1).fc1_w[0])  # layer 1 alone
+    torch.manual_seed(0)
+    untouched = SeedMLPNet(2, 5, 8, 4, dropout=0.0)
+    epoch0 = run(1, "joint", 0)  # layer 0 alone keeps epoch 0
+    assert torch.equal(both.fc1_w[0], epoch0.fc1_w[0])
+    assert not torch.equal(both.fc1_w[0], untouched.fc1_w[0])  # it did train
+
+
 def test_keep_last_returns_the_final_epoch_not_the_best_val():
     data = _two_layer_data()
     states = {}
@@ -123,7 +155,7 @@ def test_keep_last_returns_the_final_epoch_not_the_best_val():
         net = SeedMLPNet(2, 5, 8, 4, dropout=0.0)
         vals = iter([1.0, 0.0, -1.0])  # epoch 0 is the best on val
         cfg = replace(SEED_FIT, epochs=3, keep=keep)
-        fit(net, data, lambda n, b: n(b["x"]).pow(2).mean(), lambda n, v=vals: next(v), cfg)
+        fit(net, data, lambda n, b, sl: n(b["x"]).pow(2).mean(), lambda n, sl, v=vals: next(v), cfg)
         states[keep] = net.fc1_w.detach().clone()
     assert not torch.equal(states["best_val"], states["last"])
     torch.manual_seed(0)
@@ -131,8 +163,8 @@ def test_keep_last_returns_the_final_epoch_not_the_best_val():
     fit(
         first,
         data,
-        lambda n, b: n(b["x"]).pow(2).mean(),
-        lambda n: 0.0,
+        lambda n, b, sl: n(b["x"]).pow(2).mean(),
+        lambda n, sl: 0.0,
         replace(SEED_FIT, epochs=1),
     )
     assert torch.equal(states["best_val"], first.fc1_w.detach())

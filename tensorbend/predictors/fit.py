@@ -1,7 +1,12 @@
-"""One minibatch training loop for the learned predictors (all target layers at once).
+"""One minibatch training loop for the learned predictors (all target layers at once, or each
+target layer on its own and spread over torch.distributed ranks).
 
 Usage:
     best_state, history = fit(module, data, loss_fn, val_fn, FitConfig(epochs=40))
+
+loss_fn(module, batch, layers) and val_fn(module, layers) take the slice of target layers the
+module and batch hold (all of them with layers="joint", one with layers="separate"), so
+closures over per-layer tensors can slice them alike.
 
 `data` holds tensors stacked over target layers with the row dimension second ([Lt, N, ...]);
 a minibatch takes the same rows from every layer (a full batch keeps the rows in order). Every parameter of `module` is stacked over
@@ -10,6 +15,13 @@ as if each layer were trained separately (the seed's recipe). Deterministic for 
 shuffle uses its own generator and the module is initialised by the caller under the same seed.
 `keep="best_val"` restores the state with the best validation score; `keep="last"` keeps the
 final epoch (the seed had no validation split).
+
+`layers="separate"` fits each target layer alone (its own shuffle from the same seed, its own
+early stopping and best epoch, per-layer clipping by construction), so one layer's result
+does not depend on which other layers are trained with it. That makes training parallel over
+ranks: under torchrun (an initialised process group) rank r fits target layers r, r + W, ...,
+the ranks exchange their layers' states, and every rank holds the same merged module, byte
+for byte the module of a single-process `layers="separate"` run (tested).
 """
 
 from __future__ import annotations
@@ -52,6 +64,8 @@ class FitConfig:
     """Seed of the shuffle (and of the caller's initialisation)."""
     optimizer: Literal["adam", "adamw"] = "adam"
     """Adam (L2 weight decay) or AdamW (decoupled weight decay, the seed)."""
+    layers: Literal["joint", "separate"] = "joint"
+    """Fit all target layers in one loop, or each alone (the mode training over ranks needs)."""
 
     def __post_init__(self):
         if self.epochs < 1 or self.batch_rows < 0 or self.lr <= 0 or self.min_steps < 0:
@@ -64,6 +78,7 @@ class FitConfig:
             ("clip", self.clip, ("global", "per_layer")),
             ("keep", self.keep, ("best_val", "last")),
             ("optimizer", self.optimizer, ("adam", "adamw")),
+            ("layers", self.layers, ("joint", "separate")),
         ):
             if value not in choices:
                 raise PredictorConfigError(
@@ -80,10 +95,85 @@ def fit(
     progress: bool = False,
     desc: str = "train",
 ):
-    """Train `module`; loss_fn(module, batch) -> scalar, val_fn(module) -> float (higher is better).
+    """Train `module`; loss_fn(module, batch, layers) -> scalar, val_fn(module, layers) -> float
+    (higher is better), `layers` the slice of target layers in play.
 
-    Returns (the kept state dict, history: [{"epoch", "loss", "val"}], val None where unscored).
+    Returns (the kept state dict, history: [{"epoch", "loss", "val"}], val None where unscored;
+    with layers="separate" one entry per target layer: {"layer", "val", "epochs"} and a last
+    {"epoch": None, "loss": None, "val": val of the merged module}).
     """
+    if cfg.layers == "joint":
+        everything = slice(None)
+        return _fit_loop(
+            module,
+            data,
+            lambda m, b: loss_fn(m, b, everything),
+            lambda m: val_fn(m, everything),
+            cfg,
+            progress,
+            desc,
+        )
+    return _fit_separate(module, data, loss_fn, val_fn, cfg, progress, desc)
+
+
+def _fit_separate(module, data, loss_fn, val_fn, cfg: FitConfig, progress: bool, desc: str):
+    """Each target layer alone; this rank's layers, then every rank's states merged."""
+    import torch.distributed as dist
+
+    Lt = next(module.parameters()).shape[0]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {}
+    for li in range(rank, Lt, world):
+        sl = slice(li, li + 1)
+        sub = _layer_slice(module, sl)
+        with torch.random.fork_rng():  # dropout draws: the layer's own, whichever rank runs it
+            torch.manual_seed(cfg.seed * 100_003 + li)
+            state, hist = _fit_loop(
+                sub,
+                {k: v[sl] for k, v in data.items()},
+                lambda m, b, sl=sl: loss_fn(m, b, sl),
+                lambda m, sl=sl: val_fn(m, sl),
+                cfg,
+                progress and rank == 0,
+                f"{desc} layer {li}",
+            )
+        scored = [h["val"] for h in hist if h["val"] is not None]
+        mine[li] = (state, {"layer": li, "val": max(scored), "epochs": len(hist)})
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        mine = {li: v for part in every for li, v in part.items()}
+    merged = {k: torch.cat([mine[li][0][k] for li in range(Lt)]) for k in module.state_dict()}
+    module.load_state_dict(merged)
+    module.eval()
+    with torch.no_grad():
+        val = float(val_fn(module, slice(None)))
+    history = [mine[li][1] for li in range(Lt)] + [{"epoch": None, "loss": None, "val": val}]
+    return merged, history
+
+
+def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise max over the ranks of a separate-layers fit (each rank filled in its own
+    layers' entries of a zero-initialised per-layer tensor); x itself on a single process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def _layer_slice(module: torch.nn.Module, sl: slice) -> torch.nn.Module:
+    """A copy of a layer-stacked module holding only target layers `sl` (dimension 0)."""
+    sub = copy.deepcopy(module)
+    Lt = next(module.parameters()).shape[0]
+    for t in sub.state_dict(keep_vars=True).values():
+        assert t.shape[0] == Lt, "layers='separate' needs every tensor stacked over layers"
+        t.data = t.data[sl].clone()
+    return sub
+
+
+def _fit_loop(module, data, loss_fn, val_fn, cfg: FitConfig, progress: bool, desc: str):
+    """The minibatch loop over `module`'s layers together (see fit)."""
     N = next(iter(data.values())).shape[1]
     bs = N if cfg.batch_rows == 0 else min(cfg.batch_rows, N)
     steps_per_epoch = math.ceil(N / bs)

@@ -98,10 +98,11 @@ class HorizonConfig:
     @classmethod
     def from_train(cls, t) -> HorizonConfig:
         """From `tensorbend train`'s options (a train.TrainConfig); None keeps the default."""
-        for name in ("loss", "prev_routing", "src_scores"):
+        for name in ("loss", "prev_routing", "src_scores", "fit_layers"):
             if getattr(t, name) is not None:
                 raise PredictorConfigError(
                     f"horizon has no option {name}: expected it unset, found {getattr(t, name)!r}"
+                    + ("; it fits one network over every MoE layer" if name == "fit_layers" else "")
                 )
         d = cls()
         return cls(
@@ -241,10 +242,10 @@ class HorizonPredictor:
         train, val = p.dataset(data.train_rows), p.dataset(data.val_rows)
         J = cfg.foresight + 1
 
-        def loss_fn(net, b):
+        def loss_fn(net, b, layers):  # one stacked "layer": the net spans every MoE layer
             return F.cross_entropy(net(b["X"][0], _h(b)).reshape(-1, J), b["Y"][0].reshape(-1))
 
-        def val_fn(net):
+        def val_fn(net, layers):
             z = net(val["X"][0], _h(val)).reshape(-1, J)
             return -float(F.cross_entropy(z, val["Y"][0].reshape(-1)))
 

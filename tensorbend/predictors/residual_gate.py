@@ -92,7 +92,12 @@ class ResidualGateConfig:
             loss=t.loss or d.loss,
             use_prev=t.use_prev,
             use_src_scores=d.use_src_scores if t.src_scores is None else t.src_scores,
-            fit=replace(d.fit, seed=t.seed, epochs=t.epochs or d.fit.epochs),
+            fit=replace(
+                d.fit,
+                seed=t.seed,
+                epochs=t.epochs or d.fit.epochs,
+                layers=t.fit_layers or d.fit.layers,
+            ),
         )
 
 
@@ -188,15 +193,16 @@ class ResidualGatePredictor(PredictorBase):
         p = cls(spec, la, data.router_params, cfg, H)
         train, val = p._inputs(data.train_rows), p._inputs(data.val_rows)
 
-        def loss_fn(net, b):
+        def loss_fn(net, b, layers):
             s_LNE = net(b["g"], b["u"])
             if cfg.loss == "bce":
                 target_LNE = torch.zeros_like(s_LNE).scatter_(2, b["truth"], 1.0)
                 return F.binary_cross_entropy_with_logits(s_LNE, target_LNE)
             return -(F.log_softmax(s_LNE, -1).gather(2, b["truth"])).mean()
 
-        def val_fn(net):
-            return layer_mean_recall(net(val["g"], val["u"]), val["truth"], spec.top_k)
+        def val_fn(net, layers):
+            v = {k: val[k][layers] for k in ("g", "u", "truth")}
+            return layer_mean_recall(net(v["g"], v["u"]), v["truth"], spec.top_k)
 
         _, p.history = fit(
             p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"tensorbend {la.name}"

@@ -46,7 +46,7 @@ from tensorbend.predictors.base import (
     config_from_dict,
     sources_from_rows,
 )
-from tensorbend.predictors.fit import FitConfig, fit
+from tensorbend.predictors.fit import FitConfig, fit, max_over_ranks
 from tensorbend.predictors.ops import multi_hot
 from tensorbend.predictors.seed_net import SeedMLPNet
 
@@ -115,7 +115,12 @@ class SeedMLPConfig:
             width=t.width or d.width,
             loss=t.loss or d.loss,
             prev_routing=t.prev_routing or (d.prev_routing if t.use_prev else "none"),
-            fit=replace(d.fit, seed=t.seed, epochs=t.epochs or d.fit.epochs),
+            fit=replace(
+                d.fit,
+                seed=t.seed,
+                epochs=t.epochs or d.fit.epochs,
+                layers=t.fit_layers or d.fit.layers,
+            ),
         )
 
 
@@ -176,25 +181,28 @@ class SeedMLPPredictor(PredictorBase):
         importance_LE = expert_importance(target_LNE) if cfg.loss == "ranking" else None
         best_L = torch.zeros(len(p.targets))
 
-        def loss_fn(net, b):
+        def loss_fn(net, b, layers):
             s_LNE = net(b["x"])
             t_LNE = torch.zeros_like(s_LNE).scatter_(2, b["truth"], 1.0)
             with torch.no_grad():  # the seed's number: training-mode logits, best epoch per layer
                 n = TRAIN_ROWS_SCORED
                 hits = [
                     topk_hits(s_LNE[i, :n], b["truth"][i, :n], K).mean() / K
-                    for i in range(len(best_L))
+                    for i in range(s_LNE.shape[0])
                 ]
-                best_L.copy_(torch.maximum(best_L, torch.stack(hits)))
-            return seed_loss(s_LNE, t_LNE, cfg.loss, importance_LE).sum()
+                best_L[layers] = torch.maximum(best_L[layers], torch.stack(hits))
+            imp = None if importance_LE is None else importance_LE[layers]
+            return seed_loss(s_LNE, t_LNE, cfg.loss, imp).sum()
 
-        def val_fn(net):
-            return layer_mean_recall(net(val["x"]), val["truth"], K)
+        def val_fn(net, layers):
+            return layer_mean_recall(net(val["x"][layers]), val["truth"][layers], K)
 
         _, p.history = fit(
             p.net, train, loss_fn, val_fn, cfg.fit, progress=progress, desc=f"seed_mlp {la.name}"
         )
         p.val_recall = p.history[-1]["val"]
+        if cfg.fit.layers == "separate":
+            max_over_ranks(best_L)  # each rank scored its own layers
         p.train_rows_recall = float(best_L.mean())
         return p
 
