@@ -48,11 +48,12 @@ def main(argv=None) -> int:
         )  # fmt: skip
         rows = []
         for adm in ("all", "frequency", "predicted"):
-            cfg = replace(base, admission=adm)
-            if adm == "frequency":  # the TinyLFU-style admission of the caches
-                cfg = replace(cfg, policies=NO_PREDICTION)
-            if adm == "predicted":  # bypass a miss predicted back later than its victim
-                cfg = replace(cfg, policies=("prefetch", "oracle"))
+            policies = {  # frequency: the TinyLFU-style admission of the caches; predicted:
+                "all": base.policies,  # bypass a miss predicted back later than its victim
+                "frequency": NO_PREDICTION,
+                "predicted": ("prefetch", "oracle"),
+            }[adm]
+            cfg = replace(base, admission=adm, policies=policies)
             res = simulate(cfg).to_json()
             rows += res["results"]
             head = {k: res[k] for k in ("hardware", "geometry", "mapping", "batch", "tokens")}

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from tensorbend.errors import TensorbendError
-from tensorbend.metrics import mean_over_layers, set_metrics
+from tensorbend.metrics import mean_over_layers, merge_token_means, set_metrics
 from tensorbend.predictors.base import (
     HEADLINE_LOOKAHEADS,
     LookaheadName,
@@ -195,20 +195,30 @@ def _check_features(names: list[str], lookaheads, tr: Trace, explicit: bool) -> 
 
 
 def _score_jobs(jobs: list, tr: Trace, cfg: EvalConfig) -> list[EvalRow]:
-    """Score (predictor, checkpoint) pairs on the split, loading rows once per hidden feature."""
+    """Score (predictor, checkpoint) pairs on the split, streaming the rows shard by shard
+    (whole prompts; memory: one shard's rows per feature set) and merging the per-layer
+    token means by token counts."""
     over = tuple(dict.fromkeys((*cfg.overprovision, tr.spec.top_k)))  # p = K reported as "K"
-    rows_cache: dict[tuple, dict] = {}
-    results = []
-    for pred, ckpt in jobs:
-        feats = KINDS[pred.kind].features(pred.lookahead)
-        if feats not in rows_cache:
-            split = None if cfg.split == "all" else cfg.split
-            rows_cache[feats] = tr.load(feats, split=split)
-        rows = rows_cache[feats]
-        if rows["expert_ids_TLK"].shape[0] == 0:
-            raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
-        results += _rows_of(pred, ckpt, rows, over, cfg.timing_rows)
-    return results
+    split = None if cfg.split == "all" else cfg.split
+    by_feats: dict[tuple, list[int]] = {}
+    for j, (pred, _) in enumerate(jobs):
+        by_feats.setdefault(KINDS[pred.kind].features(pred.lookahead), []).append(j)
+    parts: list[list[dict]] = [[] for _ in jobs]
+    timing: list[float | None] = [None] * len(jobs)
+    for feats, js in by_feats.items():
+        for rows in tr.iter_shards(feats, split=split):
+            for j in js:
+                pred = jobs[j][0]
+                parts[j].append(score_predictor(pred, rows, over))
+                if timing[j] is None:
+                    timing[j] = us_per_token(pred, rows, cfg.timing_rows)
+    if not parts or not parts[0]:
+        raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
+    return [
+        row
+        for (pred, ckpt), ps, us in zip(jobs, parts, timing, strict=True)
+        for row in _rows_of(pred, ckpt, merge_scores(ps), us)
+    ]
 
 
 def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
@@ -229,9 +239,17 @@ def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
     return {ph: {**mean_over_layers(v), "per_layer": v} for ph, v in per_phase.items()}
 
 
-def _rows_of(pred, ckpt, rows, over, timing_rows: int) -> list[EvalRow]:
-    by_phase = score_predictor(pred, rows, over)
-    us = us_per_token(pred, rows, timing_rows)
+def merge_scores(parts: list[dict]) -> dict:
+    """score_predictor results of disjoint row chunks -> the result over all their rows."""
+    out = {}
+    for ph in PHASES:
+        layers = zip(*(p[ph]["per_layer"] for p in parts), strict=True)
+        per_layer = [{"layer": ms[0]["layer"], **merge_token_means(ms)} for ms in layers]
+        out[ph] = {**mean_over_layers(per_layer), "per_layer": per_layer}
+    return out
+
+
+def _rows_of(pred, ckpt, by_phase: dict, us: float | None) -> list[EvalRow]:
     K = pred.spec.top_k
     out = []
     for phase in PHASES:

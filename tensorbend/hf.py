@@ -22,7 +22,7 @@ A caller that needs to act around each forward (hooks, timing, counters) passes
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
+from tensorbend.placement import align_offloaded, placement_kwargs
 from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -117,8 +118,8 @@ def load_model(
     weight's address alignment (another SIMD path: the 7th digit differs). Weights kept as in
     the checkpoint are memory-mapped from it in both the resident and the offloaded model;
     weights transformers converts at load (fused experts) live in fresh aligned memory when
-    resident but come back from the offload folder at unaligned offsets, so `_align_offloaded`
-    copies those to aligned memory per forward: the offloaded model computes bit for bit what
+    resident but come back from the offload folder at unaligned offsets, so
+    `placement.align_offloaded` copies those to aligned memory per forward: the offloaded model computes bit for bit what
     the resident one does (tested).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,7 +130,7 @@ def load_model(
     path = resolve_model(spec)
     kw = {"dtype": dtype, "local_files_only": True}
     if max_memory is not None:
-        kw.update(_placement(device, max_memory, offload_dir))
+        kw.update(placement_kwargs(device, max_memory, offload_dir))
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -145,31 +146,12 @@ def load_model(
         if bars:
             hf_logging.enable_progress_bar()
     if max_memory is not None and device == "cpu":
-        _align_offloaded(model, offload_dir)
+        align_offloaded(model, offload_dir)
     elif max_memory is None and device != "cpu":
         _check_device(device)
         model = model.to(device)
     model.eval()
     return model, tok
-
-
-def parse_bytes(text: str | int) -> int:
-    """'8GB' / '512MB' / '64KiB' / '1000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB)."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    units.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
-    try:
-        value = float(num) * units[t[len(num) :].strip()]
-    except (ValueError, KeyError):
-        raise TensorbendError(
-            f"--max-memory {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
-        ) from None
-    if value < 1:
-        raise TensorbendError(f"--max-memory {text!r}: expected a size > 0")
-    return int(value)
 
 
 def encode_prompt(tok, prompt, cfg: DecodeConfig) -> PromptInput:
@@ -235,74 +217,6 @@ def cache_kwarg(model) -> str:
     """The forward() keyword that takes the KV cache in this transformers version."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-def _placement(device: str, max_memory: str | int, offload_dir) -> dict:
-    """from_pretrained keywords that place the model within `max_memory` on `device`."""
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        raise TensorbendError(
-            "--max-memory places the model with accelerate, which is not installed: "
-            "pip install accelerate"
-        ) from None
-    budget = parse_bytes(max_memory)
-    if device == "cpu":
-        if offload_dir is None:
-            raise TensorbendError("--max-memory on cpu offloads to disk: give --offload-dir DIR")
-        return {"device_map": "auto", "max_memory": {"cpu": budget},
-                "offload_folder": str(offload_dir)}  # fmt: skip
-    _check_device(device)
-    index = torch.device(device).index or 0
-    return {"device_map": "auto", "max_memory": {index: budget, "cpu": _host_memory()}}
-
-
-def _host_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.9)
-
-
-def _align_offloaded(model, offload_dir) -> None:
-    """Give the weights streamed back from the offload folder the alignment the resident model
-    holds them in (see `load_model`)."""
-    folder = Path(offload_dir).resolve()
-    realigned: dict[int, _Realigned] = {}
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
-            wm = getattr(h, "weights_map", None)
-            loader = getattr(wm, "dataset", None)
-            if getattr(loader, "index", None) is None or isinstance(loader, _Realigned):
-                continue
-            wm.dataset = realigned.setdefault(id(loader), _Realigned(loader, folder))
-
-
-class _Realigned(Mapping):
-    """accelerate's offloaded-weights loader, returning 64-byte-aligned copies of the tensors
-    it maps from files in `folder` (weights transformers converted at load: fresh, aligned
-    memory in the resident model). Tensors mapped from the checkpoint itself sit at the same
-    offsets as in the resident model and pass through untouched."""
-
-    def __init__(self, inner: Mapping, folder: Path):
-        self.inner, self.folder = inner, folder
-
-    def __getitem__(self, key):
-        value = self.inner[key]
-        source = (self.inner.index.get(key) or {}).get("safetensors_file")
-        moved = source is not None and Path(source).resolve().is_relative_to(self.folder)
-        if moved and torch.is_tensor(value) and value.data_ptr() % 64:
-            return value.clone()
-        return value
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name):  # index, state_dict, save_folder, ... of the loader
-        return getattr(self.inner, name)
 
 
 def _device_of(model) -> torch.device:

@@ -70,6 +70,25 @@ def mean_over_layers(per_layer: list[dict]) -> dict:
     return out
 
 
+def merge_token_means(parts: list[dict]) -> dict:
+    """set_metrics results of disjoint token sets -> the result over their union (token means
+    weighted by token counts; equal to set_metrics on the union up to float rounding)."""
+    rows = [r for r in parts if r["tokens"]]
+    if not rows:
+        return {**parts[0], "tokens": 0}
+    T = sum(r["tokens"] for r in rows)
+
+    def mean(get):
+        return sum(get(r) * r["tokens"] for r in rows) / T
+
+    out = {k: mean(lambda r, k=k: r[k]) for k in ("recall_at_k", "exact_match", "miss_rate")}
+    out["hit_at_k_plus_p"] = {
+        p: mean(lambda r, p=p: r["hit_at_k_plus_p"][p]) for p in rows[0]["hit_at_k_plus_p"]
+    }
+    out["tokens"] = T
+    return out
+
+
 def layer_mean_recall(scores_LNE: torch.Tensor, true_ids_LNK: torch.Tensor, K: int) -> float:
     """recall@K averaged over rows, then over layers (the training loops' validation score)."""
     L = scores_LNE.shape[0]

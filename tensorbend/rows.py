@@ -101,6 +101,36 @@ def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, t
     taken before any row is dropped; prev_row_T points into the kept rows (-1: not kept)."""
     prev_ids_TLK, prev_phase_T = previous_token(rows)
     rows = {**rows, "prev_expert_ids_TLK": prev_ids_TLK, "prev_phase_T": prev_phase_T}
+    keep_T = keep_mask(rows, sel)
+    if bool(keep_T.all()):
+        return rows
+    new_index_T = torch.cumsum(keep_T.long(), 0) - 1
+    prev_T = rows["prev_row_T"]
+    prev_kept_T = (prev_T >= 0) & keep_T[prev_T.clamp(min=0)]
+    out = {k: v[keep_T] for k, v in rows.items()}
+    remapped_T = torch.where(
+        prev_kept_T, new_index_T[prev_T.clamp(min=0)], torch.full_like(prev_T, -1)
+    )
+    out["prev_row_T"] = remapped_T[keep_T]
+    return out
+
+
+def load_selected(trace, features, split: str, sel: RowSelection) -> dict[str, torch.Tensor]:
+    """`select_rows(trace.load(features, split=split), sel)` in bounded memory: a first pass
+    over the shards reads the routing of every row (ids: K values per layer, ~0.1% of a
+    trace with hidden states), picks the rows, and the second pass keeps only their features,
+    shard by shard. Memory: the kept rows, one shard, and the trace's routing (tested equal)."""
+    light = trace.load(("ids",), split=split)
+    keep_T = keep_mask(light, sel)
+    prev_ids_TLK, prev_phase_T = previous_token(light)
+    del light
+    out = trace.load(features, split=split, keep_T=keep_T)
+    out["prev_expert_ids_TLK"], out["prev_phase_T"] = prev_ids_TLK[keep_T], prev_phase_T[keep_T]
+    return out
+
+
+def keep_mask(rows: dict[str, torch.Tensor], sel: RowSelection) -> torch.Tensor:
+    """[T] bool: the rows `sel` keeps (first prompts, first prefill tokens, then a sample)."""
     prompt_T = rows["prompt_index_T"]
     keep_T = torch.ones(prompt_T.shape[0], dtype=torch.bool)
     if sel.max_prompts is not None:
@@ -114,14 +144,4 @@ def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, t
         chosen_N = idx_N[torch.randperm(idx_N.numel(), generator=gen)[: sel.max_rows]]
         keep_T = torch.zeros_like(keep_T)
         keep_T[chosen_N] = True
-    if bool(keep_T.all()):
-        return rows
-    new_index_T = torch.cumsum(keep_T.long(), 0) - 1
-    prev_T = rows["prev_row_T"]
-    prev_kept_T = (prev_T >= 0) & keep_T[prev_T.clamp(min=0)]
-    out = {k: v[keep_T] for k, v in rows.items()}
-    remapped_T = torch.where(
-        prev_kept_T, new_index_T[prev_T.clamp(min=0)], torch.full_like(prev_T, -1)
-    )
-    out["prev_row_T"] = remapped_T[keep_T]
-    return out
+    return keep_T

@@ -123,6 +123,8 @@ class Trace:
         split: str | None = None,
         phase: str | None = None,
         skip_bad: bool = False,
+        keep_T: torch.Tensor | None = None,
+        shards: tuple[int, ...] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Concatenate rows of all shards, filtered by prompt split and phase.
 
@@ -131,14 +133,22 @@ class Trace:
         prev_row_T: the row of the previous token of the same prompt within the returned
         rows, -1 at a prompt's first token (or when that row was filtered out).
         With skip_bad, unreadable shards are skipped (their prompts are missing).
+        keep_T: a bool mask over the rows the call returns without it; only those rows are
+        kept, shard by shard, so the features of the others are never held together
+        (`rows.load_selected` streams a row sample out of a trace larger than memory).
+        shards: read only these shards (`iter_shards`); prompt_index_T stays global.
         """
+        assert keep_T is None or not skip_bad, "a row mask needs every shard"
         names = [self._tensor_name(f) for f in features]
         split_ok = None
         if split not in (None, "all"):
             split_ok = torch.tensor([p["split"] == split for p in self.prompts], dtype=torch.bool)
         parts: dict[str, list[torch.Tensor]] = {n: [] for n in (*names, *ROW_TENSORS, "row_T")}
-        offset = 0
+        offset = seen = 0  # rows of the shards so far; of them, rows passing the filters
         for i, sh_meta in enumerate(self.manifest["shards"]):
+            if shards is not None and i not in shards:
+                offset += sh_meta["tokens"]
+                continue
             try:
                 sh = self.load_shard(i)
             except TraceError:
@@ -151,14 +161,32 @@ class Trace:
                 keep &= split_ok[sh["prompt_index_T"].long()]
             if phase is not None:
                 keep &= sh["phase_T"] == PHASES.index(phase)
+            if keep_T is not None:
+                idx = keep.nonzero().flatten()
+                keep = torch.zeros_like(keep)
+                keep[idx[keep_T[seen : seen + idx.numel()]]] = True
+                seen += idx.numel()
             for n in (*names, *ROW_TENSORS):
                 parts[n].append(sh[n][keep])
             parts["row_T"].append(torch.arange(offset, offset + keep.shape[0])[keep])
             offset += keep.shape[0]
+        if keep_T is not None and seen != keep_T.numel():
+            raise TraceError(
+                f"row mask of {keep_T.numel()} rows for {seen} rows in {self.root}: the trace "
+                "changed between the two passes over it; rerun"
+            )
         out = {n: torch.cat(v) if v else torch.empty(0) for n, v in parts.items()}
         out["prev_row_T"] = _prev_rows(out["row_T"], out["prompt_index_T"], out["positions_T"])
         del out["row_T"]
         return out
+
+    def iter_shards(self, features=("ids",), split: str | None = None):
+        """`load`, one shard at a time (each holds whole prompts; shards without rows of the
+        split are skipped): what a pass over a trace larger than memory reads."""
+        for i in range(len(self.manifest["shards"])):
+            rows = self.load(features, split=split, shards=(i,))
+            if rows["phase_T"].numel():
+                yield rows
 
     def _tensor_name(self, feature: str) -> str:
         if feature in self.manifest["features"]:

@@ -53,7 +53,7 @@ from tensorbend.predictors.registry import (
     config_from_train,
     get_kind,
 )
-from tensorbend.rows import RowSelection, select_rows
+from tensorbend.rows import RowSelection, load_selected
 from tensorbend.trace import Trace
 
 
@@ -95,6 +95,9 @@ class TrainConfig:
     """Keep only the first N prefill tokens of each train prompt (the seed's hook kept 4)."""
     max_train_rows: int | None = None
     """Uniform random sample of N train rows (the seed kept at most 10,000 per layer)."""
+    max_val_rows: int | None = None
+    """Uniform random sample of N val rows (with --max-train-rows: training memory bounded
+    whatever the trace size, the rows streamed out of the shards)."""
     threads: int | None = None
     """Torch CPU threads (None: leave as is)."""
 
@@ -118,6 +121,7 @@ class TrainConfig:
             "max_train_prompts",
             "tokens_per_forward",
             "max_train_rows",
+            "max_val_rows",
         )
         for name in counts:
             value = getattr(self, name)
@@ -176,8 +180,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
             "frequency, transition or horizon --inputs routing)"
         )
     sel = RowSelection(cfg.max_train_prompts, cfg.tokens_per_forward, cfg.max_train_rows, cfg.seed)
-    train_rows = select_rows(tr.load(feats, split="train"), sel)
-    val_rows = tr.load(feats, split="val")
+    train_rows = load_selected(tr, feats, "train", sel)
+    val_rows = load_selected(
+        tr, feats, "val", RowSelection(max_rows=cfg.max_val_rows, seed=cfg.seed)
+    )
     for name, rows in (("train", train_rows), ("val", val_rows)):
         if rows["expert_ids_TLK"].shape[0] == 0:
             raise TensorbendError(

@@ -6,7 +6,8 @@ import torch
 
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, _Realigned, load_model, parse_bytes
+from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.placement import _Realigned, parse_bytes
 from tensorbend.trace import Trace
 
 pytest.importorskip("accelerate")

@@ -288,3 +288,51 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
     for k in ra:
         assert torch.equal(ra[k], rb[k]), k
     assert b.info()["complete"]
+
+
+def test_streamed_row_selection_equals_selecting_loaded_rows(ckpt, tmp_path):
+    """load_selected (two passes, features of kept rows only) returns exactly what
+    select_rows returns on the fully loaded split, over several shards."""
+    from tensorbend.rows import RowSelection, keep_mask, load_selected, select_rows
+
+    _collect(ckpt, tmp_path / "t", features=("ids", "gate_input"), shard_tokens=40)
+    tr = Trace.open(tmp_path / "t")
+    assert len(tr.manifest["shards"]) >= 3
+    feats = ("ids", "gate_input")
+    for sel in (RowSelection(), RowSelection(max_rows=37, seed=3),
+                RowSelection(max_prompts=4, tokens_per_forward=2, max_rows=20)):  # fmt: skip
+        want = select_rows(tr.load(feats, split="train"), sel)
+        got = load_selected(tr, feats, "train", sel)
+        assert want.keys() == got.keys(), sel
+        for k in want:
+            assert torch.equal(want[k], got[k]), (sel, k)
+    n = tr.load(("ids",), split="train")["phase_T"].numel()
+    with pytest.raises(TraceError, match="row mask"):
+        tr.load(("ids",), split="train", keep_T=torch.ones(n + 1, dtype=torch.bool))
+    assert keep_mask(tr.load(("ids",), split="train"), RowSelection(max_rows=5)).sum() == 5
+
+
+def test_evaluation_streamed_by_shard_equals_scoring_all_rows_at_once(ckpt, tmp_path):
+    """eval scores shard by shard and merges by token counts: the same metrics (to float
+    rounding) as score_predictor over the whole split loaded at once."""
+    from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
+    from tensorbend.predictors.base import TrainData, get_lookahead
+    from tensorbend.predictors.registry import build
+
+    _collect(ckpt, tmp_path / "t", features=("ids", "gate_input"), shard_tokens=40)
+    tr = Trace.open(tmp_path / "t")
+    assert len(list(tr.iter_shards(("ids",), split="test"))) >= 2
+    rep = evaluate(EvalConfig(trace=tmp_path / "t", baselines=("frequency", "spec_gate"),
+                              lookaheads=("d1",), timing_rows=0))  # fmt: skip
+    rows = tr.load(("ids", "gate_input"), split="test")
+    data = TrainData(tr.load(("ids",), split="train"), router_params=tr.router_params())
+    for r in rep.results:
+        whole = score_predictor(build(r.predictor, tr.spec, get_lookahead("d1"), data), rows,
+                                (0, 2, 4, tr.spec.top_k))[r.phase]  # fmt: skip
+        assert r.tokens == whole["tokens"] > 0
+        assert r.recall_at_k == pytest.approx(whole["recall_at_k"], abs=1e-6)
+        assert r.exact_match == pytest.approx(whole["exact_match"], abs=1e-6)
+        assert r.hit_at_k_plus_p["2"] == pytest.approx(whole["hit_at_k_plus_p"]["2"], abs=1e-6)
+        for a, b in zip(r.per_layer, whole["per_layer"], strict=True):
+            assert a["tokens"] == b["tokens"]
+            assert a["recall_at_k"] == pytest.approx(b["recall_at_k"], abs=1e-6)
