@@ -207,6 +207,62 @@ def decode_prompt(
     return run
 
 
+def decode_batch(
+    model,
+    inps: list[PromptInput],
+    cfg: DecodeConfig,
+    *,
+    index: int = 0,
+    pad_id: int = 0,
+    forward: Callable | None = None,
+) -> list[Decoded]:
+    """B prompts in lockstep (static batching): one left-padded prefill forward (attention mask,
+    positions counted from each prompt's first real token), then one forward per step with one
+    token of every sequence. Every sequence runs the same number of steps: teacher forcing the
+    shortest continuation, greedy and sampling `max_new_tokens` (EOS does not stop a batch).
+    Returns one Decoded per prompt; `forward(phase, **kwargs)` wraps every model call."""
+    forward = forward or (lambda phase, **kw: model(**kw))
+    device, cache_kw, B = _device_of(model), cache_kwarg(model), len(inps)
+    S = max(i.ids_1S.shape[1] for i in inps)
+    ids_BS = torch.full((B, S), pad_id, dtype=torch.long)
+    mask_BS = torch.zeros(B, S, dtype=torch.long)
+    for b, inp in enumerate(inps):
+        n = inp.ids_1S.shape[1]
+        ids_BS[b, S - n :], mask_BS[b, S - n :] = inp.ids_1S[0], 1
+    runs = [Decoded(prompt_ids=i.ids_1S[0].tolist()) for i in inps]
+    gens = [torch.Generator().manual_seed(cfg.seed + index + b) for b in range(B)]
+    teacher = all(i.forced is not None for i in inps)
+    n_steps = min(len(i.forced) for i in inps) if teacher else cfg.max_new_tokens
+    kw = {"input_ids": ids_BS, "attention_mask": mask_BS,
+          "position_ids": (mask_BS.cumsum(-1) - 1).clamp(min=0)}  # fmt: skip
+    out = forward("prefill", **{k: v.to(device) for k, v in kw.items()}, use_cache=True)
+    for step in range(n_steps + 1):
+        logits_BV = out.logits[:, -1]
+        for b, run in enumerate(runs):
+            run.argmax_ids.append(int(logits_BV[b].argmax()))
+        if step == n_steps:
+            break
+        nxt = [_next_token(run, inp, logits_BV[b], cfg, step, gens[b])
+               for b, (run, inp) in enumerate(zip(runs, inps, strict=True))]  # fmt: skip
+        for run, t in zip(runs, nxt, strict=True):
+            run.fed_ids.append(t)
+        mask_BS = torch.cat([mask_BS, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        kw = {"input_ids": torch.tensor(nxt)[:, None], "attention_mask": mask_BS,
+              "position_ids": mask_BS.sum(-1, keepdim=True) - 1}  # fmt: skip
+        out = forward("decode", **{k: v.to(device) for k, v in kw.items()}, use_cache=True,
+                      **{cache_kw: cache_of(out)})  # fmt: skip
+    return runs
+
+
+def _next_token(run: Decoded, inp: PromptInput, logits_V, cfg: DecodeConfig, step: int, gen):
+    if inp.forced is not None:
+        return inp.forced[step]
+    if cfg.decode == "greedy":
+        return run.argmax_ids[-1]
+    probs_V = torch.softmax(logits_V.float().cpu() / cfg.temperature, dim=-1)
+    return int(torch.multinomial(probs_V, 1, generator=gen))
+
+
 def cache_of(out):
     """The KV cache of a model output (`cache` since transformers 5.2x, `past_key_values` before)."""
     cache = getattr(out, "cache", None)

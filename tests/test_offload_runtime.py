@@ -8,7 +8,7 @@ import torch
 from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
 from tensorbend.cli import main
-from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.errors import StoreError, TensorbendError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
@@ -315,5 +315,40 @@ def test_oracle_without_foresight_is_lru_and_with_it_prefetches_across_tokens(mo
                 assert all(mm == m and w == target for (mm, _), w in out)
         crossing = [out for h, now, out in asked if h == 2 and (now + 1) % L == 0 and out]
         assert len(crossing) == len(ids) - 1  # each forward's last router -> next forward
+    finally:
+        sess.close()
+
+
+def test_a_batch_of_four_matches_its_resident_batch_and_loads_the_union():
+    """Four prompts of different lengths in lockstep (left-padded prefill): every policy's
+    tokens and logits equal the resident batched run's; each decode forward routes 4 tokens,
+    and the oracle's loads are the union of their experts; prompts are counted without pads."""
+    prompts = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel"),
+               Prompt("c", "a river of stone and light"), Prompt("d", "moss")]  # fmt: skip
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=3), batch=4)
+    model = build("deepseek_v3")
+    sess = OffloadSession(model, char_tokenizer(), prompts, cfg, model_name="deepseek_v3")
+    spec = sess.spec
+    try:
+        ref = sess.reference
+        n_prompt = sum(len(d.prompt_ids) for d in ref.decoded)
+        assert ref.tokens == {"prefill": n_prompt, "decode": 4 * 3}
+        assert ref.forwards == 4 and all(x.shape[0] == 4 for x in ref.logits)
+        assert [x.shape[0] for x in ref.ids[1:]] == [4, 4, 4]  # one token per sequence
+        assert all(len(d.fed_ids) == 3 for d in ref.decoded)
+        p = build_baseline("spec_gate", spec, "d1", router_params=router_params_of(sess))
+        for pol, pred in (("lru", None), ("lfru", None), ("prefetch", p), ("oracle", None)):
+            r = _check(sess.run_policy(PolicyConfig(pol, cache_frac=0.25), pred))
+            assert r["batch"] == 4 and r["tokens"] == ref.tokens
+        r = sess.run_policy(PolicyConfig("on_demand", cache_frac=0.25)).to_json()
+        assert r["output_matches_resident"] is True
+        # on_demand loads, per decode forward and layer, exactly the union of the 4 tokens'
+        # experts (each expert used once per forward: nothing kept between forwards)
+        union = sum(len(set(x[:, m].flatten().tolist())) for x in ref.ids[1:]
+                    for m in range(spec.num_moe_layers))  # fmt: skip
+        dec_bytes = r["bytes_read_per_token"] * r["tokens"]["decode"]
+        assert dec_bytes == union * r["expert_bytes"]
+        with pytest.raises(TensorbendError, match="--horizon with --batch 4"):
+            sess.run_policy(PolicyConfig("prefetch"), horizon=object())
     finally:
         sess.close()

@@ -75,13 +75,22 @@ class RoutingHistory:
     num_layers: int
     cur: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_TK (CPU)
     prev: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_K (last token)
+    batch: int = 1
+    """Sequences per forward, in lockstep (their tokens in order): prev then holds each
+    sequence's last token, [B, K]."""
 
     def begin_prompt(self) -> None:
         self.cur.clear()
         self.prev.clear()
 
     def begin_forward(self) -> None:
-        self.prev.update({m: ids_TK[-1] for m, ids_TK in self.cur.items()})
+        if self.batch == 1:
+            self.prev.update({m: ids_TK[-1] for m, ids_TK in self.cur.items()})
+        else:
+            B = self.batch
+            self.prev.update(
+                {m: ids.view(B, -1, ids.shape[-1])[:, -1] for m, ids in self.cur.items()}
+            )
         self.cur.clear()
 
     def ids_TLK(self) -> torch.Tensor:

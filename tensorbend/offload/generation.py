@@ -1,4 +1,5 @@
-"""The prompts through `hf.decode_prompt`, with every forward timed and counted per phase.
+"""The prompts through `hf.decode_prompt` (or `hf.decode_batch`: B sequences in lockstep), with
+every forward timed and counted per phase.
 
 Usage (the session does this for the resident reference and for every policy run):
     rec = Recorder(model, clock, history, cache=None, record_routing=True)
@@ -9,7 +10,8 @@ Shape legend: T tokens of a forward, L MoE layers, K top-k, V vocabulary.
 
 Per forward the recorder advances the logical clock and the routing history, times the model
 call (synchronising CUDA first, so the time is the computation's), keeps the last position's
-logits (fp32, CPU) for the comparison with the resident run, the routing [T, L, K] when asked
+logits of every sequence ([B, V], fp32, CPU) for the comparison with the resident run, counts
+real tokens (padding excluded), the routing [T, L, K] when asked
 (the oracle replays it), and adds the cache's counters of that forward to its phase's.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_prompt
+from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_batch, decode_prompt
 from tensorbend.offload.cache import CacheStats
 from tensorbend.offload.hooks import RoutingHistory, StepClock
 
@@ -34,7 +36,7 @@ class Generation:
     """What one pass over the prompts produced."""
 
     decoded: list[Decoded] = field(default_factory=list)  # per prompt: tokens fed, argmax ids
-    logits: list[torch.Tensor] = field(default_factory=list)  # per forward: logits_V (fp32 CPU)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per forward: logits_BV (fp32 CPU)
     ids: list[torch.Tensor] = field(default_factory=list)  # per forward: ids_TLK (if recorded)
     decode_times: list[float] = field(default_factory=list)  # seconds per decode forward
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
@@ -78,8 +80,10 @@ class Recorder:
         gen.seconds[phase] += dt
         if phase == "decode":
             gen.decode_times.append(dt)
-        gen.tokens[phase] += kwargs["input_ids"].shape[1]
-        gen.logits.append(out.logits[0, -1].float().cpu())
+        mask = kwargs.get("attention_mask")
+        real = kwargs["input_ids"].numel() if mask is None or phase == "decode" else mask.sum()
+        gen.tokens[phase] += int(real)
+        gen.logits.append(out.logits[:, -1].float().cpu())
         if self.record_routing:
             gen.ids.append(self.history.ids_TLK())
         if before is not None:
@@ -98,12 +102,25 @@ def generate(
     eos_id: int | None,
     recorder: Recorder,
     progress: bool = False,
+    batch: int = 1,
+    pad_id: int = 0,
 ) -> Generation:
-    """Run every prompt (prefill, then decode per cfg) through `recorder.forward`."""
-    bar = tqdm(inputs, desc="generate", unit="prompt", disable=not progress, file=sys.stderr)
+    """Run every prompt (prefill, then decode per cfg) through `recorder.forward`, one at a
+    time or `batch` at a time in lockstep (`hf.decode_batch`)."""
+    groups = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
+    bar = tqdm(total=len(inputs), desc="generate", unit="prompt", disable=not progress,
+               file=sys.stderr)  # fmt: skip
     with torch.inference_mode():
-        for i, inp in enumerate(bar):
+        for g, group in enumerate(groups):
             recorder.history.begin_prompt()
-            run = decode_prompt(model, inp, cfg, index=i, eos_id=eos_id, forward=recorder.forward)
-            recorder.gen.decoded.append(run)
+            recorder.history.batch = len(group)
+            if batch == 1:
+                runs = [decode_prompt(model, group[0], cfg, index=g, eos_id=eos_id,
+                                      forward=recorder.forward)]  # fmt: skip
+            else:
+                runs = decode_batch(model, group, cfg, index=g * batch, pad_id=pad_id,
+                                    forward=recorder.forward)  # fmt: skip
+            recorder.gen.decoded += runs
+            bar.update(len(group))
+    bar.close()
     return recorder.gen

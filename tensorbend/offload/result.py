@@ -36,7 +36,8 @@ class RunResult:
     tokens {prefill, decode}, prompts, prefill {stall_s_per_token, bytes_read_per_token,
     demand_hit_rate}, counters {CacheStats fields, whole run}, horizon (the cross-token
     predictor's checkpoint driving eviction and next-forward prefetches, or null),
-    token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null).
+    token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null),
+    batch (sequences decoded together in lockstep; per-token numbers count every sequence's).
     """
 
     model: str
@@ -71,6 +72,7 @@ class RunResult:
     counters: dict
     horizon: str | None = None
     token_ahead_layers: int | None = None
+    batch: int = 1
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

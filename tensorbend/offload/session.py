@@ -56,6 +56,9 @@ class SessionConfig:
     """How expert reads treat the page cache (see store.py)."""
     io_threads: int = 2
     """I/O threads reading experts per run."""
+    batch: int = 1
+    """Sequences decoded together in lockstep (static batch, left-padded prefill): each MoE
+    layer loads the union of their experts. The resident reference runs the same batches."""
     logit_tolerance: float = 0.0
     """Largest |logit difference| still counted as matching the resident run: 0 (bit-identical)
     unless the device's kernels are not deterministic; reported in every result."""
@@ -65,6 +68,8 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.io_threads < 1:
             raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
+        if self.batch < 1:
+            raise TensorbendError(f"--batch {self.batch}: expected a count >= 1")
         if not self.logit_tolerance >= 0:
             raise TensorbendError(
                 f"--logit-tolerance {self.logit_tolerance}: expected >= 0 (0: bit-identical)"
@@ -88,6 +93,7 @@ class OffloadSession:
         check_supported(spec.family)
         self.inputs = [encode_prompt(tokenizer, p, cfg.decode) for p in prompts]
         self.eos = tokenizer.eos_token_id
+        self.pad = next((t for t in (tokenizer.pad_token_id, self.eos) if t is not None), 0)
         self.experts = [
             getattr(moe_block(model, spec, m), spec.experts_attr)
             for m in range(spec.num_moe_layers)
@@ -137,6 +143,12 @@ class OffloadSession:
             )
         if pc.policy != "prefetch":
             horizon = None
+        if horizon is not None and self.cfg.batch > 1:
+            raise TensorbendError(
+                f"--horizon with --batch {self.cfg.batch}: the horizon forecasts one request's "
+                "routing from its own history; run it at --batch 1 (within-token predictors "
+                "and the oracles run batched)"
+            )
         if pc.policy == "oracle":
             la = get_lookahead(pc.lookahead)
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
@@ -196,9 +208,8 @@ class OffloadSession:
         self.clock.forward = -1
         rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None)
         with hooks:
-            return generate(
-                self.model, self.inputs, self.cfg.decode, self.eos, rec, self.cfg.progress
-            )
+            return generate(self.model, self.inputs, self.cfg.decode, self.eos, rec,
+                            self.cfg.progress, self.cfg.batch, self.pad)  # fmt: skip
 
     def _write_store(self, directory: Path) -> Path:
         path = directory / "experts.safetensors"
@@ -246,6 +257,7 @@ class OffloadSession:
             prompts=len(self.inputs),
             prefill=phase_numbers(gen.stats["prefill"], gen.tokens["prefill"]),
             counters=dict(vars(total)),
+            batch=self.cfg.batch,
         )
 
 
