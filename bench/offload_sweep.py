@@ -64,8 +64,6 @@ def main(argv=None) -> int:
     )
     t0 = time.perf_counter()
     dc = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens)
-    if a.batch > 1 and horizon is not None:
-        raise SystemExit("--horizon forecasts one request: run it at --batch 1")
     cfg = SessionConfig(dc, io=a.io, io_threads=a.io_threads, batch=a.batch)
     sess = OffloadSession(model, tok, prompts, cfg, model_name=a.model)
     links = []

@@ -212,7 +212,7 @@ def _score_jobs(jobs: list, tr: Trace, cfg: EvalConfig) -> list[EvalRow]:
                 parts[j].append(score_predictor(pred, rows, over))
                 if timing[j] is None:
                     timing[j] = us_per_token(pred, rows, cfg.timing_rows)
-    if not parts or not parts[0]:
+    if jobs and not parts[0]:
         raise TensorbendError(f"trace {cfg.trace} has no {cfg.split} prompts to evaluate on")
     return [
         row

@@ -164,7 +164,7 @@ class Prefetcher:
             return out
         self.history.cur[layer] = routed_ids_TK.detach().reshape(-1, routed_ids_TK.shape[-1]).cpu()
         if self.horizon is not None and layer == self.spec.num_moe_layers - 1:
-            out += self._foresee(hidden_TD.reshape(-1, hidden_TD.shape[-1])[-1])
+            out += self._foresee(hidden_TD.reshape(-1, hidden_TD.shape[-1]))
         la = self.la
         if la is None or la.hidden != "gate_input":
             return out
@@ -197,19 +197,36 @@ class Prefetcher:
         when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(_ranked(scores_TE, K, self.extra))]
 
-    def _foresee(self, hidden_D: torch.Tensor) -> list[Prediction]:
+    def _foresee(self, hidden_TD: torch.Tensor) -> list[Prediction]:
         """At the last MoE layer's router: update the horizon's request history (a new one at
-        a request's first forward), publish the forecast, name the next forward's experts."""
-        L, E, K = self.spec.num_moe_layers, self.spec.num_experts, self.spec.top_k
+        a request's first forward), publish the forecast, name the next forward's experts.
+        With B sequences in lockstep (history.batch), each keeps its own history and the
+        forecasts merge: the soonest expected use of any sequence, and the chance that any
+        uses an expert in the next forward."""
+        L, E, K, B = (
+            self.spec.num_moe_layers,
+            self.spec.num_experts,
+            self.spec.top_k,
+            self.history.batch,
+        )
         if not self.history.prev or self._state is None:  # a request's first forward
-            self._state = self.horizon.new_state()
-        used_LE = np.zeros((L, E), dtype=np.float32)
-        for m in range(L):
-            used_LE[m, self.history.cur[m].flatten().numpy()] = 1.0
+            self._state = [self.horizon.new_state() for _ in range(B)]
         f = self.clock.forward
-        hidden = hidden_D.detach().float().cpu().numpy()
-        self.forecast = (f, *self.horizon.step(self._state, used_LE, hidden, forward=f))
-        first_LE = self.horizon.next_forward_probs
+        hidden_BD = hidden_TD.detach().float().cpu().reshape(B, -1, hidden_TD.shape[-1])[:, -1]
+        ahead, after, first = [], [], []
+        for b in range(B):
+            used_LE = np.zeros((L, E), dtype=np.float32)
+            for m in range(L):
+                used_LE[m, self.history.cur[m].reshape(B, -1, K)[b].flatten().numpy()] = 1.0
+            fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b].numpy(), forward=f)
+            ahead.append(fc[0])
+            after.append(fc[1])
+            first.append(self.horizon.next_forward_probs)
+        if B == 1:
+            self.forecast, first_LE = (f, ahead[0], after[0]), first[0]
+        else:
+            self.forecast = (f, np.min(ahead, axis=0).tolist(), np.min(after, axis=0).tolist())
+            first_LE = 1 - np.prod(1 - np.asarray(first), axis=0)
         pairs = [
             ((m, int(e)), (f + 1) * L + m)
             for m in range(min(self.token_ahead_layers, L))

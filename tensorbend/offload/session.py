@@ -143,12 +143,6 @@ class OffloadSession:
             )
         if pc.policy != "prefetch":
             horizon = None
-        if horizon is not None and self.cfg.batch > 1:
-            raise TensorbendError(
-                f"--horizon with --batch {self.cfg.batch}: the horizon forecasts one request's "
-                "routing from its own history; run it at --batch 1 (within-token predictors "
-                "and the oracles run batched)"
-            )
         if pc.policy == "oracle":
             la = get_lookahead(pc.lookahead)
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
