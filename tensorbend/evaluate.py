@@ -32,14 +32,13 @@ from pathlib import Path
 from typing import Literal
 
 from tensorbend.errors import TensorbendError
-from tensorbend.metrics import mean_over_layers, merge_token_means, set_metrics
+from tensorbend.metrics import merge_scores, score_predictor
 from tensorbend.predictors.base import (
     HEADLINE_LOOKAHEADS,
     LookaheadName,
     PredictorConfigError,
     TrainData,
     get_lookahead,
-    sources_from_rows,
 )
 from tensorbend.predictors.checkpoint import load_predictor, read_metadata
 from tensorbend.predictors.latency import us_per_token
@@ -219,34 +218,6 @@ def _score_jobs(jobs: list, tr: Trace, cfg: EvalConfig) -> list[EvalRow]:
         for (pred, ckpt), ps, us in zip(jobs, parts, timing, strict=True)
         for row in _rows_of(pred, ckpt, merge_scores(ps), us)
     ]
-
-
-def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
-    """{phase: {recall_at_k, hit_at_k_plus_p, exact_match, miss_rate, tokens, per_layer}}."""
-    la = pred.lookahead
-    L = rows["expert_ids_TLK"].shape[1]
-    if pred.needs_truth:
-        pred.set_truth(rows["expert_ids_TLK"])
-    per_phase = {ph: [] for ph in PHASES}
-    for m in la.targets(L):
-        scores_TE = pred.scores(m, sources_from_rows(rows, la, m))
-        truth_TK = rows["expert_ids_TLK"][:, m].long()
-        for code, ph in enumerate(PHASES):
-            mask_T = rows["phase_T"] == code
-            per_phase[ph].append(
-                {"layer": m, **set_metrics(scores_TE[mask_T], truth_TK[mask_T], overprovision)}
-            )
-    return {ph: {**mean_over_layers(v), "per_layer": v} for ph, v in per_phase.items()}
-
-
-def merge_scores(parts: list[dict]) -> dict:
-    """score_predictor results of disjoint row chunks -> the result over all their rows."""
-    out = {}
-    for ph in PHASES:
-        layers = zip(*(p[ph]["per_layer"] for p in parts), strict=True)
-        per_layer = [{"layer": ms[0]["layer"], **merge_token_means(ms)} for ms in layers]
-        out[ph] = {**mean_over_layers(per_layer), "per_layer": per_layer}
-    return out
 
 
 def _rows_of(pred, ckpt, by_phase: dict, us: float | None) -> list[EvalRow]:
