@@ -13,7 +13,8 @@ resident set (ru_maxrss) is read at its end:
   load_all        the train and val splits loaded whole, then rows selected (what `train`
                   did before rows were streamed; no training)
   train_streamed  `tensorbend train` (tensorbend, d1) with --max-train-rows/--max-val-rows:
-                  two passes over the shards, the features of the kept rows only
+                  two passes over the shards (row metadata, then the features and previous
+                  tokens' routing of the kept rows only)
   eval_all        the test split loaded whole and scored at once (the previous `eval`)
   eval_streamed   `tensorbend eval` of that checkpoint: shard by shard, merged by tokens
 
@@ -122,8 +123,8 @@ def markdown(out: dict) -> str:
         f"{grow['load_all']:.0f} MiB loading the splits whole, {grow['train_streamed']:.0f} MiB "
         f"training streamed, {grow['eval_all']:.0f} MiB evaluating at once and "
         f"{grow['eval_streamed']:.0f} MiB evaluating streamed. What still grows with the trace "
-        "when streamed: the routing ids of every row (K int16 per layer, read to pick the "
-        "rows) and the manifest; features are held for the kept rows and one shard only.",
+        "when streamed: a few integers per row (token, prompt, phase, position: read to pick "
+        "the rows) and the manifest; features are held for the kept rows and one shard only.",
         "",
     ]
     return "\n".join(lines)

@@ -117,16 +117,13 @@ def select_rows(rows: dict[str, torch.Tensor], sel: RowSelection) -> dict[str, t
 
 def load_selected(trace, features, split: str, sel: RowSelection) -> dict[str, torch.Tensor]:
     """`select_rows(trace.load(features, split=split), sel)` in bounded memory: a first pass
-    over the shards reads the routing of every row (ids: K values per layer, ~0.1% of a
-    trace with hidden states), picks the rows, and the second pass keeps only their features,
-    shard by shard. Memory: the kept rows, one shard, and the trace's routing (tested equal)."""
-    light = trace.load(("ids",), split=split)
-    keep_T = keep_mask(light, sel)
-    prev_ids_TLK, prev_phase_T = previous_token(light)
-    del light
-    out = trace.load(features, split=split, keep_T=keep_T)
-    out["prev_expert_ids_TLK"], out["prev_phase_T"] = prev_ids_TLK[keep_T], prev_phase_T[keep_T]
-    return out
+    over the shards reads each row's token, prompt, phase and position (a few integers a row)
+    and picks the rows; the second keeps only their features and their previous tokens'
+    routing, shard by shard. Memory: the kept rows, one shard, and those few integers per row
+    of the trace (tested equal).
+    """
+    keep_T = keep_mask(trace.load((), split=split), sel)
+    return trace.load(features, split=split, keep_T=keep_T, prev_ids=True)
 
 
 def keep_mask(rows: dict[str, torch.Tensor], sel: RowSelection) -> torch.Tensor:

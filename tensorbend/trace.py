@@ -125,6 +125,7 @@ class Trace:
         skip_bad: bool = False,
         keep_T: torch.Tensor | None = None,
         shards: tuple[int, ...] | None = None,
+        prev_ids: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Concatenate rows of all shards, filtered by prompt split and phase.
 
@@ -137,14 +138,22 @@ class Trace:
         kept, shard by shard, so the features of the others are never held together
         (`rows.load_selected` streams a row sample out of a trace larger than memory).
         shards: read only these shards (`iter_shards`); prompt_index_T stays global.
+        prev_ids: also return each row's previous token's routing, taken before keep_T drops
+        rows (prev_expert_ids_TLK, prev_phase_T: what `rows.previous_token` gives on the rows
+        without keep_T; a shard holds whole prompts, so the previous token is in it).
         """
         assert keep_T is None or not skip_bad, "a row mask needs every shard"
+        assert not (prev_ids and phase), "previous tokens of a phase-filtered load: not needed"
         names = [self._tensor_name(f) for f in features]
         split_ok = None
         if split not in (None, "all"):
             split_ok = torch.tensor([p["split"] == split for p in self.prompts], dtype=torch.bool)
-        parts: dict[str, list[torch.Tensor]] = {n: [] for n in (*names, *ROW_TENSORS, "row_T")}
+        extra = ("prev_expert_ids_TLK", "prev_phase_T") if prev_ids else ()
+        parts: dict[str, list[torch.Tensor]] = {
+            n: [] for n in (*names, *ROW_TENSORS, "row_T", *extra)
+        }
         offset = seen = 0  # rows of the shards so far; of them, rows passing the filters
+        first_ids = None  # the first returned row's routing (previous_token's filler)
         for i, sh_meta in enumerate(self.manifest["shards"]):
             if shards is not None and i not in shards:
                 offset += sh_meta["tokens"]
@@ -161,11 +170,17 @@ class Trace:
                 keep &= split_ok[sh["prompt_index_T"].long()]
             if phase is not None:
                 keep &= sh["phase_T"] == PHASES.index(phase)
+            sub = slice(None)  # which of the filtered rows keep_T keeps
+            if prev_ids:
+                first_ids = _shard_previous(sh, keep, first_ids, parts)
             if keep_T is not None:
                 idx = keep.nonzero().flatten()
+                sub = keep_T[seen : seen + idx.numel()]
                 keep = torch.zeros_like(keep)
-                keep[idx[keep_T[seen : seen + idx.numel()]]] = True
+                keep[idx[sub]] = True
                 seen += idx.numel()
+            for n in extra:
+                parts[n][-1] = parts[n][-1][sub]
             for n in (*names, *ROW_TENSORS):
                 parts[n].append(sh[n][keep])
             parts["row_T"].append(torch.arange(offset, offset + keep.shape[0])[keep])
@@ -251,6 +266,22 @@ def _damaged(path: Path, what: str) -> TraceError:
         "`Trace.load(..., skip_bad=True)` reads them, or delete the trace directory and "
         "recollect"
     )
+
+
+def _shard_previous(sh: dict, keep: torch.Tensor, first_ids, parts: dict):
+    """Append the previous token's routing of a shard's filtered rows to parts (rows without
+    one get the first returned row's ids, as `rows.previous_token` does, and phase -1);
+    returns the first returned row's ids."""
+    ids_TLK = sh["expert_ids_TLK"][keep]
+    if first_ids is None and ids_TLK.shape[0]:
+        first_ids = ids_TLK[0]
+    T = ids_TLK.shape[0]
+    prev_T = _prev_rows(torch.arange(T), sh["prompt_index_T"][keep], sh["positions_T"][keep])
+    has_T, idx_T = prev_T >= 0, prev_T.clamp(min=0)
+    filler = first_ids if first_ids is not None else torch.zeros_like(ids_TLK[:1])[0]
+    parts["prev_expert_ids_TLK"].append(torch.where(has_T[:, None, None], ids_TLK[idx_T], filler))
+    parts["prev_phase_T"].append(torch.where(has_T, sh["phase_T"][keep].long()[idx_T], -1))
+    return first_ids
 
 
 def _prev_rows(row_T: torch.Tensor, prompt_T: torch.Tensor, pos_T: torch.Tensor) -> torch.Tensor:
