@@ -94,7 +94,7 @@ def _foresight(root: Path) -> str:
 
 def _offload(root: Path) -> str:
     lines = []
-    for name in ("default", "qwen"):
+    for name in ("default", "qwen", "default_b4"):
         rep = _load(root, f"docs/bench/offload_{name}.json")
         if rep is None:
             continue
@@ -112,7 +112,8 @@ def _offload(root: Path) -> str:
                          default=None, key=lambda k: runs[k]["decode_tok_s"] or 0)  # fmt: skip
             w = summ["runs"][within]["vs_best_cache"] if within else None
             lines.append(
-                f"| {rep['model']} | x{entry['speedup']:g} | {summ['best_no_prediction_cache']}: "
+                f"| {rep['model']}{_batch(rep)} | x{entry['speedup']:g} | "
+                f"{summ['best_no_prediction_cache']}: "
                 f"{summ['best_no_prediction_decode_tok_s']:.1f} | "
                 f"{'-' if w is None else f'{w:.2f}x'} | {ours}: "
                 f"{runs[ours]['decode_tok_s']:.1f} (**{row['vs_best_cache']:.2f}x**) | "
@@ -123,13 +124,19 @@ def _offload(root: Path) -> str:
     head = [
         "**End to end** (`tensorbend run`, measured: teacher-forced decode of held-out prompts, "
         "25% cache, the `h100-pcie5-kimi` link and one 4x faster; outputs identical to the "
-        "resident model in every run; docs/offload_default.md, docs/offload_qwen.md):",
+        "resident model in every run; docs/offload_default.md, docs/offload_qwen.md, and "
+        "4 sequences in lockstep: docs/offload_default_b4.md):",
         "",
         "| model | link | best no-prediction cache (tok/s) | ours within-token only | ours "
         "(horizon + within-token) | byte gap closed | full oracle tok/s |",
         "|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + lines) + "\n"
+
+
+def _batch(rep: dict) -> str:
+    b = rep.get("batch", 1)
+    return "" if b == 1 else f", batch {b}"
 
 
 def _projections(root: Path) -> str:

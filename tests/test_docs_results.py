@@ -87,6 +87,7 @@ def test_seed_study_table_matches_its_json():
         ("projections", "docs/projections.json", "docs/projections.md"),
         ("offload_sweep", "docs/bench/offload_default.json", "docs/offload_default.md"),
         ("offload_sweep", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
+        ("offload_sweep", "docs/bench/offload_default_b4.json", "docs/offload_default_b4.md"),
         ("train_memory", "docs/bench/train_memory.json", "docs/bench/train_memory.md"),
     ],
 )
