@@ -190,13 +190,7 @@ def decode_prompt(
     run.argmax_ids.append(int(logits_V.argmax()))
     n_steps = len(inp.forced) if inp.forced is not None else cfg.max_new_tokens
     for step in range(n_steps):
-        if inp.forced is not None:
-            nxt = inp.forced[step]
-        elif cfg.decode == "greedy":
-            nxt = run.argmax_ids[-1]
-        else:
-            probs_V = torch.softmax(logits_V.float().cpu() / cfg.temperature, dim=-1)
-            nxt = int(torch.multinomial(probs_V, 1, generator=gen))
+        nxt = _next_token(run, inp, logits_V, cfg, step, gen)
         if inp.forced is None and eos_id is not None and nxt == eos_id:
             break
         step_ids = torch.tensor([[nxt]], device=device)
@@ -255,6 +249,7 @@ def decode_batch(
 
 
 def _next_token(run: Decoded, inp: PromptInput, logits_V, cfg: DecodeConfig, step: int, gen):
+    """The token fed at decode step `step`: forced, greedy (the last argmax), or sampled."""
     if inp.forced is not None:
         return inp.forced[step]
     if cfg.decode == "greedy":

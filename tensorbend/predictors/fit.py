@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -84,6 +84,12 @@ class FitConfig:
                 raise PredictorConfigError(
                     f"fit.{name}: expected one of {', '.join(choices)}, found {value!r}"
                 )
+
+
+def fit_options(base: FitConfig, t) -> FitConfig:
+    """`base` with `tensorbend train`'s fit options (a train.TrainConfig; None keeps base's)."""
+    layers = getattr(t, "fit_layers", None) or base.layers
+    return replace(base, seed=t.seed, epochs=t.epochs or base.epochs, layers=layers)
 
 
 def fit(

@@ -33,7 +33,7 @@ the first layers' likeliest experts of the next forward during the last layers o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
@@ -48,7 +48,7 @@ from tensorbend.predictors.base import (
     check_state,
     config_from_dict,
 )
-from tensorbend.predictors.fit import FitConfig, fit
+from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import rmsnorm
 from tensorbend.rows import forwards
 
@@ -109,7 +109,7 @@ class HorizonConfig:
             foresight=t.foresight or d.foresight,
             inputs=t.inputs or d.inputs,
             width=t.width or d.width,
-            fit=replace(d.fit, seed=t.seed, epochs=t.epochs or d.fit.epochs),
+            fit=fit_options(d.fit, t),
         )
 
 

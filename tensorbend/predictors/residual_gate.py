@@ -22,7 +22,7 @@ Shapes: T tokens, Lt target layers, N rows, D hidden, E experts, K top-k, F inpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -41,7 +41,7 @@ from tensorbend.predictors.base import (
     sources_from_rows,
 )
 from tensorbend.predictors.baselines import SpecGatePredictor
-from tensorbend.predictors.fit import FitConfig, fit
+from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
 from tensorbend.routers import router_scores
 
@@ -92,12 +92,7 @@ class ResidualGateConfig:
             loss=t.loss or d.loss,
             use_prev=t.use_prev,
             use_src_scores=d.use_src_scores if t.src_scores is None else t.src_scores,
-            fit=replace(
-                d.fit,
-                seed=t.seed,
-                epochs=t.epochs or d.fit.epochs,
-                layers=t.fit_layers or d.fit.layers,
-            ),
+            fit=fit_options(d.fit, t),
         )
 
 

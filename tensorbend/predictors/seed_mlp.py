@@ -30,7 +30,7 @@ Shapes: L target layers, N rows, D hidden size, E experts, K top-k, P width p.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -46,7 +46,7 @@ from tensorbend.predictors.base import (
     config_from_dict,
     sources_from_rows,
 )
-from tensorbend.predictors.fit import FitConfig, fit, max_over_ranks
+from tensorbend.predictors.fit import FitConfig, fit, fit_options, max_over_ranks
 from tensorbend.predictors.ops import multi_hot
 from tensorbend.predictors.seed_net import SeedMLPNet
 
@@ -115,12 +115,7 @@ class SeedMLPConfig:
             width=t.width or d.width,
             loss=t.loss or d.loss,
             prev_routing=t.prev_routing or (d.prev_routing if t.use_prev else "none"),
-            fit=replace(
-                d.fit,
-                seed=t.seed,
-                epochs=t.epochs or d.fit.epochs,
-                layers=t.fit_layers or d.fit.layers,
-            ),
+            fit=fit_options(d.fit, t),
         )
 
 
