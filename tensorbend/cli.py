@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tensorbend.errors import TensorbendError
@@ -94,6 +95,16 @@ def _cmd_run(args) -> int:
     result = run(config_from_args(RunConfig, args)).to_json()
     _write_json(args.json, result)
     print(_format_summary({k: v for k, v in result.items() if k != "counters"}))
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from tensorbend.generate import GenerateConfig, generate
+
+    cfg = config_from_args(GenerateConfig, args)
+    cfg = replace(cfg, serve=replace(cfg.serve, progress=not args.quiet))
+    summary = generate(cfg)
+    _write_json(args.json, summary)
     return 0
 
 
@@ -187,6 +198,12 @@ def _build_parser() -> argparse.ArgumentParser:
     rn = _verb(sub, "run", _cmd_run, "offloaded generation: expert store + cache + policy")
     add_config_flags(rn, RunConfig)
     rn.add_argument("--json", help="write the result as JSON (keys in docs/formats.md)")
+
+    from tensorbend.generate import GenerateConfig
+
+    gn = _verb(sub, "generate", _cmd_generate, "stream text from a model larger than memory")
+    add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"))
+    gn.add_argument("--json", help="write the summary as JSON (keys in docs/formats.md)")
 
     from tensorbend.simulate.simulator import SimulateConfig
 

@@ -135,6 +135,7 @@ class ExpertCache:
         self._error: BaseException | None = None
         self._wanted: dict[Key, int] = {}  # claims of absent experts: pins for their entry
         self._slot_events: dict[int, torch.cuda.Event] = {}
+        self._by_layer: dict[int, list[int]] = {}  # m -> [hits, late, misses, bytes_read]
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.pool_CN[slot]
@@ -149,6 +150,8 @@ class ExpertCache:
         with self._cond:
             self.resident.use(key, self.now)
             entry = self.entries.get(key)
+            layer = self._by_layer.setdefault(key[0], [0, 0, 0, 0])
+            layer[0 if entry is not None and entry.state == READY else 1 if entry else 2] += 1
             if entry is None:
                 self.stats.misses += 1
                 self._wanted[key] = self._wanted.get(key, 0) + 1  # pinned once it is created
@@ -198,6 +201,21 @@ class ExpertCache:
         """A cross-token forecast for the policy (policies.Reuse.set_forecast)."""
         with self._cond:
             self.resident.policy.set_forecast(forward, ahead_LE, after_first_LE)
+
+    def layer_counters(self) -> list[dict]:
+        """Per MoE layer seen so far: demand hits, late (still loading), misses, bytes read."""
+        with self._cond:
+            names = ("hits", "late", "misses", "bytes_read")
+            return [
+                {"layer": m, **dict(zip(names, self._by_layer[m], strict=True))}
+                for m in sorted(self._by_layer)
+            ]
+
+    def reset_counters(self) -> None:
+        """Zero the counters (totals and per layer); entries and the policy stay as they are."""
+        with self._cond:
+            self.stats = CacheStats()
+            self._by_layer.clear()
 
     def finalize(self) -> None:
         """End of a run: prefetched experts never used count as wasted."""
@@ -253,6 +271,7 @@ class ExpertCache:
             entry = self.entries[key]
             entry.state = READY
             self.stats.bytes_read += nbytes
+            self._by_layer.setdefault(key[0], [0, 0, 0, 0])[3] += nbytes
             if entry.prefetched:
                 self.stats.prefetch_loaded += 1
             else:

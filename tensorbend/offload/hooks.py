@@ -17,6 +17,8 @@ history, so the Prefetcher's inputs are exactly those `sources_from_rows` builds
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tensorbend.engines.prefetcher import INF, Prediction, Prefetcher, RoutingHistory, StepClock
@@ -63,6 +65,7 @@ class PredictionHooks:
         self.prefetcher = Prefetcher(spec, predictor, horizon, extra, token_ahead_layers,
                                      clock=clock, history=history)  # fmt: skip
         self.observed: list | None = None  # (inputs, predictions) per call, when recording
+        self.predict_s = 0.0  # wall seconds inside the Prefetcher and queueing, this run
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
             model, spec, on_route=self._route,
@@ -85,6 +88,13 @@ class PredictionHooks:
         self._issue(m, hidden, None)
 
     def _issue(self, m: int, hidden, ids_TK) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._predict(m, hidden, ids_TK)
+        finally:
+            self.predict_s += time.perf_counter() - t0
+
+    def _predict(self, m: int, hidden, ids_TK) -> None:
         pf = self.prefetcher
         before, first = pf.forecast, not pf.history.prev  # (before observe rolls nothing:
         preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK)  # the Recorder does)

@@ -21,6 +21,7 @@ are timed and counted separately; the headline numbers are decode's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
@@ -32,14 +33,13 @@ import torch
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
 from tensorbend.models import RoutingSpec, describe_model, moe_block
-from tensorbend.offload.cache import ExpertCache
 from tensorbend.offload.generation import Generation, Recorder, generate
+from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
-from tensorbend.offload.layer import OffloadedExperts, check_supported
+from tensorbend.offload.layer import check_supported
 from tensorbend.offload.link import Link, parse_link
-from tensorbend.offload.loader import Loader
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.plan import PolicyConfig, build_cache
+from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
@@ -77,13 +77,6 @@ class SessionConfig:
         StoreConfig(self.io)
 
 
-@dataclass
-class _Active:
-    cache: ExpertCache
-    loader: Loader
-    clock: StepClock
-
-
 class OffloadSession:
     """One model, one prompt set: a resident reference, then any number of offloaded runs."""
 
@@ -102,16 +95,15 @@ class OffloadSession:
         model.set_experts_implementation("eager")
         self.clock = StepClock(spec.num_moe_layers)
         self.history = RoutingHistory(spec.num_moe_layers)
-        self.active: _Active | None = None
         with torch.inference_mode():  # warm-up: first calls allocate and pick kernels
             model(input_ids=self.inputs[0].ids_1S.to(self.device), use_cache=True)
         self.reference = self._generate(PredictionHooks(model, spec, self.clock, self.history))
         self._tmp = None if cfg.store_dir else tempfile.mkdtemp(prefix="tensorbend-store-")
         self.store_path = self._write_store(Path(cfg.store_dir or self._tmp))
-        for m, mod in enumerate(self.experts):
+        for mod in self.experts:
             for name, _ in self.layout.parts:
                 setattr(mod, name, None)  # the weights now live only in the store
-            mod.forward = OffloadedExperts(mod, spec.family, self.layout, m, self._get_active)
+            mod.forward = _not_attached
 
     @property
     def device(self) -> torch.device:
@@ -148,34 +140,21 @@ class OffloadSession:
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
         elif pc.policy != "prefetch":
             predictor = None
-        cache = build_cache(pc, self.spec, self.layout, predictor, str(self.device), horizon)
-        store = ExpertStore.open(self.store_path, StoreConfig(self.cfg.io), link)
-        backlog_s = pc.prefetch_backlog * link.seconds(cache.nbytes)
-        loader = Loader(store, cache, self.cfg.io_threads, max_backlog_s=backlog_s)
-        self.active = _Active(cache, loader, self.clock)
-        for mod in self.experts:
-            mod.forward._routed = None  # nothing left over from a run that raised
-        hooks = PredictionHooks(
-            self.model,
-            self.spec,
-            self.clock,
-            self.history,
-            predictor,
-            loader,
-            cache,
-            extra=pc.prefetch_extra,
-            on_route=lambda s, ids_TK: self.experts[s].forward.route(ids_TK),
-            horizon=horizon,
-            token_ahead_layers=pc.token_ahead_layers,
-        )
+        opts = AttachOptions(self.cfg.io, self.cfg.io_threads, link, drive_clock=False)
+        handle = OffloadHandle(self.model, self.spec, self.layout, self.store_path, pc,
+                               predictor, horizon, opts, self.clock, self.history)  # fmt: skip
+        cache = handle.cache
         try:
-            gen = self._generate(hooks, cache)
+            gen = self._generate(handle.hooks, cache)
         finally:
-            loader.close()
-            store.close()
-            self.active = None
-        cache.finalize()
+            handle.close()
+            for mod in self.experts:
+                mod.forward = _not_attached
         result = self._result(pc, predictor, link, gen, cache)
+        decode = gen.tokens["decode"]
+        result = dataclasses.replace(
+            result, predict_s_per_token=handle.hooks.predict_s / decode if decode else None
+        )
         if horizon is not None:
             result = dataclasses.replace(
                 result,
@@ -191,17 +170,10 @@ class OffloadSession:
 
     # ------------------------------------------------------------ helpers
 
-    def _get_active(self) -> _Active:
-        if self.active is None:
-            raise TensorbendError(
-                "this model's experts are offloaded: run it through OffloadSession.run_policy"
-            )
-        return self.active
-
-    def _generate(self, hooks: PredictionHooks, cache: ExpertCache | None = None) -> Generation:
+    def _generate(self, hooks: PredictionHooks, cache=None) -> Generation:
         self.clock.forward = -1
         rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None)
-        with hooks:
+        with contextlib.nullcontext() if cache is not None else hooks:  # a handle's: entered
             return generate(self.model, self.inputs, self.cfg.decode, self.eos, rec,
                             self.cfg.progress, self.cfg.batch, self.pad)  # fmt: skip
 
@@ -268,3 +240,10 @@ def _store_matches(path: Path, fingerprint: str) -> bool:
         return False
     store.close()
     return store.meta.get("fingerprint") == fingerprint
+
+
+def _not_attached(*args, **kwargs):
+    raise TensorbendError(
+        "this model's experts are offloaded: run it through OffloadSession.run_policy "
+        "(or tensorbend.load_offloaded)"
+    )

@@ -96,14 +96,11 @@ class ExpertLayout:
         return out
 
 
-def write_store(
-    experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
-) -> Path:
-    """Stream every expert to `path` atomically (`atomic.py`: never half-written)."""
-    E = experts_by_layer[0].gate_up_proj.shape[0]
+def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: dict) -> bytes:
+    """The store's safetensors header (length prefix included) for experts in (m, e) order."""
     header, at = {}, 0
-    for m in range(len(experts_by_layer)):
-        for e in range(E):
+    for m in range(num_layers):
+        for e in range(num_experts):
             header[_name(m, e)] = {
                 "dtype": _DTYPES[layout.dtype],
                 "shape": [layout.numel],
@@ -113,15 +110,25 @@ def write_store(
     header["__metadata__"] = {
         **meta,
         "format_version": FORMAT_VERSION,
-        "num_layers": str(len(experts_by_layer)),
-        "num_experts": str(E),
+        "num_layers": str(num_layers),
+        "num_experts": str(num_experts),
         "layout": json.dumps(layout.parts),
     }
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def write_store(
+    experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
+) -> Path:
+    """Stream every expert of modules in memory to `path` atomically (`atomic.py`: never
+    half-written). A checkpoint on disk goes through `checkpoint.build_store` instead."""
+    E = experts_by_layer[0].gate_up_proj.shape[0]
+    header = store_header(len(experts_by_layer), E, layout, meta)
 
     def write(f: BinaryIO) -> None:
-        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.write(header)
         for mod in experts_by_layer:
             for e in range(E):
                 flat = torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
@@ -181,6 +188,11 @@ class ExpertStore:
                 f"delete it and rerun to rebuild it from the model"
             )
         return cls(path, header, 8 + hlen, cfg or StoreConfig(), link or Link())
+
+    @property
+    def expert_nbytes(self) -> int:
+        start, end = self._offsets[_name(0, 0)]
+        return end - start
 
     def close(self) -> None:
         if self._fd is not None:

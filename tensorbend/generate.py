@@ -1,0 +1,140 @@
+"""`tensorbend generate`: stream text from an offloaded model, then one summary line.
+
+Usage:
+    >>> cfg = GenerateConfig(model="zoo:default", prompt="In the beginning", max_new_tokens=8)
+    >>> summary = generate(cfg)                                  # doctest: +SKIP
+    >>> summary["decode_tok_s"], summary["bytes_read_per_token"]  # doctest: +SKIP
+
+The model goes through `serving.load_offloaded` (experts stay in the store; the cache, policy
+and predictors of `ServeConfig`), and each prompt through transformers' own `generate()` with
+a `TextStreamer`: text goes to stdout as it is produced; the summary line (decode tok/s,
+expert bytes read per decode token, demand hit rate, peak memory) goes to stderr, so
+`tensorbend generate ... > out.txt` keeps only the text. No reference run, no link cap: every
+expert read is a real read (with `--io direct`, from the disk, past the page cache).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+
+from tensorbend.errors import TensorbendError
+from tensorbend.serving import ServeConfig, load_offloaded
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    model: str
+    """Local HF checkpoint directory or zoo:NAME."""
+    prompt: str | None = None
+    """Text to continue (or --prompts FILE)."""
+    prompts: Path | None = None
+    """Prompts JSONL (`{"id", "text"}` per line): each is continued in turn."""
+    max_new_tokens: int = 64
+    """Tokens to generate per prompt (fewer at EOS)."""
+    sample: bool = False
+    """Sample instead of greedy decoding."""
+    temperature: float = 0.8
+    """Softmax temperature with --sample."""
+    top_p: float = 1.0
+    """Nucleus sampling mass with --sample."""
+    seed: int = 0
+    """Sampling seed."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Placement, cache, policy and predictors."""
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompts is None):
+            raise TensorbendError("expected exactly one of --prompt TEXT or --prompts FILE")
+        if self.prompts is not None and not Path(self.prompts).is_file():
+            raise TensorbendError(f"--prompts {self.prompts}: expected a JSONL file, found none")
+        if self.max_new_tokens < 1:
+            raise TensorbendError(f"--max-new-tokens {self.max_new_tokens}: expected a count >= 1")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise TensorbendError(
+                f"--temperature {self.temperature} / --top-p {self.top_p}: expected a "
+                f"temperature > 0 and a top-p in (0, 1]"
+            )
+
+
+def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
+    """Stream every prompt's continuation to `out` (stdout); returns the summary (also to err)."""
+    from transformers import AutoTokenizer
+
+    from tensorbend.zoo import resolve_model
+
+    out, err = out or sys.stdout, err or sys.stderr
+    texts = [cfg.prompt] if cfg.prompt is not None else _prompt_texts(cfg.prompts)
+    model = load_offloaded(cfg.model, cfg.serve)
+    handle = model.tensorbend
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model), local_files_only=True)
+        streamer = _Streamer(tok, out)
+        kw = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample}
+        kw.update({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.sample else {})
+        torch.manual_seed(cfg.seed)
+        for text in texts:
+            ids = tok(text, return_tensors="pt").input_ids.to(cfg.serve.device)
+            out.write(text)
+            with torch.inference_mode():
+                model.generate(ids, streamer=streamer, pad_token_id=tok.eos_token_id, **kw)
+            out.write("\n")
+            out.flush()
+        summary = summarize(handle.counters(), cfg.serve)
+    finally:
+        handle.close()
+    err.write(format_summary(summary) + "\n")
+    return summary
+
+
+def summarize(c: dict, serve: ServeConfig) -> dict:
+    """The summary's numbers from `OffloadHandle.counters()`."""
+    dec = c["decode"]
+    return {
+        "policy": serve.offload.policy,
+        "decode_tokens": dec["tokens"],
+        "decode_tok_s": dec["tok_s"],
+        "prefill_tok_s": c["prefill"]["tok_s"],
+        "bytes_read_per_token": dec["bytes_read_per_token"],
+        "demand_hit_rate": dec["demand_hit_rate"],
+        "stall_s_per_token": dec["stall_s_per_token"],
+        "predict_s_per_token": c["predict_s_per_token"],
+        "cache_slots": c["cache_slots"],
+        "expert_bytes": c["expert_bytes"],
+        "peak_rss_bytes": c["peak_rss_bytes"],
+        "peak_device_bytes": c["peak_device_bytes"],
+    }
+
+
+def format_summary(s: dict) -> str:
+    tok_s = f"{s['decode_tok_s']:.2f}" if s["decode_tok_s"] else "-"
+    dev = f" | peak cuda {s['peak_device_bytes'] / 1e6:.0f} MB" if s["peak_device_bytes"] else ""
+    return (
+        f"[tensorbend] {s['decode_tokens']} decode tokens at {tok_s} tok/s | "
+        f"{s['bytes_read_per_token'] / 1e6:.2f} MB experts read/token | hit rate "
+        f"{s['demand_hit_rate']:.2f} | cache {s['cache_slots']} experts of "
+        f"{s['expert_bytes'] / 1e6:.2f} MB | peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
+        f"policy {s['policy']}"
+    )
+
+
+class _Streamer(TextStreamer):
+    """transformers' TextStreamer, writing to a given stream instead of print()."""
+
+    def __init__(self, tok, stream):
+        super().__init__(tok, skip_prompt=True)
+        self.stream = stream
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def _prompt_texts(path: Path) -> list[str]:
+    from tensorbend.prompts import load_prompts
+
+    return [p.text for p in load_prompts(path, "all")]

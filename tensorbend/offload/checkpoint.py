@@ -1,0 +1,327 @@
+"""A transformers checkpoint read tensor by tensor: where each routed expert's bytes are, and
+the expert store built from them without ever holding the model in memory.
+
+Usage:
+    ckpt = Checkpoint.open(Path("my-moe"))                 # config.json + *.safetensors shards
+    plan = ExpertPlan.of(ckpt, model, spec, layout)        # model: built with experts on meta
+    plan.other                                             # model key -> TensorRef (non-experts)
+    build_store(plan, Path("store/experts.safetensors"), meta, dtype=torch.float32)
+
+Shape legend: E experts of a MoE layer, I expert intermediate size, D hidden size.
+
+Checkpoint keys are mapped to model keys with transformers' own conversion table (the
+renamings and converters `from_pretrained` applies, e.g. Mixtral's `block_sparse_moe.` ->
+`mlp.`), so a key means here what it means to transformers. Routed experts come in two layouts:
+- per expert (what `save_pretrained` writes for DeepSeek-V3, Qwen3-MoE, Mixtral, ...):
+  `...experts.{e}.gate_proj.weight` [I, D] and `up_proj` [I, D] become row e of the fused
+  `gate_up_proj` [E, 2I, D] by concatenation in the converter's source order (gate, then up),
+  and `down_proj` [D, I] row e of `down_proj` [E, D, I] (transformers' MergeModulelist +
+  Concatenate; any other converter op is refused, not guessed);
+- fused (GPT-OSS, Granite-MoE, checkpoints saved fused): `...experts.gate_up_proj` [E, ...],
+  whose row e is one contiguous byte range, read alone.
+Every read is a positional `os.pread` of exactly the bytes needed (no memory map), so building
+the store keeps at most one expert in memory whatever the model's size. The store is written
+in place into `NAME.partial` (header first, then layer by layer, fsync'd) with a progress
+file; an interrupted build resumes at the first unfinished layer and the finished file is
+renamed into place, so nothing already written is lost and no half store is ever read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tensorbend.atomic import atomic_write_text
+from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload.store import ExpertLayout, store_header
+
+ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of one shard: absolute byte offset, dtype and shape."""
+
+    shard: Path
+    key: str
+    dtype: str  # safetensors dtype string (F32, BF16, ...)
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+class Checkpoint:
+    """The safetensors shards of a local HF checkpoint directory, indexed by key."""
+
+    def __init__(self, directory: Path, refs: dict[str, TensorRef]):
+        self.directory, self.refs = directory, refs
+
+    @classmethod
+    def open(cls, directory: Path) -> Checkpoint:
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise StoreError(
+                f"{directory}: expected a transformers checkpoint directory (config.json and "
+                f"*.safetensors), found no config.json"
+            )
+        shards = sorted(directory.glob("*.safetensors"))
+        if not shards:
+            raise StoreError(
+                f"{directory}: expected *.safetensors weight shards, found none (.bin "
+                f"checkpoints are not read: convert them with save_pretrained)"
+            )
+        refs: dict[str, TensorRef] = {}
+        for shard in shards:
+            refs.update(_read_header(shard))
+        return cls(directory, refs)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.refs.values())
+
+    def read(self, ref: TensorRef, row: int | None = None) -> torch.Tensor:
+        """The tensor (a fresh CPU tensor), or only row `row` of its leading dim."""
+        shape, start, nbytes = ref.shape, ref.start, ref.nbytes
+        if row is not None:
+            nbytes //= shape[0]
+            start += row * nbytes
+            shape = shape[1:]
+        dtype = ST_DTYPES.get(ref.dtype)
+        if dtype is None:
+            raise UnsupportedModelError(
+                f"{ref.shard.name}: tensor {ref.key} has dtype {ref.dtype}: expected one of "
+                f"{', '.join(ST_DTYPES)} (quantized checkpoints are not supported)"
+            )
+        buf = bytearray(nbytes)
+        with open(ref.shard, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], start)
+        if got != nbytes:
+            raise StoreError(
+                f"{ref.shard}: short read of {ref.key} (expected {nbytes} bytes, got {got}): "
+                f"the shard is truncated; download or save the checkpoint again"
+            )
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+@dataclass
+class _Part:
+    """Where one part (e.g. gate_up_proj) of one MoE layer's experts comes from."""
+
+    fused: TensorRef | None = None  # [E, ...] in one tensor
+    pieces: dict[int, dict[int, TensorRef]] = field(default_factory=dict)  # e -> order -> ref
+
+
+@dataclass
+class ExpertPlan:
+    """Checkpoint tensors sorted into routed-expert parts and everything else."""
+
+    ckpt: Checkpoint
+    spec: RoutingSpec
+    layout: ExpertLayout
+    parts: list[dict[str, _Part]]  # per MoE layer m: part name -> sources
+    other: dict[str, TensorRef]  # model state-dict key -> checkpoint tensor
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, model, spec: RoutingSpec, layout: ExpertLayout) -> ExpertPlan:
+        """Map every checkpoint key (model: built from the config, experts may be on meta)."""
+        renamings, converters = _conversions(model)
+        from transformers.core_model_loading import rename_source_key
+
+        state = dict(model.state_dict(keep_vars=True))
+        prefixes = {}
+        for m in range(spec.num_moe_layers):
+            block = moe_block(model, spec, m)
+            experts = getattr(block, spec.experts_attr)
+            name = next(n for n, mod in model.named_modules() if mod is experts)
+            prefixes[name + "."] = m
+        parts = [{n: _Part() for n, _ in layout.parts} for _ in range(spec.num_moe_layers)]
+        other: dict[str, TensorRef] = {}
+        for key, ref in ckpt.refs.items():
+            new, src = rename_source_key(key, renamings, converters, model.base_model_prefix,
+                                         state)  # fmt: skip
+            head, _, part = new.rpartition(".")
+            m = prefixes.get(head + ".")
+            if m is None or part not in parts[m]:
+                if new in state:
+                    other[new] = ref
+                continue
+            if src is None:
+                parts[m][part].fused = ref
+                continue
+            order, e = _piece(key, src, converters)
+            parts[m][part].pieces.setdefault(e, {})[order] = ref
+        plan = cls(ckpt, spec, layout, parts, other)
+        plan._check()
+        return plan
+
+    def expert(self, m: int, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e of MoE layer m packed as the store keeps it: flat, parts back to back."""
+        flats = []
+        for name, shape in self.layout.parts:
+            src = self.parts[m][name]
+            if src.fused is not None:
+                t = self.ckpt.read(src.fused, row=e)
+            else:
+                pieces = src.pieces[e]
+                t = torch.cat([self.ckpt.read(pieces[i]) for i in sorted(pieces)], dim=0)
+            if tuple(t.shape) != shape:
+                raise StoreError(
+                    f"{self.ckpt.directory}: layer {m} expert {e} part {name}: expected shape "
+                    f"{list(shape)} (from config.json), found {list(t.shape)} in the checkpoint"
+                )
+            flats.append(t.to(dtype).reshape(-1))
+        return torch.cat(flats)
+
+    def _check(self) -> None:
+        E = self.spec.num_experts
+        for m, parts in enumerate(self.parts):
+            for name, src in parts.items():
+                if src.fused is None and sorted(src.pieces) != list(range(E)):
+                    found = "none" if not src.pieces else f"{len(src.pieces)} of {E} experts"
+                    raise StoreError(
+                        f"{self.ckpt.directory}: MoE layer {m} part {name}: expected the "
+                        f"weights of {E} routed experts, found {found}; is a shard missing?"
+                    )
+
+
+def build_store(
+    plan: ExpertPlan,
+    path: Path,
+    meta: dict[str, str],
+    dtype: torch.dtype,
+    progress: bool = True,
+) -> Path:
+    """Write every routed expert of `plan` to the store at `path`, resumably (see top)."""
+    path = Path(path)
+    L, E = plan.spec.num_moe_layers, plan.spec.num_experts
+    layout = ExpertLayout(plan.layout.parts, dtype)
+    header = store_header(L, E, layout, meta)
+    partial, record = (
+        path.with_name(path.name + ".partial"),
+        path.with_name(path.name + ".progress"),
+    )
+    want = {"header_sha": _digest(header), "layers_done": 0}
+    done = 0
+    if partial.is_file() and record.is_file():
+        try:
+            rec = json.loads(record.read_text())
+            if rec.get("header_sha") == want["header_sha"]:
+                done = int(rec["layers_done"])
+        except (ValueError, KeyError, TypeError):
+            done = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if done == 0:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, header, 0)
+            os.ftruncate(fd, len(header) + L * E * layout.nbytes)
+        bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
+                   disable=not progress, file=_stderr())  # fmt: skip
+        for m in range(done, L):
+            for e in range(E):
+                flat = plan.expert(m, e, dtype)
+                data = flat.contiguous().view(torch.uint8).numpy().tobytes()
+                os.pwrite(fd, data, len(header) + (m * E + e) * layout.nbytes)
+                bar.update(1)
+            os.fsync(fd)
+            atomic_write_text(record, json.dumps({**want, "layers_done": m + 1}))
+        bar.close()
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+    record.unlink(missing_ok=True)
+    return path
+
+
+# ------------------------------------------------------------ helpers
+
+
+def _read_header(shard: Path) -> dict[str, TensorRef]:
+    try:
+        size = shard.stat().st_size
+        with open(shard, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            if hlen > size - 8:
+                raise ValueError(f"header of {hlen} bytes in a file of {size}")
+            header = json.loads(f.read(hlen))
+    except (OSError, ValueError, struct.error) as e:
+        raise StoreError(
+            f"{shard}: expected a safetensors file, cannot read its header ({e}); the shard "
+            f"is truncated or not safetensors"
+        ) from e
+    header.pop("__metadata__", None)
+    refs = {}
+    for key, v in header.items():
+        a, b = v["data_offsets"]
+        if 8 + hlen + b > size:
+            raise StoreError(
+                f"{shard} is truncated: tensor {key} ends at byte {8 + hlen + b}, the file "
+                f"has {size}; download or save the checkpoint again"
+            )
+        refs[key] = TensorRef(shard, key, v["dtype"], tuple(v["shape"]), 8 + hlen + a, b - a)
+    return refs
+
+
+def _conversions(model) -> tuple[list, list]:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    conv = get_model_conversion_mapping(model)
+    return (
+        [t for t in conv if isinstance(t, WeightRenaming)],
+        [t for t in conv if isinstance(t, WeightConverter)],
+    )
+
+
+def _piece(key: str, src: str, converters) -> tuple[int, int]:
+    """(position among the converter's sources, expert index) of a per-expert key."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    conv = next(c for c in converters if src in c.source_patterns)
+    ops = tuple(type(op) for op in conv.operations)
+    if ops not in ((MergeModulelist,), (MergeModulelist, Concatenate)) or any(
+        getattr(op, "dim", 0) != want
+        for op, want in zip(conv.operations, (0, 1)[: len(ops)], strict=True)
+    ):
+        raise UnsupportedModelError(
+            f"checkpoint key {key}: transformers converts it with "
+            f"{[type(op).__name__ for op in conv.operations]}; expected MergeModulelist(dim=0) "
+            f"[+ Concatenate(dim=1)] (per-expert weights stacked and concatenated)"
+        )
+    match = re.search(r"experts\.(\d+)\.", key)
+    assert match is not None, f"converter {src} matched {key} without an expert index"
+    return conv.source_patterns.index(src), int(match.group(1))
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _stderr():
+    import sys
+
+    return sys.stderr

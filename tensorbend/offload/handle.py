@@ -1,0 +1,239 @@
+"""A transformers model whose routed experts live in an expert store, attached in place: the
+bounded cache, the I/O threads, the prediction hooks and the counters of one offloaded run.
+
+Usage:
+    handle = OffloadHandle(model, spec, layout, Path("store/experts.safetensors"),
+                           PolicyConfig("lru", cache_bytes=2 << 30))
+    model.generate(input_ids, max_new_tokens=32)      # transformers' own generate, unchanged
+    handle.counters()["decode"]["bytes_read_per_token"], handle.counters()["per_layer"]
+    handle.reset()                                    # zero the counters (the cache stays warm)
+    handle.close()                                    # I/O threads joined, store closed
+
+`tensorbend.load_offloaded` builds the model (experts never materialised) and this handle;
+`OffloadSession` attaches one per measured run to a model it ran resident first. The experts
+modules keep their signature; their forward becomes `layer.OffloadedExperts` over this
+handle's cache, so outputs equal the resident `eager` experts bit for bit whatever the policy
+or predictor. With `drive_clock` (the default) forward hooks on the model advance the logical
+clock and routing history per forward, start a new request when a forward comes without a
+filled KV cache, and count tokens, seconds and cache counters per phase: a forward with an
+empty KV cache is prefill, one with a filled cache is decode. A caller that wraps every
+forward itself (the session's `Recorder`) passes `drive_clock=False` and its own clock.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tensorbend.errors import StoreError, TensorbendError
+from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload.cache import CacheStats
+from tensorbend.offload.generation import Generation
+from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
+from tensorbend.offload.layer import OffloadedExperts, check_supported
+from tensorbend.offload.link import Link
+from tensorbend.offload.loader import Loader
+from tensorbend.offload.plan import PolicyConfig, build_cache
+from tensorbend.offload.result import phase_numbers
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    io: IOMode = "buffered"
+    """How expert reads treat the page cache: buffered, fadvise or direct (O_DIRECT)."""
+    io_threads: int = 2
+    """I/O threads reading experts."""
+    link: Link = field(default_factory=Link)
+    """Emulated transfer cap (default: none, real reads only)."""
+    drive_clock: bool = True
+    """Advance clock/history and count phases from model hooks (False: the caller does)."""
+
+
+class OffloadHandle:
+    """The offloaded experts of one model; also the run state `OffloadedExperts` reads."""
+
+    def __init__(
+        self,
+        model,
+        spec: RoutingSpec,
+        layout: ExpertLayout,
+        store_path: Path,
+        pc: PolicyConfig,
+        predictor=None,
+        horizon=None,
+        opts: AttachOptions | None = None,
+        clock: StepClock | None = None,
+        history: RoutingHistory | None = None,
+    ):
+        check_supported(spec.family)
+        opts = opts or AttachOptions()
+        self.model, self.spec, self.layout, self.pc, self.opts = model, spec, layout, pc, opts
+        self.predictor, self.horizon = predictor, horizon
+        L = spec.num_moe_layers
+        self.clock = clock or StepClock(L)
+        self.history = history or RoutingHistory(L)
+        self.device = _device_of(model)
+        self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link)
+        _check_store(self.store, spec, layout, store_path)
+        self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
+        backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
+        self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s)
+        self.experts = [getattr(moe_block(model, spec, m), spec.experts_attr) for m in range(L)]
+        for m, mod in enumerate(self.experts):
+            for name, _ in layout.parts:
+                setattr(mod, name, None)  # the weights live only in the store
+            mod.forward = OffloadedExperts(mod, spec.family, layout, m, self._active)
+        self.hooks = PredictionHooks(
+            model, spec, self.clock, self.history, predictor, self.loader, self.cache,
+            extra=pc.prefetch_extra,
+            on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
+            horizon=horizon, token_ahead_layers=pc.token_ahead_layers,
+        ).__enter__()  # fmt: skip
+        self.gen = Generation()
+        self._phase: tuple[str, CacheStats, float] | None = None
+        self._model_hooks = []
+        if opts.drive_clock:
+            self._model_hooks = [
+                model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                model.register_forward_hook(self._end, with_kwargs=True),
+            ]
+        self._closed = False
+
+    # ------------------------------------------------------------ public
+
+    def counters(self) -> dict:
+        """Everything counted since the last `reset`: per phase (tokens, tok/s, bytes and hits
+        per token), the cache's totals, prediction seconds, per-layer demand counts, memory."""
+        gen, stats = self.gen, self.cache.stats
+        phases = {}
+        for p in ("prefill", "decode"):
+            phases[p] = {
+                "tokens": gen.tokens[p],
+                "seconds": gen.seconds[p],
+                "tok_s": gen.tok_s(p),
+                **phase_numbers(gen.stats[p], gen.tokens[p]),
+            }
+        decode_tokens = gen.tokens["decode"]
+        return {
+            **phases,
+            "totals": dict(vars(stats)),
+            "predict_s": self.hooks.predict_s,
+            "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
+            "per_layer": self.cache.layer_counters(),
+            "cache_slots": self.cache.capacity,
+            "expert_bytes": self.layout.nbytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_device_bytes": (
+                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+            ),
+        }
+
+    def reset(self) -> None:
+        """Zero every counter; the cache's contents and the policy's state stay."""
+        self.cache.reset_counters()
+        self.hooks.predict_s = 0.0
+        self.gen = Generation()
+
+    def close(self) -> None:
+        """Join the I/O threads, remove the hooks, close the store; the model stops working."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._model_hooks:
+            h.remove()
+        self.hooks.__exit__(None, None, None)
+        self.loader.close()
+        self.store.close()
+        self.cache.finalize()
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ helpers
+
+    def _active(self) -> OffloadHandle:
+        if self._closed:
+            raise TensorbendError(
+                "this model's offload handle was closed: its experts are no longer readable; "
+                "load it again with tensorbend.load_offloaded"
+            )
+        return self
+
+    def _begin(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        past = kwargs.get("cache", kwargs.get("past_key_values"))
+        filled = past is not None and past.get_seq_length() > 0
+        if not filled:
+            self.history.begin_prompt()
+            self.history.batch = ids.shape[0] if ids is not None else 1
+        self.clock.begin_forward()
+        self.history.begin_forward()
+        mask = kwargs.get("attention_mask")
+        if filled:
+            real = ids.shape[0] if ids is not None else 1
+        else:
+            real = int(mask.sum()) if mask is not None else (ids.numel() if ids is not None else 0)
+        self.gen.tokens["decode" if filled else "prefill"] += real
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._phase = (
+            "decode" if filled else "prefill",
+            self.cache.stats.copy(),
+            time.perf_counter(),
+        )
+
+    def _end(self, module, args, kwargs, output) -> None:
+        if self._phase is None:
+            return
+        phase, before, t0 = self._phase
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.gen.seconds[phase] += dt
+        if phase == "decode":
+            self.gen.decode_times.append(dt)
+        self.gen.stats[phase].add(self.cache.stats, minus=before)
+        self._phase = None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (anonymous and mapped file pages), in bytes (Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _device_of(model) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _check_store(store: ExpertStore, spec: RoutingSpec, layout: ExpertLayout, path: Path) -> None:
+    want = (spec.num_moe_layers, spec.num_experts, [list(p) for p in layout.parts])
+    import json
+
+    found = (store.num_layers, store.num_experts, json.loads(store.meta.get("layout", "[]")))
+    found = (found[0], found[1], [[n, list(s)] for n, s in found[2]])
+    want = (want[0], want[1], [[n, list(s)] for n, s in want[2]])
+    if found == want and store.expert_nbytes != layout.nbytes:
+        store.close()
+        raise StoreError(
+            f"expert store {path}: expected {layout.nbytes} bytes per expert ({layout.dtype}), "
+            f"found {store.expert_nbytes}: it was built in another dtype; delete it or pass "
+            f"another store directory"
+        )
+    if found != want:
+        store.close()
+        raise StoreError(
+            f"expert store {path}: expected {want[0]} MoE layers x {want[1]} experts of layout "
+            f"{want[2]} (this model), found {found[0]} x {found[1]} of {found[2]}: it was built "
+            f"for another model; delete it or pass another store directory"
+        )

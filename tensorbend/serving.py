@@ -1,0 +1,355 @@
+"""Serve an MoE model that does not fit in memory: its routed experts stay on disk in an expert
+store, a bounded cache holds the ones in use, and `model.generate()` works unchanged.
+
+Usage:
+    >>> import tensorbend                                                  # doctest: +SKIP
+    >>> model = tensorbend.load_offloaded("path/to/checkpoint", max_memory="8GB")   # doctest: +SKIP
+    >>> out = model.generate(input_ids, max_new_tokens=32)                 # doctest: +SKIP
+    >>> model.tensorbend.counters()["decode"]["bytes_read_per_token"]      # doctest: +SKIP
+    >>> model.tensorbend.close()                                           # doctest: +SKIP
+
+What happens, in order, and what lives in memory at each step:
+1. The model is built from its config with the routed experts' parameters on the `meta`
+   device (never allocated); every other weight is read from the checkpoint's shards (keys
+   mapped by transformers' own conversion table). Peak: the non-expert weights.
+2. The expert store is built from the checkpoint by streaming one expert at a time
+   (`offload/checkpoint.py`: resumable, fsync'd per layer) unless a finished store for this
+   checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
+3. The cache gets what the budget leaves: `max_memory` - non-expert weights - the top-k
+   staging slots - `reserve` (KV cache and activations), in whole experts; or `cache_frac`
+   of all routed experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
+   the predictors, to the model in place; counters are on `model.tensorbend`.
+Greedy outputs equal the resident model's exactly (tests per family); prediction changes
+only what is read when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from tensorbend.errors import StoreError, TensorbendError, UnsupportedModelError
+from tensorbend.models import RoutingSpec, describe_model, moe_block
+from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
+from tensorbend.offload.handle import AttachOptions, OffloadHandle
+from tensorbend.offload.layer import check_supported
+from tensorbend.offload.plan import PolicyConfig
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+from tensorbend.placement import parse_bytes
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How `load_offloaded` (and `tensorbend generate`) places a model."""
+
+    max_memory: str | None = None
+    """Memory budget for the model on --device (e.g. 8GB, 512MiB): non-expert weights + expert
+    cache + staging + --reserve. The natural way to size the cache; overrides --cache-frac."""
+    reserve: str = "auto"
+    """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
+    cache of 2048 tokens at batch 1 from config.json, + 8 MB)."""
+    device: str = "cpu"
+    """Where the model and the expert cache live: cpu or cuda[:N] (experts are read into pinned
+    host staging and copied on their own stream)."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Compute dtype (the store keeps experts in it)."""
+    store_dir: Path | None = None
+    """Where the expert store is kept (built once, reused); default:
+    $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores, one folder per checkpoint and dtype."""
+    io: IOMode = "buffered"
+    """How expert reads treat the page cache: buffered, fadvise (drop pages after each read)
+    or direct (O_DIRECT: every read comes from the disk)."""
+    io_threads: int = 2
+    """I/O threads reading experts."""
+    predictor: Path | None = None
+    """Within-token predictor checkpoint (`tensorbend train`): prefetches ahead of the router
+    (with --policy prefetch)."""
+    horizon: Path | None = None
+    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`): its forecasts
+    drive eviction and next-token prefetches (with --policy prefetch)."""
+    progress: bool = field(default=True, metadata={"cli": False})
+    """Progress bar while the store is built."""
+    offload: PolicyConfig = field(default_factory=PolicyConfig)
+    """Policy and cache options (--policy, --cache-frac, --pool, --admission, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.max_memory is not None:
+            parse_bytes(self.max_memory)
+        if self.reserve != "auto":
+            parse_bytes(self.reserve)
+        if self.io_threads < 1:
+            raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
+        StoreConfig(self.io)
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise TensorbendError(f"--device {self.device!r}: expected cpu, cuda or cuda:N")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise TensorbendError(
+                f"--device {self.device}: expected a CUDA device, found none "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+        for flag, path in (("--predictor", self.predictor), ("--horizon", self.horizon)):
+            if path is not None and not Path(path).is_file():
+                raise TensorbendError(
+                    f"{flag} {path}: expected a checkpoint file, found none; train one with "
+                    f"`tensorbend train`"
+                )
+        pol = self.offload.policy
+        has = self.predictor is not None or self.horizon is not None
+        if pol in ("resident", "oracle"):
+            raise TensorbendError(
+                f"--policy {pol}: not a serving policy (it needs a resident reference run); "
+                f"use `tensorbend run` to measure it, or lru, lfu, lfru, on_demand, prefetch"
+            )
+        if pol == "prefetch" and not has:
+            raise TensorbendError("--policy prefetch needs --predictor PRED and/or --horizon PRED")
+        if pol != "prefetch" and has:
+            raise TensorbendError(
+                f"--predictor/--horizon with --policy {pol}: expected --policy prefetch (only it "
+                f"uses predictors); drop them or change the policy"
+            )
+
+
+def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **overrides):
+    """Load `model` (a local checkpoint directory or zoo:NAME) with its routed experts offloaded.
+
+    Returns the transformers CausalLM; `model.tensorbend` is its `OffloadHandle` (counters,
+    reset, close). Keyword overrides set ServeConfig fields, and PolicyConfig fields such as
+    `policy`, `cache_frac`, `pool`, `admission` directly:
+    `load_offloaded(path, max_memory="8GB", policy="lfru")`.
+    """
+    cfg = _with_overrides(cfg or ServeConfig(), overrides)
+    from tensorbend.zoo import resolve_model
+
+    path = resolve_model(str(model))
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    dtype = dtype[cfg.dtype]
+    ckpt = Checkpoint.open(path)
+    lm, spec, layout = _build_without_experts(path, dtype)
+    plan = ExpertPlan.of(ckpt, lm, spec, layout)
+    _load_other(lm, plan)
+    for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
+        for name, _ in layout.parts:
+            setattr(getattr(moe_block(lm, spec, m), spec.experts_attr), name, None)
+    from tensorbend.routers import model_fingerprint
+
+    fingerprint = model_fingerprint(lm, spec)
+    lm.to(cfg.device).eval()
+    store = _store_path(cfg, path, fingerprint, cfg.dtype)
+    _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
+    pc = _size_cache(cfg, lm, spec, layout)
+    predictor, horizon = _predictors(cfg, spec, fingerprint)
+    opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
+    lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts)
+    return lm
+
+
+def memory_plan(
+    cfg: ServeConfig, non_expert_bytes: int, spec: RoutingSpec, expert_bytes: int, kv_bytes: int
+):
+    """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
+    kv_bytes: the KV cache per token (what --reserve auto sizes)."""
+    budget = parse_bytes(cfg.max_memory)
+    auto = 2048 * kv_bytes + 8 * 10**6
+    reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
+    staging = spec.top_k * expert_bytes
+    need_slots = max(spec.top_k, spec.num_moe_layers if cfg.offload.pool == "per_layer" else 1)
+    minimum = non_expert_bytes + staging + reserve + need_slots * expert_bytes
+    if budget < minimum:
+        raise TensorbendError(
+            f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = non-expert "
+            f"weights {_mb(non_expert_bytes)} + top-k staging {_mb(staging)} + --reserve "
+            f"{_mb(reserve)} + {need_slots} cached experts of {_mb(expert_bytes)}; raise it"
+        )
+    slots = (budget - non_expert_bytes - staging - reserve) // expert_bytes
+    slots = min(slots, spec.num_moe_layers * spec.num_experts)
+    return slots, {"budget": budget, "non_expert": non_expert_bytes, "staging": staging,
+                   "reserve": reserve, "cache": slots * expert_bytes}  # fmt: skip
+
+
+# ------------------------------------------------------------ helpers
+
+
+def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
+    names = set(ServeConfig.__dataclass_fields__)
+    pol = {k: v for k, v in overrides.items() if k in PolicyConfig.__dataclass_fields__}
+    unknown = set(overrides) - names - set(pol)
+    if unknown:
+        raise TensorbendError(
+            f"load_offloaded: unknown option(s) {sorted(unknown)}; expected fields of "
+            f"ServeConfig or PolicyConfig"
+        )
+    if pol:
+        overrides = {**overrides, "offload": replace(cfg.offload, **pol)}
+        for k in pol:
+            overrides.pop(k)
+    return replace(cfg, **overrides)
+
+
+@contextlib.contextmanager
+def _experts_on_meta(cls):
+    """While active, instances of experts class `cls` allocate their parameters on meta."""
+    orig = cls.__init__
+
+    def init(self, *args, **kwargs):
+        with torch.device("meta"):
+            orig(self, *args, **kwargs)
+
+    cls.__init__ = init
+    try:
+        yield
+    finally:
+        cls.__init__ = orig
+
+
+def _build_without_experts(path: Path, dtype: torch.dtype):
+    """The CausalLM from config.json, routed experts on meta, other weights random (for now)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TensorbendError(f"{path}: cannot read config.json ({e})") from e
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    spec = describe_model(meta)
+    check_supported(spec.family)
+    experts_cls = type(getattr(moe_block(meta, spec, 0), spec.experts_attr))
+    layout = ExpertLayout.of(getattr(moe_block(meta, spec, 0), spec.experts_attr))
+    layout = ExpertLayout(layout.parts, dtype)
+    with _experts_on_meta(experts_cls):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if hasattr(lm, "set_experts_implementation"):
+        with contextlib.suppress(ValueError, TypeError):
+            lm.set_experts_implementation("eager")
+    return lm, spec, layout
+
+
+def _load_other(lm, plan: ExpertPlan) -> None:
+    """Copy every non-expert checkpoint tensor into the model; refuse if one is missing."""
+    state = lm.state_dict(keep_vars=True)
+    expert_ids = {id(p) for p in _expert_params(lm, plan.spec)}
+    tied = {n for n, p in state.items() if id(p) in _tied_ids(lm)}
+    with torch.no_grad():
+        for key, ref in plan.other.items():
+            t = plan.ckpt.read(ref)
+            dst = state[key]
+            if tuple(dst.shape) != tuple(t.shape):
+                raise StoreError(
+                    f"{plan.ckpt.directory}: {ref.key} has shape {list(t.shape)}, the model's "
+                    f"{key} expects {list(dst.shape)} (config.json); is this the right config?"
+                )
+            dst.copy_(t.to(dst.dtype))
+    persistent = {n for n, _ in lm.named_parameters()} | _persistent_buffers(lm)
+    missing = [k for k in state if k in persistent and id(state[k]) not in expert_ids
+               and k not in plan.other and k not in tied]  # fmt: skip
+    if missing:
+        raise StoreError(
+            f"{plan.ckpt.directory}: expected weights for {len(missing)} more tensors, e.g. "
+            f"{missing[:3]}; the checkpoint is incomplete or of another architecture"
+        )
+
+
+def _expert_params(lm, spec: RoutingSpec):
+    for m in range(spec.num_moe_layers):
+        yield from getattr(moe_block(lm, spec, m), spec.experts_attr).parameters()
+
+
+def _tied_ids(lm) -> set[int]:
+    """Ids of parameters shared by several names (tied embeddings): loaded through one name."""
+    seen, tied = {}, set()
+    for _, p in lm.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(id(p))
+        seen[id(p)] = True
+    return tied
+
+
+def _persistent_buffers(lm) -> set[str]:
+    names = set()
+    for mod_name, mod in lm.named_modules():
+        for b in mod._buffers:
+            if b not in mod._non_persistent_buffers_set:
+                names.add(f"{mod_name}.{b}" if mod_name else b)
+    return names
+
+
+def _store_path(cfg: ServeConfig, path: Path, fingerprint: str, dtype: str) -> Path:
+    root = cfg.store_dir or Path(
+        os.environ.get("TENSORBEND_STORE_DIR", Path.home() / ".cache" / "tensorbend" / "stores")
+    )
+    tag = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
+    sub = "" if cfg.store_dir else f"{Path(path).name}-{tag}"
+    return Path(root) / sub / f"experts-{fingerprint}-{dtype}.safetensors"
+
+
+def _ensure_store(plan, store: Path, fingerprint: str, spec, dtype, progress: bool) -> None:
+    if store.is_file():
+        try:
+            found = ExpertStore.open(store)
+        except StoreError:
+            found = None
+        if found is not None:
+            found.close()
+            if found.meta.get("fingerprint") == fingerprint:
+                return
+            raise StoreError(
+                f"expert store {store}: built from another checkpoint (fingerprint "
+                f"{found.meta.get('fingerprint')}, this one {fingerprint}); delete it or pass "
+                f"another --store-dir"
+            )
+    meta = {"fingerprint": fingerprint, "family": spec.family,
+            "source": str(plan.ckpt.directory)}  # fmt: skip
+    build_store(plan, store, meta, dtype, progress)
+
+
+def _size_cache(cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout) -> PolicyConfig:
+    if cfg.max_memory is None:
+        return cfg.offload
+    non_expert = sum(p.numel() * p.element_size() for p in lm.parameters()
+                     if p.device.type != "meta")  # fmt: skip
+    non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
+    kv = kv_bytes_per_token(lm.config, layout.dtype)
+    slots, _ = memory_plan(cfg, non_expert, spec, layout.nbytes, kv)
+    return replace(cfg.offload, cache_bytes=slots * layout.nbytes)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV-cache bytes per token at batch 1: keys and values of every decoder layer."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(c, "num_attention_heads", 1)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head = getattr(c, "head_dim", None) or c.hidden_size // heads
+    k_dim = getattr(c, "qk_nope_head_dim", 0) + getattr(c, "qk_rope_head_dim", 0) or head
+    v_dim = getattr(c, "v_head_dim", None) or head
+    return c.num_hidden_layers * kv_heads * (k_dim + v_dim) * dtype.itemsize
+
+
+def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
+    from tensorbend.predictors.checkpoint import load_predictor
+    from tensorbend.predictors.registry import KINDS
+
+    out = []
+    for flag, path, cross in (("--predictor", cfg.predictor, False),
+                              ("--horizon", cfg.horizon, True)):  # fmt: skip
+        if path is None:
+            out.append(None)
+            continue
+        p = load_predictor(path, spec, fingerprint)
+        if KINDS[p.kind].cross_token != cross:
+            want = "a cross-token (horizon)" if cross else "a within-token"
+            raise UnsupportedModelError(
+                f"{flag} {path}: expected {want} checkpoint, found kind {p.kind}; pass it as "
+                f"{'--predictor' if cross else '--horizon'}"
+            )
+        out.append(p)
+    return tuple(out)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
