@@ -52,6 +52,10 @@ _EXPORTS = {
     "ImportConfig": "tensorbend.engines.importer",
     "import_trace": "tensorbend.engines.importer",
     "ExpertPredictorSet": "tensorbend.predictors.seed_api",
+    "load_offloaded": "tensorbend.serving",
+    "ServeConfig": "tensorbend.serving",
+    "OffloadHandle": "tensorbend.offload.handle",
+    "GenerateConfig": "tensorbend.generate",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -140,7 +140,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
 
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
-    store = _store_path(cfg, path, fingerprint, cfg.dtype)
+    store = _store_path(cfg, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
     pc = _size_cache(cfg, lm, spec, layout)
     predictor, horizon = _predictors(cfg, spec, fingerprint)
@@ -224,6 +224,10 @@ def _build_without_experts(path: Path, dtype: torch.dtype):
     layout = ExpertLayout(layout.parts, dtype)
     with _experts_on_meta(experts_cls):
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (path / "generation_config.json").is_file():  # what from_pretrained would use
+        from transformers import GenerationConfig
+
+        lm.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     if hasattr(lm, "set_experts_implementation"):
         with contextlib.suppress(ValueError, TypeError):
             lm.set_experts_implementation("eager")
@@ -279,16 +283,19 @@ def _persistent_buffers(lm) -> set[str]:
     return names
 
 
-def _store_path(cfg: ServeConfig, path: Path, fingerprint: str, dtype: str) -> Path:
+def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
     root = cfg.store_dir or Path(
         os.environ.get("TENSORBEND_STORE_DIR", Path.home() / ".cache" / "tensorbend" / "stores")
     )
     tag = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
     sub = "" if cfg.store_dir else f"{Path(path).name}-{tag}"
-    return Path(root) / sub / f"experts-{fingerprint}-{dtype}.safetensors"
+    return Path(root) / sub / f"experts-{dtype}.safetensors"
 
 
 def _ensure_store(plan, store: Path, fingerprint: str, spec, dtype, progress: bool) -> None:
+    """Build the store unless a finished one of this very checkpoint is there; refuse one of
+    another checkpoint (its model fingerprint or the checkpoint's own identity differ)."""
+    ident = plan.ckpt.identity()
     if store.is_file():
         try:
             found = ExpertStore.open(store)
@@ -296,14 +303,15 @@ def _ensure_store(plan, store: Path, fingerprint: str, spec, dtype, progress: bo
             found = None
         if found is not None:
             found.close()
-            if found.meta.get("fingerprint") == fingerprint:
+            got = (found.meta.get("fingerprint"), found.meta.get("checkpoint"))
+            if got == (fingerprint, ident):
                 return
             raise StoreError(
-                f"expert store {store}: built from another checkpoint (fingerprint "
-                f"{found.meta.get('fingerprint')}, this one {fingerprint}); delete it or pass "
-                f"another --store-dir"
+                f"expert store {store}: built from another checkpoint ({found.meta.get('source')}"
+                f": model fingerprint {got[0]}, checkpoint {got[1]}; this one: {fingerprint}, "
+                f"{ident}); delete it or pass another --store-dir"
             )
-    meta = {"fingerprint": fingerprint, "family": spec.family,
+    meta = {"fingerprint": fingerprint, "checkpoint": ident, "family": spec.family,
             "source": str(plan.ckpt.directory)}  # fmt: skip
     build_store(plan, store, meta, dtype, progress)
 

@@ -1,0 +1,215 @@
+"""Serving from the checkpoint: the store streamed from shards, `load_offloaded` + transformers'
+own `generate()`, equal to the resident model; resumable builds; bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import char_tokenizer, save_checkpoint
+from transformers import AutoModelForCausalLM
+
+import tensorbend
+from tensorbend.cli import main
+from tensorbend.models import describe_model, moe_block
+from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
+from tensorbend.offload.layer import OFFLOAD_FAMILIES
+from tensorbend.offload.store import ExpertLayout, ExpertStore
+from tensorbend.serving import _build_without_experts
+
+
+def _resident(path):
+    return AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", OFFLOAD_FAMILIES)
+def test_store_from_shards_equals_model_and_generate_equals_resident(family, tmp_path):
+    """Every expert streamed from the checkpoint equals the loaded model's fused row (byte for
+    byte); greedy generate() through the offloaded model equals the resident one's tokens and
+    logits, with a cache far smaller than the experts."""
+    ckpt = save_checkpoint(family, tmp_path / "ckpt")
+    ref = _resident(ckpt)
+    spec = describe_model(ref)
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "store", cache_frac=0.25,
+                                      progress=False)  # fmt: skip
+    handle = model.tensorbend
+    store = handle.store
+    layout = handle.layout
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
+            got = torch.empty(layout.numel, dtype=layout.dtype)
+            store.read_into(m, e, got)
+            assert torch.equal(got, want), (family, m, e)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1)
+        got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1)
+        assert torch.equal(got, want)
+        assert torch.equal(model(got).logits, ref(got).logits)
+    c = handle.counters()
+    assert c["decode"]["tokens"] == want.shape[1] - ids.shape[1] - 1  # the last token: no forward
+    assert (
+        c["totals"]["bytes_read"] > 0 and c["cache_slots"] < spec.num_moe_layers * spec.num_experts
+    )
+    assert sum(layer["misses"] for layer in c["per_layer"]) == c["totals"]["misses"]
+    handle.close()
+    with pytest.raises(tensorbend.TensorbendError, match="closed"):
+        model(ids)
+
+
+def test_batch_sampling_streamer_pipeline_equal_resident(tmp_path):
+    """Batch of two left-padded prompts, seeded sampling, a TextStreamer and a text-generation
+    pipeline give what the resident model gives; reset() zeroes the counters."""
+    from transformers import TextStreamer, pipeline
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    tok = char_tokenizer()
+    tok.pad_token, tok.padding_side = tok.eos_token, "left"
+    ref = _resident(ckpt)
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.3,
+                                      policy="lfru", progress=False)  # fmt: skip
+    batch = tok(["river stone light", "alpha"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=5, pad_token_id=1)
+    with torch.inference_mode():
+        assert torch.equal(model.generate(**batch, **kw), ref.generate(**batch, **kw))
+        outs = []
+        for m in (ref, model):
+            torch.manual_seed(3)
+            outs.append(m.generate(**batch, do_sample=True, temperature=0.9, **kw))
+        assert torch.equal(outs[0], outs[1])
+    printed = []
+
+    class Capture(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            printed.append(text)
+
+    ids = tok("kernel module", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, streamer=Capture(tok, skip_prompt=True), **kw)
+    assert "".join(printed) == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    texts = [
+        pipeline("text-generation", model=m, tokenizer=tok)("dark light", do_sample=False, **kw)
+        for m in (ref, model)
+    ]
+    assert texts[0] == texts[1]
+    assert model.tensorbend.counters()["decode"]["tokens"] > 0
+    model.tensorbend.reset()
+    c = model.tensorbend.counters()
+    assert c["decode"]["tokens"] == 0 and c["totals"]["bytes_read"] == 0 and not c["per_layer"]
+    model.tensorbend.close()
+
+
+def test_interrupted_store_build_resumes_and_keeps_finished_layers(tmp_path, monkeypatch):
+    ckpt = save_checkpoint("deepseek_v3", tmp_path / "ckpt")
+    lm, spec, layout = _build_without_experts(ckpt, torch.float32)
+    plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
+    path = tmp_path / "store" / "experts.safetensors"
+    calls = []
+    real = ExpertPlan.expert
+
+    def flaky(self, m, e, dtype):
+        calls.append(m)
+        if m == 2 and not getattr(flaky, "failed", False):
+            flaky.failed = True
+            raise KeyboardInterrupt  # killed while layer 2 was being written
+        return real(self, m, e, dtype)
+
+    monkeypatch.setattr(ExpertPlan, "expert", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        build_store(plan, path, {"fingerprint": "x"}, torch.float32, progress=False)
+    assert not path.exists()
+    record = json.loads(path.with_name(path.name + ".progress").read_text())
+    assert record["layers_done"] == 2
+    calls.clear()
+    build_store(plan, path, {"fingerprint": "x"}, torch.float32, progress=False)
+    assert min(calls) == 2  # layers 0 and 1 were not read again
+    fresh = build_store(plan, tmp_path / "fresh.safetensors", {"fingerprint": "x"},
+                        torch.float32, progress=False)  # fmt: skip
+    assert path.read_bytes() == fresh.read_bytes()
+    store = ExpertStore.open(path)
+    assert (store.num_layers, store.num_experts) == (spec.num_moe_layers, spec.num_experts)
+    store.close()
+
+
+def test_bad_input_one_line_errors(tmp_path, capsys):
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "a")
+    other = save_checkpoint("qwen3_moe", tmp_path / "b", seed=1)
+    llama = save_checkpoint("llama4_text", tmp_path / "llama")
+    store = tmp_path / "store"
+    capsys.readouterr()
+
+    def err(*argv):
+        assert main(["generate", "--prompt", "ab", "--quiet", *argv]) == 2
+        out = capsys.readouterr().err.strip()
+        assert out.startswith("error: ") and "\n" not in out and "Traceback" not in out
+        return out
+
+    assert "config.json" in err("--model", str(tmp_path / "nothing"))
+    assert "llama4_text" in err("--model", str(llama), "--store-dir", str(store))
+    assert "expected at least" in err("--model", str(ckpt), "--max-memory", "10KB")
+    assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet", "--store-dir",
+                 str(store), "--max-new-tokens", "2"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert "another checkpoint" in err("--model", str(other), "--store-dir", str(store))
+    pred = tmp_path / "missing.safetensors"
+    assert "expected a checkpoint file" in err("--model", str(ckpt), "--policy", "prefetch",
+                                               "--horizon", str(pred))  # fmt: skip
+
+
+def test_layout_and_dtype_refused(tmp_path):
+    """A store whose experts have another layout or dtype than the model's is refused."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    lm, spec, layout = _build_without_experts(ckpt, torch.float32)
+    plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
+    path = build_store(plan, tmp_path / "bf16.safetensors", {}, torch.bfloat16, progress=False)
+    from tensorbend.offload.handle import OffloadHandle
+    from tensorbend.offload.plan import PolicyConfig
+
+    with pytest.raises(tensorbend.TensorbendError, match="another dtype"):
+        OffloadHandle(lm, spec, layout, path, PolicyConfig("lru", cache_frac=0.5))
+    small = ExpertLayout(tuple((n, (1,) + s[1:]) for n, s in layout.parts), torch.float32)
+    with pytest.raises(tensorbend.TensorbendError, match="another model"):
+        OffloadHandle(lm, spec, small, path, PolicyConfig("lru", cache_frac=0.5))
+
+
+def test_generate_cli_streams_and_stays_within_budget(tmp_path):
+    """A checkpoint whose experts are ~4x the memory budget: `tensorbend generate` in its own
+    process streams text, reads every expert from the store on disk, and its peak RSS (mapped
+    file pages included) stays within the import baseline + the budget + 64 MB."""
+    import transformers
+    from tiny_models import COMMON
+
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "hidden_size": 128, "head_dim": 32},
+                                         intermediate_size=256, moe_intermediate_size=1024,
+                                         num_hidden_layers=4, num_experts=16,
+                                         num_experts_per_tok=2, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "ckpt")
+    char_tokenizer().save_pretrained(tmp_path / "ckpt")
+    expert_bytes = 3 * 128 * 1024 * 4
+    total = 4 * 16 * expert_bytes  # 100.7 MB of routed experts
+    budget = 30 * 10**6
+    del model
+    code = ("import resource, transformers, tensorbend.generate, tensorbend.serving;"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")  # fmt: skip
+    base = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorbend", "generate", "--model", str(tmp_path / "ckpt"),
+         "--prompt", "alpha beta", "--max-new-tokens", "12", "--max-memory", str(budget),
+         "--store-dir", str(tmp_path / "store"), "--quiet", "--json", str(tmp_path / "s.json")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("alpha beta") and "[tensorbend]" in out.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert total > 3 * budget and s["cache_slots"] * expert_bytes < budget
+    assert s["bytes_read_per_token"] > 0 and s["decode_tokens"] > 0
+    assert (tmp_path / "store" / "experts-float32.safetensors").stat().st_size > total
+    assert s["peak_rss_bytes"] <= base + budget + 64 * 2**20, (s["peak_rss_bytes"], base)
