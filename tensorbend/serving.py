@@ -43,6 +43,14 @@ from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import parse_bytes
 
+IMPORT_BASELINE = (
+    "import resource, torch, transformers.modeling_utils, transformers.generation.utils, "
+    "tensorbend.generate; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+)
+"""Python code printing the peak RSS of a process that imports what any transformers
+inference needs (torch, transformers' modeling and generation code) and tensorbend: the
+baseline that a memory budget comes on top of (about 400 MB on CPU)."""
+
 
 @dataclass(frozen=True)
 class ServeConfig:

@@ -1,0 +1,183 @@
+"""Serve a model several times larger than its memory budget: peak RSS and decode tok/s per
+policy, `tensorbend generate` in a fresh process per run, median of interleaved repeats.
+
+Usage:
+    python bench/serve_memory.py --factor 184 --max-memory 1GB --repeats 3 \
+        --predictor runs/bench/default/ours_d1.safetensors \
+        --horizon runs/bench/default/horizon_routing_hidden.safetensors \
+        --json docs/bench/serve_memory.json --doc docs/serve_memory.md
+
+The model is zoo:default with every expert widened `--factor` times by zero rows
+(`tensorbend.zoo.inflate`: the same routers, routing and text; 184x gives 3.5 GB of routed
+experts), so the predictors trained on zoo:default load on it (same fingerprint). Each run is
+`tensorbend generate` on the held-out test prompts (greedy), with `--io direct` so every
+expert read comes from the disk, not the page cache; its peak RSS (mapped file pages
+included) is read from its own getrusage. The import baseline is the peak RSS of a process
+that imports torch, transformers' modeling and generation code and tensorbend
+(`serving.IMPORT_BASELINE`). Policies run in interleaved order,
+repeat after repeat; the table gives the median decode tok/s with its range. Nothing else
+should run on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tensorbend.atomic import write_generated
+from tensorbend.placement import parse_bytes
+from tensorbend.zoo import resolve_model
+from tensorbend.zoo.inflate import inflate
+
+NO_PREDICTION = {
+    "lru": [],
+    "lfu": ["--policy", "lfu"],
+    "lfru": ["--policy", "lfru"],
+    "lfru/adm=frequency": ["--policy", "lfru", "--admission", "frequency"],
+    "lru/per_layer": ["--pool", "per_layer"],
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--factor", type=int, default=184)
+    ap.add_argument("--max-memory", default="1GB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=3, help="test prompts per run")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
+    ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
+    ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
+    ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
+    ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
+    args = ap.parse_args(argv)
+    ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}",
+                   args.factor)  # fmt: skip
+    prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
+    policies = dict(NO_PREDICTION)
+    if args.horizon or args.predictor:
+        ours = ["--policy", "prefetch", "--admission", "predicted"]
+        ours += ["--horizon", str(args.horizon)] if args.horizon else []
+        ours += ["--predictor", str(args.predictor)] if args.predictor else []
+        label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
+        policies[f"ours: {label}/adm=predicted"] = ours
+    store = args.workdir / "store"
+    base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
+            str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
+            args.max_memory, "--io", "direct", "--store-dir", str(store), "--quiet"]  # fmt: skip
+    _run(base + ["--max-new-tokens", "1"])  # builds the store once, outside the timed runs
+    baseline = _import_rss()
+    runs: dict[str, list[dict]] = {name: [] for name in policies}
+    for r in range(args.repeats):
+        for name, flags in policies.items():
+            runs[name].append(_run(base + flags))
+            print(f"repeat {r}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s",
+                  file=sys.stderr)  # fmt: skip
+    result = _aggregate(runs, args, ckpt, baseline)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    write_generated(args.json, json.dumps(result, indent=1) + "\n")
+    write_generated(args.doc, format_doc(result))
+    print(format_doc(result))
+    return 0
+
+
+def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
+    experts = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    rows = []
+    for name, rs in runs.items():
+        tok_s = sorted(r["decode_tok_s"] for r in rs)
+        rows.append({
+            "policy": name,
+            "decode_tok_s": statistics.median(tok_s),
+            "decode_tok_s_range": [tok_s[0], tok_s[-1]],
+            "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
+            "demand_hit_rate": statistics.median(r["demand_hit_rate"] for r in rs),
+            "predict_s_per_token": rs[0]["predict_s_per_token"],
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
+            "cache_slots": rs[0]["cache_slots"],
+            "decode_tokens": rs[0]["decode_tokens"],
+            "repeats": tok_s,
+        })  # fmt: skip
+    best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
+    for r in rows:
+        r["vs_best_cache"] = r["decode_tok_s"] / best["decode_tok_s"]
+    return {
+        "model": f"zoo:default with experts x{args.factor} (tensorbend.zoo.inflate)",
+        "checkpoint_bytes": experts,
+        "expert_bytes": runs[next(iter(runs))][0]["expert_bytes"],
+        "max_memory_bytes": parse_bytes(args.max_memory),
+        "import_baseline_rss_bytes": baseline,
+        "io": "direct",
+        "decode": "greedy",
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "best_no_prediction": best["policy"],
+        "results": rows,
+    }
+
+
+def format_doc(res: dict) -> str:
+    gb = 1e9
+    budget, base = res["max_memory_bytes"], res["import_baseline_rss_bytes"]
+    lines = [
+        "# Serving a model larger than memory (generated by `python bench/serve_memory.py`)",
+        "",
+        f"Model: {res['model']}: {res['checkpoint_bytes'] / gb:.2f} GB of weights on disk, "
+        f"experts of {res['expert_bytes'] / 1e6:.1f} MB. Budget `--max-memory "
+        f"{budget / gb:.2f} GB`; import baseline (torch, transformers' modeling and generation "
+        f"code, tensorbend) "
+        f"{base / 1e6:.0f} MB. `tensorbend generate --io direct` (every expert read from the "
+        f"disk), {res['prompts']} held-out test prompts x {res['max_new_tokens']} greedy tokens "
+        f"per run, a fresh process per run, {res['repeats']} interleaved repeats: median decode "
+        f"tok/s [range]. vs best = ratio to the best policy without prediction "
+        f"({res['best_no_prediction']}); within the range means no gain.",
+        "",
+        "| policy | decode tok/s [range] | vs best | MB read / token | hit rate | prediction ms "
+        "/ token | cache slots | peak RSS (MB) | RSS - baseline (MB) | budget (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["results"]:
+        lo, hi = r["decode_tok_s_range"]
+        pred = r["predict_s_per_token"]
+        lines.append(
+            f"| {r['policy']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            f"{r['vs_best_cache']:.2f}x | {r['bytes_read_per_token'] / 1e6:.1f} | "
+            f"{r['demand_hit_rate']:.2f} | {pred * 1e3 if pred else 0:.2f} | {r['cache_slots']} | "
+            f"{r['peak_rss_bytes'] / 1e6:.0f} | {(r['peak_rss_bytes'] - base) / 1e6:.0f} | "
+            f"{budget / 1e6:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _run(cmd: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
+        return json.loads(Path(f.name).read_text())
+
+
+def _import_rss() -> int:
+    from tensorbend.serving import IMPORT_BASELINE as code
+
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout)  # fmt: skip
+
+
+def _test_prompts(path: Path, n: int) -> Path:
+    from tensorbend.prompts import load_prompts
+
+    rows = [{"id": p.id, "text": p.text} for p in load_prompts(None, "test")[:n]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
