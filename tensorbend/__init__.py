@@ -54,8 +54,6 @@ _EXPORTS = {
     "ExpertPredictorSet": "tensorbend.predictors.seed_api",
     "load_offloaded": "tensorbend.serving",
     "ServeConfig": "tensorbend.serving",
-    "OffloadHandle": "tensorbend.offload.handle",
-    "GenerateConfig": "tensorbend.generate",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -213,3 +213,35 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
     assert s["bytes_read_per_token"] > 0 and s["decode_tokens"] > 0
     assert (tmp_path / "store" / "experts-float32.safetensors").stat().st_size > total
     assert s["peak_rss_bytes"] <= base + budget + 64 * 2**20, (s["peak_rss_bytes"], base)
+
+
+def test_readme_serving_snippet_runs(tmp_path, monkeypatch, capsys):
+    """README's load_offloaded example, as written (its store in a scratch directory)."""
+    import re
+    from pathlib import Path
+
+    monkeypatch.setenv("TENSORBEND_STORE_DIR", str(tmp_path))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "load_offloaded" in b
+    )
+    exec(compile(block, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "'bytes_read_per_token'" in out and list(tmp_path.glob("*/experts-float32.safetensors"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks that the device "
+                    "path (cache slots on the GPU, pinned staging, copy stream) generates what "
+                    "the resident model on the same GPU generates")  # fmt: skip
+def test_cuda_generate_equals_resident(tmp_path):
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    ref = _resident(ckpt).to("cuda")
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.3,
+                                      device="cuda", progress=False)  # fmt: skip
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]], device="cuda")
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    assert model.tensorbend.counters()["peak_device_bytes"] > 0
+    model.tensorbend.close()
