@@ -245,3 +245,39 @@ def test_cuda_generate_equals_resident(tmp_path):
                                           pad_token_id=1), want)  # fmt: skip
     assert model.tensorbend.counters()["peak_device_bytes"] > 0
     model.tensorbend.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_same_entry_reproduces_run_bytes(policy, tmp_path):
+    """`tensorbend run` (resident reference, then the handle per policy) and load_offloaded +
+    transformers' generate() read exactly the same expert bytes on the same prompts (greedy:
+    the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards)."""
+    from tensorbend.hf import DecodeConfig
+    from tensorbend.offload.plan import PolicyConfig
+    from tensorbend.offload.runner import RunConfig, run
+    from tensorbend.offload.session import SessionConfig
+    from tensorbend.prompts import load_prompts
+    from tensorbend.zoo import resolve_model
+
+    n = 6
+    session = SessionConfig(decode=DecodeConfig(decode="greedy", max_new_tokens=n))
+    ran = run(RunConfig(model="zoo:default", max_prompts=2, link="none", session=session,
+                        offload=PolicyConfig(policy, cache_frac=0.25)))  # fmt: skip
+    from transformers import AutoTokenizer
+
+    path = resolve_model("zoo:default")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = tensorbend.load_offloaded(path, store_dir=tmp_path, cache_frac=0.25, policy=policy,
+                                      progress=False)  # fmt: skip
+    with torch.inference_mode():
+        for p in load_prompts(None, "test")[:2]:
+            ids = tok(p.text, return_tensors="pt").input_ids
+            model.generate(ids, max_new_tokens=n + 1, do_sample=False)
+    c = model.tensorbend.counters()
+    model.tensorbend.close()
+    assert (
+        c["decode"]["tokens"] == ran.tokens["decode"]
+        and c["prefill"]["tokens"] == ran.tokens["prefill"]
+    )
+    assert c["totals"]["bytes_read"] == ran.counters["bytes_read"] > 0
+    assert c["decode"]["bytes_read_per_token"] == ran.bytes_read_per_token
