@@ -281,3 +281,30 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
     )
     assert c["totals"]["bytes_read"] == ran.counters["bytes_read"] > 0
     assert c["decode"]["bytes_read_per_token"] == ran.bytes_read_per_token
+
+
+def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
+    """A within-token checkpoint saved for another fingerprint is refused by `generate`, and
+    one of the right model passed as --horizon is refused as the wrong kind."""
+    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.routers import model_fingerprint
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    ref = _resident(ckpt)
+    spec = describe_model(ref)
+    ids = torch.randint(0, spec.num_experts, (40, spec.num_moe_layers, spec.top_k))
+    rows = {"expert_ids_TLK": ids, "prompt_T": torch.zeros(40, dtype=torch.long),
+            "position_T": torch.arange(40), "phase_T": torch.ones(40, dtype=torch.long)}  # fmt: skip
+    p = build_baseline("frequency", spec, "d1", train_rows=rows)
+    other = save_predictor(p, tmp_path / "other.safetensors", fingerprint="0123456789abcdef")
+    mine = save_predictor(p, tmp_path / "mine.safetensors",
+                          fingerprint=model_fingerprint(ref, spec))  # fmt: skip
+    capsys.readouterr()
+    base = ["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet", "--store-dir",
+            str(tmp_path / "s"), "--policy", "prefetch"]  # fmt: skip
+    assert main([*base, "--predictor", str(other)]) == 2
+    assert "trained for model fingerprint 0123456789abcdef" in capsys.readouterr().err
+    assert main([*base, "--horizon", str(mine)]) == 2
+    assert "expected a cross-token (horizon) checkpoint" in capsys.readouterr().err
+    assert main([*base, "--predictor", str(mine), "--max-new-tokens", "3"]) == 0
