@@ -25,7 +25,6 @@ only what is read when.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field, replace
@@ -35,13 +34,17 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import StoreError, TensorbendError, UnsupportedModelError
-from tensorbend.models import RoutingSpec, describe_model, moe_block
+from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
-from tensorbend.offload.layer import check_supported
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
-from tensorbend.placement import parse_bytes
+from tensorbend.placement import (
+    build_without_experts,
+    kv_bytes_per_token,
+    load_non_experts,
+    parse_bytes,
+)
 
 IMPORT_BASELINE = (
     "import resource, torch, transformers.modeling_utils, transformers.generation.utils, "
@@ -138,9 +141,9 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     dtype = dtype[cfg.dtype]
     ckpt = Checkpoint.open(path)
-    lm, spec, layout = _build_without_experts(path, dtype)
+    lm, spec, layout = build_without_experts(path, dtype)
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
-    _load_other(lm, plan)
+    load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
         for name, _ in layout.parts:
             setattr(getattr(moe_block(lm, spec, m), spec.experts_attr), name, None)
@@ -199,98 +202,6 @@ def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
     return replace(cfg, **overrides)
 
 
-@contextlib.contextmanager
-def _experts_on_meta(cls):
-    """While active, instances of experts class `cls` allocate their parameters on meta."""
-    orig = cls.__init__
-
-    def init(self, *args, **kwargs):
-        with torch.device("meta"):
-            orig(self, *args, **kwargs)
-
-    cls.__init__ = init
-    try:
-        yield
-    finally:
-        cls.__init__ = orig
-
-
-def _build_without_experts(path: Path, dtype: torch.dtype):
-    """The CausalLM from config.json, routed experts on meta, other weights random (for now)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise TensorbendError(f"{path}: cannot read config.json ({e})") from e
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    spec = describe_model(meta)
-    check_supported(spec.family)
-    experts_cls = type(getattr(moe_block(meta, spec, 0), spec.experts_attr))
-    layout = ExpertLayout.of(getattr(moe_block(meta, spec, 0), spec.experts_attr))
-    layout = ExpertLayout(layout.parts, dtype)
-    with _experts_on_meta(experts_cls):
-        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if (path / "generation_config.json").is_file():  # what from_pretrained would use
-        from transformers import GenerationConfig
-
-        lm.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    if hasattr(lm, "set_experts_implementation"):
-        with contextlib.suppress(ValueError, TypeError):
-            lm.set_experts_implementation("eager")
-    return lm, spec, layout
-
-
-def _load_other(lm, plan: ExpertPlan) -> None:
-    """Copy every non-expert checkpoint tensor into the model; refuse if one is missing."""
-    state = lm.state_dict(keep_vars=True)
-    expert_ids = {id(p) for p in _expert_params(lm, plan.spec)}
-    tied = {n for n, p in state.items() if id(p) in _tied_ids(lm)}
-    with torch.no_grad():
-        for key, ref in plan.other.items():
-            t = plan.ckpt.read(ref)
-            dst = state[key]
-            if tuple(dst.shape) != tuple(t.shape):
-                raise StoreError(
-                    f"{plan.ckpt.directory}: {ref.key} has shape {list(t.shape)}, the model's "
-                    f"{key} expects {list(dst.shape)} (config.json); is this the right config?"
-                )
-            dst.copy_(t.to(dst.dtype))
-    persistent = {n for n, _ in lm.named_parameters()} | _persistent_buffers(lm)
-    missing = [k for k in state if k in persistent and id(state[k]) not in expert_ids
-               and k not in plan.other and k not in tied]  # fmt: skip
-    if missing:
-        raise StoreError(
-            f"{plan.ckpt.directory}: expected weights for {len(missing)} more tensors, e.g. "
-            f"{missing[:3]}; the checkpoint is incomplete or of another architecture"
-        )
-
-
-def _expert_params(lm, spec: RoutingSpec):
-    for m in range(spec.num_moe_layers):
-        yield from getattr(moe_block(lm, spec, m), spec.experts_attr).parameters()
-
-
-def _tied_ids(lm) -> set[int]:
-    """Ids of parameters shared by several names (tied embeddings): loaded through one name."""
-    seen, tied = {}, set()
-    for _, p in lm.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.add(id(p))
-        seen[id(p)] = True
-    return tied
-
-
-def _persistent_buffers(lm) -> set[str]:
-    names = set()
-    for mod_name, mod in lm.named_modules():
-        for b in mod._buffers:
-            if b not in mod._non_persistent_buffers_set:
-                names.add(f"{mod_name}.{b}" if mod_name else b)
-    return names
-
-
 def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
     root = cfg.store_dir or Path(
         os.environ.get("TENSORBEND_STORE_DIR", Path.home() / ".cache" / "tensorbend" / "stores")
@@ -333,17 +244,6 @@ def _size_cache(cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout) -
     kv = kv_bytes_per_token(lm.config, layout.dtype)
     slots, _ = memory_plan(cfg, non_expert, spec, layout.nbytes, kv)
     return replace(cfg.offload, cache_bytes=slots * layout.nbytes)
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """KV-cache bytes per token at batch 1: keys and values of every decoder layer."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(c, "num_attention_heads", 1)
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head = getattr(c, "head_dim", None) or c.hidden_size // heads
-    k_dim = getattr(c, "qk_nope_head_dim", 0) + getattr(c, "qk_rope_head_dim", 0) or head
-    v_dim = getattr(c, "v_head_dim", None) or head
-    return c.num_hidden_layers * kv_heads * (k_dim + v_dim) * dtype.itemsize
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):

@@ -18,7 +18,7 @@ from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.store import ExpertLayout, ExpertStore
-from tensorbend.serving import _build_without_experts
+from tensorbend.placement import build_without_experts
 
 
 def _resident(path):
@@ -106,7 +106,7 @@ def test_batch_sampling_streamer_pipeline_equal_resident(tmp_path):
 
 def test_interrupted_store_build_resumes_and_keeps_finished_layers(tmp_path, monkeypatch):
     ckpt = save_checkpoint("deepseek_v3", tmp_path / "ckpt")
-    lm, spec, layout = _build_without_experts(ckpt, torch.float32)
+    lm, spec, layout = build_without_experts(ckpt, torch.float32)
     plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
     path = tmp_path / "store" / "experts.safetensors"
     calls = []
@@ -164,7 +164,7 @@ def test_bad_input_one_line_errors(tmp_path, capsys):
 def test_layout_and_dtype_refused(tmp_path):
     """A store whose experts have another layout or dtype than the model's is refused."""
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
-    lm, spec, layout = _build_without_experts(ckpt, torch.float32)
+    lm, spec, layout = build_without_experts(ckpt, torch.float32)
     plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
     path = build_store(plan, tmp_path / "bf16.safetensors", {}, torch.bfloat16, progress=False)
     from tensorbend.offload.handle import OffloadHandle
