@@ -81,6 +81,11 @@ CASES = [
     ("eval-bad-lookahead", "eval --trace {d}/trace --lookahead d9", r"'d9'.*(expected one of|choose from)", False),
     ("run-bad-policy", "run --model {d}/model --policy fastest", r"--policy.*fastest", False),
     ("run-bad-frac", "run --model {d}/model --cache-frac 2", r"--cache-frac 2.0: expected a fraction in \(0, 1\]", False),
+    ("max-memory-nan", "collect --model {d}/model --out {d}/o --max-memory nan", r"--max-memory 'nan': expected a finite size", False),
+    ("max-memory-inf", "collect --model {d}/model --out {d}/o --max-memory inf", r"--max-memory 'inf': expected a finite size", False),
+    ("link-lone-dot", "run --model {d}/model --link .MB/s", r"--link '.MB/s': expected .* decimal numbers", False),
+    ("link-two-dots", "run --model {d}/model --link 1.2.3MB/s", r"--link '1.2.3MB/s': expected", False),
+    ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 
 
