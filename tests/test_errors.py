@@ -32,6 +32,7 @@ def env(tmp_path_factory):
         (d / name).mkdir()
         (d / name / "manifest.json").write_text(text)
     _damaged_copies(d)
+    _bad_imports(d)
     (d / "junk.safetensors").write_bytes(b"\x00" * 40)
     return d
 
@@ -44,6 +45,18 @@ def _damaged_copies(d):
     shard = sorted((d / "truncated").glob("shard-*"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
     sorted((d / "missing").glob("shard-*"))[0].unlink()
+
+
+def _bad_imports(d):
+    import gzip
+
+    head = "prompt_id,layer,position,expert_ids\n"
+    (d / "noids.csv").write_text(head + "a,0,0,1 2\na,0,1,\n")
+    (d / "latin1.csv").write_bytes((head + "caf\xe9,0,0,1 2\n").encode("latin-1"))
+    (d / "notgz.csv.gz").write_bytes(b"prompt_id,layer\n")
+    whole = gzip.compress((head + "a,0,0,1 2\n" * 50).encode())
+    (d / "cut.csv.gz").write_bytes(whole[: len(whole) // 2])
+    (d / "bigid.csv").write_text(head + "a,0,0,40000 2\n")
 
 
 # (id, argv with {d} for the fixture dir, regex the one error line must match, model may load)
@@ -85,6 +98,12 @@ CASES = [
     ("max-memory-inf", "collect --model {d}/model --out {d}/o --max-memory inf", r"--max-memory 'inf': expected a finite size", False),
     ("link-lone-dot", "run --model {d}/model --link .MB/s", r"--link '.MB/s': expected .* decimal numbers", False),
     ("link-two-dots", "run --model {d}/model --link 1.2.3MB/s", r"--link '1.2.3MB/s': expected", False),
+    ("csv-empty-ids", "trace import --from csv {d}/noids.csv --out {d}/imp --quiet", r"noids.csv, line 3: prompt 'a' layer 0 position 1 has no expert ids; expected", False),
+    ("csv-not-utf8", "trace import --from csv {d}/latin1.csv --out {d}/imp --quiet", r"latin1.csv: not UTF-8 text .*re-export it as UTF-8", False),
+    ("csv-not-gzip", "trace import --from csv {d}/notgz.csv.gz --out {d}/imp --quiet", r"notgz.csv.gz: unreadable \(BadGzipFile.*complete .csv.gz", False),
+    ("csv-cut-gzip", "trace import --from csv {d}/cut.csv.gz --out {d}/imp --quiet", r"cut.csv.gz: unreadable \(EOFError.*complete .csv.gz", False),
+    ("csv-id-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --quiet", r"routes to expert 40000; a trace stores expert ids as int16, expected ids below 32768", False),
+    ("import-experts-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --num-experts 40000 --quiet", r"--num-experts 40000: .*int16, expected at most 32768", False),
     ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 
@@ -108,3 +127,14 @@ def test_bad_input_is_one_line_exit_2(case, env, capsys, monkeypatch):
 
 def test_there_are_at_least_25_cases():
     assert len(CASES) >= 25
+
+
+def test_a_trace_refuses_more_experts_than_int16_ids_hold(tmp_path):
+    from tensorbend.errors import TraceError
+    from tensorbend.models import RoutingSpec
+    from tensorbend.trace_writer import TraceWriter
+
+    spec = RoutingSpec("qwen3_moe", "softmax", 40_000, 8, 16, 2, (0, 1))
+    with pytest.raises(TraceError, match="40000 routed experts per layer: .* at most 32768"):
+        TraceWriter(tmp_path / "t", model_meta={}, spec=spec, features={}, collection={})
+    assert not (tmp_path / "t").exists()
