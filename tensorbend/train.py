@@ -259,22 +259,27 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
 
 
 def _ranks(kind, kind_cfg) -> DistContext:
-    """torchrun's group (training over ranks splits the target layers), or a single rank."""
-    ctx = DistContext.from_env()
-    if ctx.world_size > 1 and kind.cross_token:
-        ctx.close()
+    """torchrun's group (training over ranks splits the target layers), or a single rank;
+    a kind that cannot be split is refused before joining the group."""
+    world = DistContext.world_size_from_env()
+    if world > 1 and kind.cross_token:
         raise TensorbendError(
-            f"--predictor {kind.name} fits one network over every MoE layer: train it in one "
-            f"process, found {ctx.world_size} ranks"
+            f"--predictor {kind.name} fits one network over every MoE layer: expected one "
+            f"process, found {world} ranks; train it without torchrun"
         )
-    if ctx.world_size > 1 and kind_cfg.fit.layers != "separate":
-        ctx.close()
+    if world > 1 and kind_cfg is None:
         raise TensorbendError(
-            f"training over {ctx.world_size} ranks spreads the target layers: pass "
+            f"--predictor {kind.name} counts its tables in one pass over the train rows, with no "
+            f"per-layer fit to spread: expected one process, found {world} ranks; train it "
+            "without torchrun"
+        )
+    if world > 1 and kind_cfg.fit.layers != "separate":
+        raise TensorbendError(
+            f"training over {world} ranks spreads the target layers: pass "
             f"--fit-layers separate (each layer fits alone; one process with the same flag "
             f"writes the same bytes), found {kind_cfg.fit.layers!r} for --predictor {kind.name}"
         )
-    return ctx
+    return DistContext.from_env()
 
 
 def _mean(xs: list[float]) -> float:

@@ -117,12 +117,32 @@ def test_bad_input_is_one_line_exit_2(case, env, capsys, monkeypatch):
             raise AssertionError("the model was loaded before a cheap check failed")
 
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
-    rc = main(argv.format(d=env).split())
+    assert_one_error_line(main(argv.format(d=env).split()), capsys, pattern)
+
+
+def assert_one_error_line(rc: int, capsys, pattern: str) -> str:
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert "Traceback" not in err
     assert re.search(pattern, err), err
+    return err
+
+
+@pytest.mark.parametrize("kind", ["transition", "frequency", "horizon"])
+def test_torchrun_refuses_kinds_it_cannot_split_before_joining(kind, env, capsys, monkeypatch):
+    # No second rank exists: joining the group would hang, so the refusal must come first.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setattr("torch.distributed.init_process_group", _no_group)
+    argv = f"train --trace {env}/trace --out {env}/p.safetensors --predictor {kind} --quiet"
+    why = "one network over every MoE layer" if kind == "horizon" else "tables in one pass"
+    assert_one_error_line(main(argv.split()), capsys, rf"{kind} .*{why}.*found 2 ranks")
+
+
+def _no_group(*a, **k):
+    raise AssertionError("joined the process group before refusing")
 
 
 def test_there_are_at_least_25_cases():
