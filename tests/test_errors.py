@@ -34,6 +34,11 @@ def env(tmp_path_factory):
     _damaged_copies(d)
     _bad_imports(d)
     (d / "junk.safetensors").write_bytes(b"\x00" * 40)
+    (d / "cal_list.json").write_text("[1, 2]")
+    good = {"expert_bytes": 1000, "link_bandwidth_Bps": 1e9, "link_latency_s": 1e-5,
+            "attn_s": 1e-4, "expert_s": 1e-5, "forward_s": 1e-4}  # fmt: skip
+    (d / "cal_text.json").write_text(json.dumps({**good, "attn_s": "fast"}))
+    (d / "cal_zero.json").write_text(json.dumps({**good, "link_bandwidth_Bps": 0}))
     return d
 
 
@@ -104,6 +109,14 @@ CASES = [
     ("csv-cut-gzip", "trace import --from csv {d}/cut.csv.gz --out {d}/imp --quiet", r"cut.csv.gz: unreadable \(EOFError.*complete .csv.gz", False),
     ("csv-id-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --quiet", r"routes to expert 40000; a trace stores expert ids as int16, expected ids below 32768", False),
     ("import-experts-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --num-experts 40000 --quiet", r"--num-experts 40000: .*int16, expected at most 32768", False),
+    ("simulate-zero-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --max-prompts 0", r"--max-prompts 0: expected a count >= 1", False),
+    ("simulate-negative-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --max-prompts -1", r"--max-prompts -1: expected a count >= 1", False),
+    ("calibration-list", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_list.json", r"cal_list.json: expected a JSON object of numbers .* found a list", False),
+    ("calibration-text", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_text.json", r"cal_text.json: attn_s = 'fast'; expected a finite number >= 0", False),
+    ("calibration-zero", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_zero.json", r"link_bandwidth_Bps = 0; expected a finite number > 0", False),
+    ("simulate-missing-horizon", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none", False),
+    ("run-missing-horizon", "run --model {d}/model --policy prefetch --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none; train one with `tensorbend train --predictor horizon`", False),
+    ("run-teacher-batch-without-continuation", "run --model {d}/model --prompts {d}/prompts.jsonl --split all --batch 2 --decode teacher", r"--decode teacher --batch 2: prompts \['t001', 't003'\] have no continuation.*drop those prompts or run --batch 1", False),
     ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 
@@ -158,3 +171,15 @@ def test_a_trace_refuses_more_experts_than_int16_ids_hold(tmp_path):
     with pytest.raises(TraceError, match="40000 routed experts per layer: .* at most 32768"):
         TraceWriter(tmp_path / "t", model_meta={}, spec=spec, features={}, collection={})
     assert not (tmp_path / "t").exists()
+
+
+def test_a_teacher_batch_with_an_empty_continuation_is_refused_before_any_forward():
+    import torch
+
+    from tensorbend.errors import TensorbendError
+    from tensorbend.hf import DecodeConfig, PromptInput, decode_batch
+
+    ids = torch.tensor([[1, 2, 3]])
+    inps = [PromptInput("a", ids, [4, 5]), PromptInput("b", ids, [])]  # "b": tokenized to nothing
+    with pytest.raises(TensorbendError, match=r"prompts \['b'\] whose continuation is empty"):
+        decode_batch(None, inps, DecodeConfig(decode="teacher"))  # no model: refused first

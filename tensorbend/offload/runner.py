@@ -93,6 +93,7 @@ def run(cfg: RunConfig) -> RunResult:
             f"no prompts in split {cfg.split!r} of {cfg.prompts or 'the shipped prompts'}: "
             f"expected at least one; pick another --split"
         )
+    cfg.session.check_prompts(prompts)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
     predictor = build_predictor(
@@ -163,11 +164,15 @@ def _check_predictor(cfg: RunConfig) -> None:
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
             f"(only it uses a predictor); drop the predictor or change the policy"
         )
-    if cfg.predictor is not None and not Path(cfg.predictor).is_file():
-        raise TensorbendError(
-            f"--predictor {cfg.predictor}: expected a checkpoint file, found none; "
-            f"train one with `tensorbend train`"
-        )
+    for flag, path, kind in (
+        ("--predictor", cfg.predictor, ""),
+        ("--horizon", cfg.horizon, " --predictor horizon"),
+    ):
+        if path is not None and not Path(path).is_file():
+            raise TensorbendError(
+                f"{flag} {path}: expected a checkpoint file, found none; "
+                f"train one with `tensorbend train{kind}`"
+            )
     if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
         raise TensorbendError(
             f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "

@@ -158,6 +158,18 @@ class SimulateConfig:
                 "--geometry from-trace has no bytes or compute of its own: pass --calibration FILE "
                 "(bench/simulate_validate.py measures one) or name a geometry"
             )
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise TensorbendError(
+                f"--max-prompts {self.max_prompts}: expected a count >= 1 (or leave it out to "
+                "replay every prompt of the split)"
+            )
+        if self.horizon is not None and not Path(self.horizon).is_file():
+            raise TensorbendError(
+                f"--horizon {self.horizon}: expected a checkpoint file, found none; train one "
+                "with `tensorbend train --predictor horizon`"
+            )
+        if self.calibration is not None:
+            Calibration.load(self.calibration)  # a bad file fails before the trace is read
         get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
