@@ -33,6 +33,8 @@ def env(tmp_path_factory):
         (d / name / "manifest.json").write_text(text)
     _damaged_copies(d)
     _bad_imports(d)
+    argv = f"train --trace {d}/trace --out {d}/transition.safetensors --predictor transition"
+    assert main([*argv.split(), "--quiet"]) == 0
     (d / "junk.safetensors").write_bytes(b"\x00" * 40)
     (d / "cal_list.json").write_text("[1, 2]")
     good = {"expert_bytes": 1000, "link_bandwidth_Bps": 1e9, "link_latency_s": 1e-5,
@@ -117,6 +119,7 @@ CASES = [
     ("simulate-missing-horizon", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none", False),
     ("run-missing-horizon", "run --model {d}/model --policy prefetch --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none; train one with `tensorbend train --predictor horizon`", False),
     ("run-teacher-batch-without-continuation", "run --model {d}/model --prompts {d}/prompts.jsonl --split all --batch 2 --decode teacher", r"--decode teacher --batch 2: prompts \['t001', 't003'\] have no continuation.*drop those prompts or run --batch 1", False),
+    ("run-within-token-as-horizon", "run --model {d}/model --policy prefetch --horizon {d}/transition.safetensors", r"--horizon expected a cross-token \(horizon\) predictor, found kind transition \(within-token\): pass it as --predictor", False),
     ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 

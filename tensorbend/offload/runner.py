@@ -26,7 +26,8 @@ from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
-from tensorbend.predictors.registry import BASELINES, KINDS
+from tensorbend.predictors.checkpoint import read_metadata
+from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
 from tensorbend.routers import model_fingerprint
 
 RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
@@ -100,7 +101,6 @@ def run(cfg: RunConfig) -> RunResult:
         model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
     )
     horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
-    _check_kinds(predictor, horizon)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
     try:
@@ -134,22 +134,6 @@ def build_predictor(
     )
 
 
-def _check_kinds(predictor, horizon) -> None:
-    """--predictor is within-token, --horizon cross-token (checked once loaded)."""
-    from tensorbend.predictors.registry import KINDS
-
-    if predictor is not None and KINDS[predictor.kind].cross_token:
-        raise TensorbendError(
-            f"--predictor {predictor.checkpoint}: a cross-token ({predictor.kind}) checkpoint; "
-            "pass it as --horizon"
-        )
-    if horizon is not None and not KINDS[horizon.kind].cross_token:
-        raise TensorbendError(
-            f"--horizon {horizon.checkpoint}: expected a cross-token (horizon) checkpoint, "
-            f"found kind {horizon.kind}; pass it as --predictor"
-        )
-
-
 def _check_predictor(cfg: RunConfig) -> None:
     policy = cfg.offload.policy
     if cfg.predictor is not None and cfg.baseline is not None:
@@ -173,6 +157,8 @@ def _check_predictor(cfg: RunConfig) -> None:
                 f"{flag} {path}: expected a checkpoint file, found none; "
                 f"train one with `tensorbend train{kind}`"
             )
+    kinds = [None if p is None else read_metadata(p)["kind"] for p in (cfg.predictor, cfg.horizon)]
+    check_roles(*kinds, ("--predictor", "--horizon"))
     if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
         raise TensorbendError(
             f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "

@@ -253,16 +253,12 @@ def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
     """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
     from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.registry import KINDS
+    from tensorbend.predictors.registry import check_roles
 
     pred = load_predictor(
         cfg.horizon, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"]
     )
-    if not KINDS[pred.kind].cross_token:
-        raise TensorbendError(
-            f"--horizon {cfg.horizon}: expected a cross-token (horizon) checkpoint, found kind "
-            f"{pred.kind}; pass it as --predictor"
-        )
+    check_roles(None, pred.kind, ("--predictor", "--horizon"))
     missing = [f for f in pred.cfg.features if f not in tr.features]
     if missing:
         raise TensorbendError(
