@@ -35,6 +35,10 @@ def env(tmp_path_factory):
     _bad_imports(d)
     argv = f"train --trace {d}/trace --out {d}/transition.safetensors --predictor transition"
     assert main([*argv.split(), "--quiet"]) == 0
+    with open(d / "seen.jsonl", "w") as f:  # the planted trace's prompt ids: q000..q011
+        f.writelines(
+            json.dumps({"id": f"q{i:03d}", "text": "alpha beta"}) + "\n" for i in range(12)
+        )
     (d / "junk.safetensors").write_bytes(b"\x00" * 40)
     (d / "cal_list.json").write_text("[1, 2]")
     good = {"expert_bytes": 1000, "link_bandwidth_Bps": 1e9, "link_latency_s": 1e-5,
@@ -120,6 +124,10 @@ CASES = [
     ("run-missing-horizon", "run --model {d}/model --policy prefetch --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none; train one with `tensorbend train --predictor horizon`", False),
     ("run-teacher-batch-without-continuation", "run --model {d}/model --prompts {d}/prompts.jsonl --split all --batch 2 --decode teacher", r"--decode teacher --batch 2: prompts \['t001', 't003'\] have no continuation.*drop those prompts or run --batch 1", False),
     ("run-within-token-as-horizon", "run --model {d}/model --policy prefetch --horizon {d}/transition.safetensors", r"--horizon expected a cross-token \(horizon\) predictor, found kind transition \(within-token\): pass it as --predictor", False),
+    ("run-on-seen-prompts", "run --model {d}/model --prompts {d}/seen.jsonl --split all --policy prefetch --predictor {d}/transition.safetensors", r"transition.safetensors was trained or early-stopped on 7 of the 8 prompts of split 'all': expected held-out prompts .*--allow-seen-split", False),
+    ("run-on-seen-prompts-allowed", "run --model {d}/model --prompts {d}/seen.jsonl --split all --policy prefetch --predictor {d}/transition.safetensors --allow-seen-split", r"transition.safetensors was trained for model fingerprint planted", True),
+    ("simulate-on-seen-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --split all --predictor {d}/transition.safetensors", r"was trained or early-stopped on \d+ of the 12 prompts of split 'all'", False),
+    ("simulate-on-seen-val-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --split val --max-prompts 1 --predictor {d}/transition.safetensors", r"early-stopped on 1 of the 1 prompts of split 'val'", False),
     ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 

@@ -26,7 +26,7 @@ from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
-from tensorbend.predictors.checkpoint import read_metadata
+from tensorbend.predictors.checkpoint import check_held_out, read_metadata
 from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
 from tensorbend.routers import model_fingerprint
 
@@ -66,6 +66,8 @@ class RunConfig:
     """Where the model and the expert cache live: cpu or cuda[:N]."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Compute dtype of the model (bit-identical outputs are checked in any dtype)."""
+    allow_seen_split: bool = False
+    """Run a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     offload: PolicyConfig = field(default_factory=PolicyConfig)
     """Policy and cache options."""
     session: SessionConfig = field(default_factory=SessionConfig)
@@ -95,6 +97,9 @@ def run(cfg: RunConfig) -> RunResult:
             f"expected at least one; pick another --split"
         )
     cfg.session.check_prompts(prompts)
+    for path in () if cfg.allow_seen_split else (cfg.predictor, cfg.horizon):
+        if path is not None:
+            check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
     predictor = build_predictor(

@@ -109,6 +109,8 @@ class SimulateConfig:
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = 0.5
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
+    allow_seen_split: bool = False
+    """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
     """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
     ep_degree: int | None = None
@@ -201,6 +203,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     """Every policy x predictor x cache fraction of `cfg` on the trace; see the module docstring."""
     t0 = time.perf_counter()
     tr = Trace.open(cfg.trace)
+    _check_held_out(cfg, tr)
     hw, cal, geo, mapping, costs = _setup(cfg, tr)
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
@@ -330,6 +333,20 @@ def _rows(cfg, tr: Trace):
     if cfg.max_prompts is not None:
         rows = select_rows(rows, RowSelection(max_prompts=cfg.max_prompts))
     return rows
+
+
+def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
+    """Refuse checkpoints on the prompts they saw (manifest only: before any row is read)."""
+    from tensorbend.predictors.checkpoint import check_held_out
+
+    if cfg.allow_seen_split:
+        return
+    paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
+    if cfg.horizon is not None:
+        paths.append(cfg.horizon)
+    ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
+    for path in paths:  # the first max_prompts in row (= manifest) order are replayed
+        check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])
 
 
 def _notes(cfg, cal) -> list[str]:
