@@ -7,9 +7,11 @@ Usage:
     >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
     True
 
-Every check that needs no model (flags, files, link syntax, device) happens in
-`RunConfig.__post_init__`; the cache size against the model's experts is checked right after
-loading it, before the resident reference run. Returns a `result.RunResult`.
+Every check that needs no model (flags, files, checkpoint kinds, link syntax, device) happens
+in `RunConfig.__post_init__`; the prompts (held out from the checkpoints unless
+--allow-seen-split, a continuation each for a teacher-forced batch) right after reading them;
+the cache size against the model's experts right after loading it, before the resident
+reference run. Returns a `result.RunResult`.
 """
 
 from __future__ import annotations
