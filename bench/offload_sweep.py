@@ -44,6 +44,7 @@ from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.runner import NEEDS_TRAIN, build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
+from tensorbend.predictors.checkpoint import check_held_out
 from tensorbend.prompts import load_prompts
 
 
@@ -56,8 +57,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model, tok = load_model(a.model)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
+    checkpoints = [*a.predictor, a.horizon] if a.horizon else a.predictor
+    for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
+        check_held_out(path, [p.id for p in prompts], a.split)
+    model, tok = load_model(a.model)
     predictors = _predictors(a, model)
     horizon = (
         build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
@@ -436,6 +440,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
+    p.add_argument("--allow-seen-split", action="store_true",
+                   help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")
     p.add_argument("--lookahead", default="d1", help="lookahead of baselines and the oracle")
     p.add_argument("--extra", type=int, default=0, help="prefetch top-(K + extra) at decode")

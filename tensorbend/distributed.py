@@ -34,7 +34,7 @@ class DistContext:
     @classmethod
     def from_env(cls, backend: str | None = None, timeout_s: float = 1800) -> DistContext:
         """Join torchrun's group when WORLD_SIZE > 1 (gloo unless `backend`); else a single rank."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = cls.world_size_from_env()
         if world <= 1:
             return cls()
         rank = int(os.environ.get("RANK", "-1"))
@@ -49,6 +49,11 @@ class DistContext:
                 backend or "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
             )
         return cls(rank, world, True)
+
+    @staticmethod
+    def world_size_from_env() -> int:
+        """Processes torchrun started (1 without torchrun); reads the environment only."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def is_main(self) -> bool:

@@ -40,7 +40,7 @@ from tensorbend.predictors.base import (
     TrainData,
     get_lookahead,
 )
-from tensorbend.predictors.checkpoint import load_predictor, read_metadata
+from tensorbend.predictors.checkpoint import check_held_out, load_predictor
 from tensorbend.predictors.latency import us_per_token
 from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, build
 from tensorbend.trace import PHASES, Trace
@@ -126,9 +126,10 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
     tr = Trace.open(cfg.trace)
     spec = tr.spec
     lookaheads = _lookaheads(cfg, tr)
-    for path in cfg.predictors:  # metadata only: refuse before loading any rows
-        _check_held_out(path, tr, cfg)
     fingerprint = tr.manifest["model"]["fingerprint"]
+    scored = [p["id"] for p in tr.prompts if cfg.split == "all" or p["split"] == cfg.split]
+    for path in () if cfg.allow_seen_split else cfg.predictors:  # metadata only: before rows
+        check_held_out(path, scored, cfg.split, fingerprint)
     loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
     across = [p for p in loaded if KINDS[p.kind].cross_token]
     loaded = [p for p in loaded if not KINDS[p.kind].cross_token]
@@ -263,25 +264,6 @@ def _baseline_names(cfg: EvalConfig, tr: Trace) -> list[str]:
             "drop them or use another trace"
         )
     return [n for n in names if n not in skipped]
-
-
-def _check_held_out(path: Path, tr: Trace, cfg: EvalConfig) -> None:
-    """Refuse to score a checkpoint on prompts it saw in training (unless allowed)."""
-    if cfg.allow_seen_split:
-        return
-    meta = read_metadata(path)
-    scored = {p["id"] for p in tr.prompts if cfg.split == "all" or p["split"] == cfg.split}
-    if "seen_prompts" in meta:
-        seen = scored & set(meta["seen_prompts"])
-    else:  # older checkpoints: any non-test split of the same model may overlap
-        same = meta.get("fingerprint") == tr.manifest["model"]["fingerprint"]
-        seen = scored if same and cfg.split != "test" else set()
-    if seen:
-        raise TensorbendError(
-            f"predictor {path} was trained or early-stopped on {len(seen)} of the {len(scored)} "
-            f"prompts of split {cfg.split!r}: expected held-out prompts; score --split test, or "
-            "pass --allow-seen-split (EvalConfig.allow_seen_split) to score them anyway"
-        )
 
 
 def format_table(report) -> str:

@@ -101,6 +101,46 @@ def evaluate_foresight(
     }
 
 
+def dataset_recalls(pred: HorizonPredictor, ds: dict, chunk: int = 256) -> dict:
+    """next_forward_recall and within_h_recall over the decode rows of `pred.dataset(...)`:
+    the label Y of a row holds what both need (Y == 0: used at f + 1; Y < h: used within
+    f + 1..f + h of its request), so a sample of rows is scored without its whole requests, in
+    memory bounded by `chunk`. Equal to `evaluate_foresight(..., replay=False)` when every row
+    of the requests is kept (tested)."""
+    L, E, K, h = (
+        pred.spec.num_moe_layers,
+        pred.spec.num_experts,
+        pred.spec.top_k,
+        pred.cfg.foresight,
+    )
+    dec_N = ds["decode_N"][0]
+    nxt_L, within_L, n = torch.zeros(L), torch.zeros(L), 0
+    for i in range(0, dec_N.numel(), chunk):
+        keep = dec_N[i : i + chunk]
+        Y_NLE = ds["Y"][0][i : i + chunk][keep]
+        h_ND = ds["H"][0][i : i + chunk][keep] if "H" in ds else None
+        with torch.no_grad():
+            p_NLEJ = torch.softmax(pred.net(ds["X"][0][i : i + chunk][keep], h_ND), dim=-1)
+        top_NLK = p_NLEJ[..., 0].topk(K, -1).indices
+        nxt_L += ((Y_NLE == 0).gather(-1, top_NLK).sum(-1) / K).sum(0)
+        S_NLE = Y_NLE < h
+        size_NL = S_NLE.sum(-1)
+        order_NLE = (1 - p_NLEJ[..., h]).argsort(dim=-1, descending=True, stable=True)
+        rank_NLE = torch.empty_like(order_NLE).scatter_(
+            -1, order_NLE, torch.arange(E).expand_as(order_NLE)
+        )
+        hits_NL = (S_NLE & (rank_NLE < size_NL[..., None])).sum(-1)
+        within_L += (hits_NL / size_NL.clamp(min=1)).sum(0)
+        n += int(keep.sum())
+    return {
+        "foresight": h,
+        "inputs": pred.cfg.inputs,
+        "decode_rows": n,
+        "next_forward_recall": (nxt_L / max(n, 1)).tolist(),
+        "within_h_recall": (within_L / max(n, 1)).tolist(),
+    }
+
+
 def format_foresight(f: dict) -> str:
     """A horizon checkpoint: recalls per layer, then the replay (experts read per decode token)."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

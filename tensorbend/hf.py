@@ -213,8 +213,16 @@ def decode_batch(
     """B prompts in lockstep (static batching): one left-padded prefill forward (attention mask,
     positions counted from each prompt's first real token), then one forward per step with one
     token of every sequence. Every sequence runs the same number of steps: teacher forcing the
-    shortest continuation, greedy and sampling `max_new_tokens` (EOS does not stop a batch).
+    shortest continuation (an empty one is refused: it would stop the whole batch), greedy and
+    sampling `max_new_tokens` (EOS does not stop a batch).
     Returns one Decoded per prompt; `forward(phase, **kwargs)` wraps every model call."""
+    empty = [i.prompt_id for i in inps if i.forced is not None and not i.forced]
+    if empty:
+        raise TensorbendError(
+            f"teacher forcing a batch with prompts {empty} whose continuation is empty (or "
+            "tokenizes to nothing): the batch would run zero decode steps; expected a "
+            "continuation for every prompt of a batch: drop those prompts or decode them alone"
+        )
     forward = forward or (lambda phase, **kw: model(**kw))
     device, cache_kw, B = _device_of(model), cache_kwarg(model), len(inps)
     S = max(i.ids_1S.shape[1] for i in inps)

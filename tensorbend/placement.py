@@ -55,8 +55,10 @@ def parse_bytes(text: str | int) -> int:
         raise TensorbendError(
             f"--max-memory {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
         ) from None
-    if value < 1:
-        raise TensorbendError(f"--max-memory {text!r}: expected a size > 0")
+    if not 1 <= value < float("inf"):  # nan fails every comparison
+        raise TensorbendError(
+            f"--max-memory {text!r}: expected a finite size of at least one byte, such as 8GB"
+        )
     return int(value)
 
 

@@ -49,6 +49,7 @@ FEATURE_TENSORS = {
     "layer_input": "layer_input_TLD",  # [T, L, D]: residual stream entering the decoder layer
 }
 FEATURES = tuple(FEATURE_TENSORS)
+MAX_EXPERTS = 2**15  # expert ids are stored as int16: ids 0..32767
 
 
 class Trace:

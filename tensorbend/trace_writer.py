@@ -44,6 +44,7 @@ from tensorbend.models import RoutingSpec
 from tensorbend.trace import (
     FORMAT_VERSION,
     MANIFEST,
+    MAX_EXPERTS,
     ROUTER_FILE,
     Trace,
     file_sha256,
@@ -70,6 +71,11 @@ class TraceWriter:
     ):
         """first_prompt_index: the global index of this writer's first prompt (a rank's block in
         a distributed collection; its shards' prompt_index_T count from it)."""
+        if spec.num_experts > MAX_EXPERTS:
+            raise TraceError(
+                f"{spec.num_experts} routed experts per layer: a trace stores expert ids as int16, "
+                f"expected at most {MAX_EXPERTS}; a larger model is not supported"
+            )
         self.root = Path(root)
         self.shard_tokens = shard_tokens
         self.first_prompt_index = first_prompt_index

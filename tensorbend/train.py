@@ -15,13 +15,16 @@ checkpoint carries the val metrics and the ids of the prompts it saw (train and 
   out         checkpoint path                  params      learned parameters (table entries count)
   val         {phase: val recall@k, rounded to 4 places, or None without rows of that phase}
   seconds     wall time of the whole call      train_prompts  train prompts used
-  + the predictor's fit summary (seed_mlp: train_rows_recall, the seed's own training-rows number)
+  + the predictor's fit summary (seed_mlp: train_rows_recall, the seed's own training-rows number;
+    horizon: train_rows, val_rows, the forwards it was fitted and early-stopped on)
 
 Row selection (`rows.select_rows`): the first N train prompts, the first
 N prefill tokens of each prompt (the seed's hook kept at most 4 tokens per forward pass; decode
 steps are one token each), and a uniform sample of N rows (the seed kept at most 10,000 per
 layer), in that order. Each kept row keeps its previous token's routing even when that token's
-row is dropped.
+row is dropped. horizon's rows are forwards (each with its request's history up to it): the
+first N train prompts, then a uniform sample of N forwards; it refuses --tokens-per-forward.
+Either way only the kept rows and one shard are in memory.
 
 Shapes: T tokens (rows), L MoE layers, K top-k.
 """
@@ -53,7 +56,7 @@ from tensorbend.predictors.registry import (
     config_from_train,
     get_kind,
 )
-from tensorbend.rows import RowSelection, load_selected
+from tensorbend.rows import RowSelection, keep_mask, load_selected
 from tensorbend.trace import Trace
 
 
@@ -94,10 +97,11 @@ class TrainConfig:
     tokens_per_forward: int | None = None
     """Keep only the first N prefill tokens of each train prompt (the seed's hook kept 4)."""
     max_train_rows: int | None = None
-    """Uniform random sample of N train rows (the seed kept at most 10,000 per layer)."""
+    """Uniform random sample of N train rows (the seed kept at most 10,000 per layer; horizon:
+    N forwards, each with its request's history)."""
     max_val_rows: int | None = None
     """Uniform random sample of N val rows (with --max-train-rows: training memory bounded
-    whatever the trace size, the rows streamed out of the shards)."""
+    whatever the trace size, for every kind, the rows streamed out of the shards)."""
     threads: int | None = None
     """Torch CPU threads (None: leave as is)."""
 
@@ -224,9 +228,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
 
 
 def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, progress: bool):
-    """horizon: fit on whole train requests (no row selection: it reads histories), select on
-    val, and keep the val foresight metrics (foresight.py) in the checkpoint."""
-    from tensorbend.foresight import evaluate_foresight
+    """horizon: its rows are forwards, each with its request's history up to it; they are
+    streamed out of the shards (`_horizon_rows`), fitted, early stopped on val's, and scored on
+    them (foresight.dataset_recalls, kept in the checkpoint)."""
+    from tensorbend.foresight import dataset_recalls
 
     missing = [f for f in kind_cfg.features if f not in tr.features]
     if missing:
@@ -235,15 +240,20 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
             f"{list(kind_cfg.features)}, found {tr.features} in {cfg.trace}: use --inputs routing "
             "(a routing-only trace) or recollect with --features ids gate_input"
         )
-    train_rows = tr.load(kind_cfg.features, split="train")
-    val_rows = tr.load(kind_cfg.features, split="val")
-    p = kind.cls.fit(tr.spec, None, TrainData(train_rows, val_rows), kind_cfg, progress=progress)
-    val = evaluate_foresight(p, val_rows, replay=False)
+    p = kind.cls.seeded(tr.spec, kind_cfg)
+    sel = RowSelection(
+        max_prompts=cfg.max_train_prompts, max_rows=cfg.max_train_rows, seed=cfg.seed
+    )
+    train_ds, n_train = _horizon_rows(p, tr, "train", sel)
+    val_ds, _ = _horizon_rows(p, tr, "val", RowSelection(max_rows=cfg.max_val_rows, seed=cfg.seed))
+    p.fit_dataset(train_ds, val_ds, progress=progress)
+    val = dataset_recalls(p, val_ds)
     seen = sorted(q["id"] for q in tr.prompts if q["split"] in ("train", "val"))
-    n_train = int(train_rows["prompt_index_T"].unique().numel())
     extra = {"train_prompts": n_train, "trace": str(cfg.trace), "seen_prompts": seen}
     fingerprint = tr.manifest["model"]["fingerprint"]
-    save_predictor(p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra=extra)
+    save_predictor(
+        p, cfg.out, fingerprint=fingerprint, val_metrics=val, extra={**extra, **p.fit_summary()}
+    )
     return TrainResult(
         predictor=p.kind,
         lookahead=p.lookahead.name,
@@ -255,26 +265,62 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
         },
         seconds=round(time.perf_counter() - t0, 1),
         train_prompts=n_train,
+        fit_summary=p.fit_summary(),
     )
 
 
-def _ranks(kind, kind_cfg) -> DistContext:
-    """torchrun's group (training over ranks splits the target layers), or a single rank."""
-    ctx = DistContext.from_env()
-    if ctx.world_size > 1 and kind.cross_token:
-        ctx.close()
+def _horizon_rows(p, tr: Trace, split: str, sel: RowSelection) -> tuple[dict, int]:
+    """(p.dataset rows of `split` kept by `sel`, prompts they come from), in bounded memory as
+    `rows.load_selected`: the manifest's per-prompt counts give every row (forward) its prompt,
+    `sel` picks rows as it picks token rows (first prompts, then a uniform sample), and one
+    shard at a time is read and turned into the kept rows only."""
+    from tensorbend.predictors.horizon import training_rows
+
+    prompts = [q for q in tr.prompts if q["split"] == split]
+    counts = [training_rows(q["prefill"], q["decode"]) for q in prompts]
+    prompt_N = torch.repeat_interleave(
+        torch.arange(len(prompts)), torch.tensor(counts, dtype=torch.long)
+    )
+    keep_N = keep_mask({"prompt_index_T": prompt_N}, sel)
+    if not bool(keep_N.any()):
         raise TensorbendError(
-            f"--predictor {kind.name} fits one network over every MoE layer: train it in one "
-            f"process, found {ctx.world_size} ranks"
+            f"trace {tr.root} has no {split} requests of two forwards or more: collect with "
+            "--split all (the default) and --max-new-tokens > 0"
         )
-    if ctx.world_size > 1 and kind_cfg.fit.layers != "separate":
-        ctx.close()
+    parts, start = [], 0
+    for rows in tr.iter_shards(p.cfg.features, split=split):  # whole prompts, manifest order
+        shard_prompts = [tr.prompts[q] for q in rows["prompt_index_T"].unique().tolist()]
+        n = sum(training_rows(q["prefill"], q["decode"]) for q in shard_prompts)
+        if bool(keep_N[start : start + n].any()):
+            parts.append(p.dataset(rows, keep_N[start : start + n]))
+        start += n
+    assert start == keep_N.numel(), (start, keep_N.numel())
+    ds = {k: torch.cat([d[k] for d in parts], dim=1) for k in parts[0]}
+    return ds, int(prompt_N[keep_N].unique().numel())
+
+
+def _ranks(kind, kind_cfg) -> DistContext:
+    """torchrun's group (training over ranks splits the target layers), or a single rank;
+    a kind that cannot be split is refused before joining the group."""
+    world = DistContext.world_size_from_env()
+    if world > 1 and kind.cross_token:
         raise TensorbendError(
-            f"training over {ctx.world_size} ranks spreads the target layers: pass "
+            f"--predictor {kind.name} fits one network over every MoE layer: expected one "
+            f"process, found {world} ranks; train it without torchrun"
+        )
+    if world > 1 and kind_cfg is None:
+        raise TensorbendError(
+            f"--predictor {kind.name} counts its tables in one pass over the train rows, with no "
+            f"per-layer fit to spread: expected one process, found {world} ranks; train it "
+            "without torchrun"
+        )
+    if world > 1 and kind_cfg.fit.layers != "separate":
+        raise TensorbendError(
+            f"training over {world} ranks spreads the target layers: pass "
             f"--fit-layers separate (each layer fits alone; one process with the same flag "
             f"writes the same bytes), found {kind_cfg.fit.layers!r} for --predictor {kind.name}"
         )
-    return ctx
+    return DistContext.from_env()
 
 
 def _mean(xs: list[float]) -> float:

@@ -32,7 +32,19 @@ def env(tmp_path_factory):
         (d / name).mkdir()
         (d / name / "manifest.json").write_text(text)
     _damaged_copies(d)
+    _bad_imports(d)
+    argv = f"train --trace {d}/trace --out {d}/transition.safetensors --predictor transition"
+    assert main([*argv.split(), "--quiet"]) == 0
+    with open(d / "seen.jsonl", "w") as f:  # the planted trace's prompt ids: q000..q011
+        f.writelines(
+            json.dumps({"id": f"q{i:03d}", "text": "alpha beta"}) + "\n" for i in range(12)
+        )
     (d / "junk.safetensors").write_bytes(b"\x00" * 40)
+    (d / "cal_list.json").write_text("[1, 2]")
+    good = {"expert_bytes": 1000, "link_bandwidth_Bps": 1e9, "link_latency_s": 1e-5,
+            "attn_s": 1e-4, "expert_s": 1e-5, "forward_s": 1e-4}  # fmt: skip
+    (d / "cal_text.json").write_text(json.dumps({**good, "attn_s": "fast"}))
+    (d / "cal_zero.json").write_text(json.dumps({**good, "link_bandwidth_Bps": 0}))
     return d
 
 
@@ -44,6 +56,18 @@ def _damaged_copies(d):
     shard = sorted((d / "truncated").glob("shard-*"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
     sorted((d / "missing").glob("shard-*"))[0].unlink()
+
+
+def _bad_imports(d):
+    import gzip
+
+    head = "prompt_id,layer,position,expert_ids\n"
+    (d / "noids.csv").write_text(head + "a,0,0,1 2\na,0,1,\n")
+    (d / "latin1.csv").write_bytes((head + "caf\xe9,0,0,1 2\n").encode("latin-1"))
+    (d / "notgz.csv.gz").write_bytes(b"prompt_id,layer\n")
+    whole = gzip.compress((head + "a,0,0,1 2\n" * 50).encode())
+    (d / "cut.csv.gz").write_bytes(whole[: len(whole) // 2])
+    (d / "bigid.csv").write_text(head + "a,0,0,40000 2\n")
 
 
 # (id, argv with {d} for the fixture dir, regex the one error line must match, model may load)
@@ -81,6 +105,30 @@ CASES = [
     ("eval-bad-lookahead", "eval --trace {d}/trace --lookahead d9", r"'d9'.*(expected one of|choose from)", False),
     ("run-bad-policy", "run --model {d}/model --policy fastest", r"--policy.*fastest", False),
     ("run-bad-frac", "run --model {d}/model --cache-frac 2", r"--cache-frac 2.0: expected a fraction in \(0, 1\]", False),
+    ("max-memory-nan", "collect --model {d}/model --out {d}/o --max-memory nan", r"--max-memory 'nan': expected a finite size", False),
+    ("max-memory-inf", "collect --model {d}/model --out {d}/o --max-memory inf", r"--max-memory 'inf': expected a finite size", False),
+    ("link-lone-dot", "run --model {d}/model --link .MB/s", r"--link '.MB/s': expected .* decimal numbers", False),
+    ("link-two-dots", "run --model {d}/model --link 1.2.3MB/s", r"--link '1.2.3MB/s': expected", False),
+    ("csv-empty-ids", "trace import --from csv {d}/noids.csv --out {d}/imp --quiet", r"noids.csv, line 3: prompt 'a' layer 0 position 1 has no expert ids; expected", False),
+    ("csv-not-utf8", "trace import --from csv {d}/latin1.csv --out {d}/imp --quiet", r"latin1.csv: not UTF-8 text .*re-export it as UTF-8", False),
+    ("csv-not-gzip", "trace import --from csv {d}/notgz.csv.gz --out {d}/imp --quiet", r"notgz.csv.gz: unreadable \(BadGzipFile.*complete .csv.gz", False),
+    ("csv-cut-gzip", "trace import --from csv {d}/cut.csv.gz --out {d}/imp --quiet", r"cut.csv.gz: unreadable \(EOFError.*complete .csv.gz", False),
+    ("csv-id-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --quiet", r"routes to expert 40000; a trace stores expert ids as int16, expected ids below 32768", False),
+    ("import-experts-beyond-int16", "trace import --from csv {d}/bigid.csv --out {d}/imp --num-experts 40000 --quiet", r"--num-experts 40000: .*int16, expected at most 32768", False),
+    ("simulate-zero-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --max-prompts 0", r"--max-prompts 0: expected a count >= 1", False),
+    ("simulate-negative-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --max-prompts -1", r"--max-prompts -1: expected a count >= 1", False),
+    ("calibration-list", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_list.json", r"cal_list.json: expected a JSON object of numbers .* found a list", False),
+    ("calibration-text", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_text.json", r"cal_text.json: attn_s = 'fast'; expected a finite number >= 0", False),
+    ("calibration-zero", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry from-trace --calibration {d}/cal_zero.json", r"link_bandwidth_Bps = 0; expected a finite number > 0", False),
+    ("simulate-missing-horizon", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none", False),
+    ("run-missing-horizon", "run --model {d}/model --policy prefetch --horizon {d}/none.safetensors", r"--horizon .*none.safetensors: expected a checkpoint file, found none; train one with `tensorbend train --predictor horizon`", False),
+    ("run-teacher-batch-without-continuation", "run --model {d}/model --prompts {d}/prompts.jsonl --split all --batch 2 --decode teacher", r"--decode teacher --batch 2: prompts \['t001', 't003'\] have no continuation.*drop those prompts or run --batch 1", False),
+    ("run-within-token-as-horizon", "run --model {d}/model --policy prefetch --horizon {d}/transition.safetensors", r"--horizon expected a cross-token \(horizon\) predictor, found kind transition \(within-token\): pass it as --predictor", False),
+    ("run-on-seen-prompts", "run --model {d}/model --prompts {d}/seen.jsonl --split all --policy prefetch --predictor {d}/transition.safetensors", r"transition.safetensors was trained or early-stopped on 7 of the 8 prompts of split 'all': expected held-out prompts .*--allow-seen-split", False),
+    ("run-on-seen-prompts-allowed", "run --model {d}/model --prompts {d}/seen.jsonl --split all --policy prefetch --predictor {d}/transition.safetensors --allow-seen-split", r"transition.safetensors was trained for model fingerprint planted", True),
+    ("simulate-on-seen-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --split all --predictor {d}/transition.safetensors", r"was trained or early-stopped on \d+ of the 12 prompts of split 'all'", False),
+    ("simulate-on-seen-val-prompts", "simulate --trace {d}/trace --hardware h100-pcie5 --geometry kimi-k2.5 --split val --max-prompts 1 --predictor {d}/transition.safetensors", r"early-stopped on 1 of the 1 prompts of split 'val'", False),
+    ("link-bad-latency", "run --model {d}/model --link 40MB/s,1..2us", r"--link '40MB/s,1..2us': expected", False),
 ]  # fmt: skip
 
 
@@ -93,13 +141,56 @@ def test_bad_input_is_one_line_exit_2(case, env, capsys, monkeypatch):
             raise AssertionError("the model was loaded before a cheap check failed")
 
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
-    rc = main(argv.format(d=env).split())
+    assert_one_error_line(main(argv.format(d=env).split()), capsys, pattern)
+
+
+def assert_one_error_line(rc: int, capsys, pattern: str) -> str:
     err = capsys.readouterr().err.strip()
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert "Traceback" not in err
     assert re.search(pattern, err), err
+    return err
+
+
+@pytest.mark.parametrize("kind", ["transition", "frequency", "horizon"])
+def test_torchrun_refuses_kinds_it_cannot_split_before_joining(kind, env, capsys, monkeypatch):
+    # No second rank exists: joining the group would hang, so the refusal must come first.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setattr("torch.distributed.init_process_group", _no_group)
+    argv = f"train --trace {env}/trace --out {env}/p.safetensors --predictor {kind} --quiet"
+    why = "one network over every MoE layer" if kind == "horizon" else "tables in one pass"
+    assert_one_error_line(main(argv.split()), capsys, rf"{kind} .*{why}.*found 2 ranks")
+
+
+def _no_group(*a, **k):
+    raise AssertionError("joined the process group before refusing")
 
 
 def test_there_are_at_least_25_cases():
     assert len(CASES) >= 25
+
+
+def test_a_trace_refuses_more_experts_than_int16_ids_hold(tmp_path):
+    from tensorbend.errors import TraceError
+    from tensorbend.models import RoutingSpec
+    from tensorbend.trace_writer import TraceWriter
+
+    spec = RoutingSpec("qwen3_moe", "softmax", 40_000, 8, 16, 2, (0, 1))
+    with pytest.raises(TraceError, match="40000 routed experts per layer: .* at most 32768"):
+        TraceWriter(tmp_path / "t", model_meta={}, spec=spec, features={}, collection={})
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_teacher_batch_with_an_empty_continuation_is_refused_before_any_forward():
+    import torch
+
+    from tensorbend.errors import TensorbendError
+    from tensorbend.hf import DecodeConfig, PromptInput, decode_batch
+
+    ids = torch.tensor([[1, 2, 3]])
+    inps = [PromptInput("a", ids, [4, 5]), PromptInput("b", ids, [])]  # "b": tokenized to nothing
+    with pytest.raises(TensorbendError, match=r"prompts \['b'\] whose continuation is empty"):
+        decode_batch(None, inps, DecodeConfig(decode="teacher"))  # no model: refused first

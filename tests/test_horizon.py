@@ -59,6 +59,8 @@ def test_train_eval_cli_round_trip_and_refusals(tmp_path, capsys):
         (["--predictor", "horizon", "--lookahead", "d2"], "expected no lookahead"),
         (["--predictor", "horizon", "--loss", "bce"], "horizon has no option loss"),
         (["--predictor", "tensorbend", "--foresight", "3"], "tensorbend has no option foresight"),
+        (["--predictor", "horizon", "--tokens-per-forward", "4"], "horizon has no option tokens_"),
+        (["--predictor", "horizon", "--no-use-prev"], "horizon has no option use_prev"),
     ]
     for extra, msg in bad:
         assert main([*argv, *extra]) == 2
@@ -151,3 +153,50 @@ def test_fast_numpy_path_equals_the_torch_computation(cycle):
             np.testing.assert_allclose(
                 fast.next_forward_probs, p.forecast(st).first_use_LEJ[..., 0].numpy(), atol=1e-5
             )
+
+
+def test_horizon_training_streams_at_most_its_row_limits(tmp_path, monkeypatch):
+    """Rows (forwards) come out of the shards one shard at a time, at most --max-train-rows /
+    --max-val-rows of them; without limits the streamed fit is the in-memory fit, byte for byte,
+    and its val recalls are foresight.evaluate_foresight's on the whole val requests."""
+    from tensorbend.foresight import dataset_recalls
+    from tensorbend.train import TrainConfig, train
+
+    permutation_trace(tmp_path / "t", prompts=16)  # 32 rows a prompt, shards of 200 rows
+    tr = Trace.open(tmp_path / "t")
+    loaded = []
+    load = Trace.load
+
+    def counting(self, *a, **k):
+        rows = load(self, *a, **k)
+        loaded.append(rows["phase_T"].numel())
+        return rows
+
+    monkeypatch.setattr(Trace, "load", counting)
+    cfg = TrainConfig(tmp_path / "t", tmp_path / "h.safetensors", "horizon", max_train_rows=7,
+                      max_val_rows=3, epochs=2)  # fmt: skip
+    got = train(cfg, progress=False).to_json()
+    assert (got["train_rows"], got["val_rows"]) == (7, 3)
+    assert max(loaded) <= 200  # one shard at a time, never a whole split
+    assert load_predictor(cfg.out).metadata["val_metrics"]["decode_rows"] <= 3
+
+    full = TrainConfig(tmp_path / "t", tmp_path / "f.safetensors", "horizon", epochs=2)
+    streamed = train(full, progress=False).to_json()
+    feats = full.kind_config.features
+    rows = {s: tr.load(feats, split=s) for s in ("train", "val")}
+    n_val = sum(q["decode"] for q in tr.prompts if q["split"] == "val")  # prefill + decode - 1
+    assert (streamed["train_rows"], streamed["val_rows"]) == (
+        sum(q["decode"] for q in tr.prompts if q["split"] == "train"),
+        n_val,
+    )
+    ref = HorizonPredictor.fit(
+        tr.spec, None, TrainData(rows["train"], rows["val"]), full.kind_config
+    )
+    p = load_predictor(full.out)
+    for k, v in ref.state_tensors().items():
+        assert torch.equal(p.state_tensors()[k], v), k
+    want = evaluate_foresight(p, rows["val"], replay=False)
+    have = dataset_recalls(p, p.dataset(rows["val"]))
+    for key in ("next_forward_recall", "within_h_recall"):
+        assert have[key] == pytest.approx(want[key], abs=1e-6)
+        assert p.metadata["val_metrics"][key] == pytest.approx(want[key], abs=1e-6)

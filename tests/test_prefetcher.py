@@ -73,3 +73,18 @@ def test_a_hidden_state_of_another_width_is_refused():
     pf = Prefetcher(spec, horizon=_horizon(spec))
     with pytest.raises(PredictorInputError, match=r"expected hidden_TD \[\.\.\., 32\]"):
         pf.observe(0, hidden_TD=torch.zeros(1, 33), routed_ids_TK=torch.zeros(1, 4).long())
+
+
+def test_a_predictor_in_the_others_place_is_refused():
+    from tensorbend.errors import PredictorConfigError
+
+    model = build("deepseek_v3", 0)
+    spec = describe_model(model)
+    within = build_baseline("spec_gate", spec, "d1", router_params=router_params(model, spec))
+    with pytest.raises(PredictorConfigError, match=r"horizon= expected a cross-token .* found "
+                       r"kind spec_gate \(within-token\): pass it as predictor="):  # fmt: skip
+        Prefetcher(spec, horizon=within)
+    with pytest.raises(PredictorConfigError, match=r"predictor= expected a within-token "
+                       r"predictor, found a cross-token one \(kind horizon\): pass it as horizon="):  # fmt: skip
+        Prefetcher(spec, predictor=_horizon(spec))
+    assert Prefetcher(spec, within, _horizon(spec)).horizon is not None  # the right places

@@ -20,6 +20,7 @@ every position needs a row for every layer. Blank lines are ignored.
 from __future__ import annotations
 
 import csv
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +60,21 @@ def write_csv(path: Path, rows: Iterator[tuple[str, int, int, list[int], str]]) 
 
 
 def _read_file(path: Path, cfg: ImportConfig) -> Iterator[ImportedPrompt]:
+    """The prompts of one file; undecodable bytes (not UTF-8, a damaged .gz) are a TraceError."""
+    try:
+        yield from _read_text(path, cfg)
+    except UnicodeDecodeError as e:
+        raise TraceError(
+            f"{path}: not UTF-8 text ({e}); expected a UTF-8 CSV: re-export it as UTF-8"
+        ) from e
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise TraceError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); expected a CSV or a complete .csv.gz: "
+            "check the file (gzip -t) or export it again"
+        ) from e
+
+
+def _read_text(path: Path, cfg: ImportConfig) -> Iterator[ImportedPrompt]:
     opener = _open_gz if path.name.endswith(".gz") else open
     with opener(path, "rt", newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
@@ -92,6 +108,12 @@ def _read_file(path: Path, cfg: ImportConfig) -> Iterator[ImportedPrompt]:
                         f"[,phase] with integer layer/position, space-separated ids and phase "
                         f"prefill|decode; found {r} ({type(e).__name__}: {e})"
                     ) from e
+                if not row[2]:
+                    raise TraceError(
+                        f"{path}, line {lineno}: prompt {pid!r} layer {row[0]} position {row[1]} "
+                        "has no expert ids; expected the router's top-k ids, space-separated: "
+                        "fix or drop the row"
+                    )
                 yield pid, row
 
         for pid, prompt_rows in by_prompt(rows()):

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tensorbend.errors import TraceError
-from tensorbend.trace import MANIFEST
+from tensorbend.trace import MANIFEST, MAX_EXPERTS
 
 Source = Literal["csv", "vllm", "sglang"]
 
@@ -83,6 +83,11 @@ class ImportConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise TraceError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
+        if self.num_experts is not None and self.num_experts > MAX_EXPERTS:
+            raise TraceError(
+                f"--num-experts {self.num_experts}: a trace stores expert ids as int16, expected "
+                f"at most {MAX_EXPERTS}"
+            )
         if self.num_shared_experts < 0 or self.shard_tokens < 1:
             raise TraceError("expected --num-shared-experts >= 0 and --shard-tokens >= 1")
         ids = self.moe_layer_ids

@@ -41,6 +41,7 @@ from tensorbend.errors import PredictorInputError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
 from tensorbend.predictors.horizon_fast import FastHorizon
+from tensorbend.predictors.registry import check_roles
 
 INF = float("inf")
 
@@ -113,6 +114,9 @@ class Prefetcher:
     ):
         """clock/history: shared with a driver that advances them itself (the runtime's
         Recorder); an engine leaves them None and calls begin_request / on_token_end."""
+        check_roles(
+            None if predictor is None else predictor.kind, None if horizon is None else horizon.kind
+        )
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)

@@ -23,6 +23,7 @@ import torch
 from tensorbend.errors import TraceError
 from tensorbend.models import RoutingSpec
 from tensorbend.prompts import split_of
+from tensorbend.trace import MAX_EXPERTS
 from tensorbend.trace_writer import TraceWriter
 
 IMPORTED_FAMILY = "imported"
@@ -165,6 +166,12 @@ def check_rows(p, num_experts: int | None) -> None:
     if ids_TLK.shape[0] == 0:
         raise TraceError(f"{p.where}: prompt {p.id!r} has no rows")
     lo, hi = int(ids_TLK.min()), int(ids_TLK.max())
+    if hi >= MAX_EXPERTS:
+        raise TraceError(
+            f"{p.where}: prompt {p.id!r} routes to expert {hi}; a trace stores expert ids as "
+            f"int16, expected ids below {MAX_EXPERTS}: check the expert id column (ids count "
+            "one layer's routed experts from 0)"
+        )
     if lo < 0 or (num_experts is not None and hi >= num_experts):
         raise TraceError(
             f"{p.where}: prompt {p.id!r} routes to expert {lo if lo < 0 else hi}, expected ids in "

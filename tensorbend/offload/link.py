@@ -114,10 +114,12 @@ def _match_link(text: str):
     name = text.strip().lower()
     if name in ("none", "", "h100-pcie5-kimi"):
         return name or "none", None
-    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\s*,\s*([\d.]+)\s*(us|ms|s))?", name)
+    num = r"(\d+(?:\.\d*)?|\.\d+)"  # 40, 40., 0.5, .5; not ".", "1.2.3" or "1..2"
+    m = re.fullmatch(num + r"\s*([kmg]?)b/s(?:\s*,\s*" + num + r"\s*(us|ms|s))?", name)
     if not m or float(m.group(1)) <= 0:
         raise StoreError(
-            f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] "
-            f"like 40MB/s,20us; fix the --link value"
+            f"--link {text!r}: expected none, h100-pcie5-kimi, or BANDWIDTH[,LATENCY] with "
+            f"decimal numbers like 40MB/s,20us, found {'a zero bandwidth' if m else 'neither'}; "
+            "fix the --link value"
         )
     return name, m

@@ -7,9 +7,11 @@ Usage:
     >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
     True
 
-Every check that needs no model (flags, files, link syntax, device) happens in
-`RunConfig.__post_init__`; the cache size against the model's experts is checked right after
-loading it, before the resident reference run. Returns a `result.RunResult`.
+Every check that needs no model (flags, files, checkpoint kinds, link syntax, device) happens
+in `RunConfig.__post_init__`; the prompts (held out from the checkpoints unless
+--allow-seen-split, a continuation each for a teacher-forced batch) right after reading them;
+the cache size against the model's experts right after loading it, before the resident
+reference run. Returns a `result.RunResult`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
-from tensorbend.predictors.registry import BASELINES, KINDS
+from tensorbend.predictors.checkpoint import check_held_out, read_metadata
+from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
 from tensorbend.routers import model_fingerprint
 
 RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
@@ -65,6 +68,8 @@ class RunConfig:
     """Where the model and the expert cache live: cpu or cuda[:N]."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Compute dtype of the model (bit-identical outputs are checked in any dtype)."""
+    allow_seen_split: bool = False
+    """Run a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     offload: PolicyConfig = field(default_factory=PolicyConfig)
     """Policy and cache options."""
     session: SessionConfig = field(default_factory=SessionConfig)
@@ -93,13 +98,16 @@ def run(cfg: RunConfig) -> RunResult:
             f"no prompts in split {cfg.split!r} of {cfg.prompts or 'the shipped prompts'}: "
             f"expected at least one; pick another --split"
         )
+    cfg.session.check_prompts(prompts)
+    for path in () if cfg.allow_seen_split else (cfg.predictor, cfg.horizon):
+        if path is not None:
+            check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
     predictor = build_predictor(
         model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
     )
     horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
-    _check_kinds(predictor, horizon)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
     try:
@@ -133,22 +141,6 @@ def build_predictor(
     )
 
 
-def _check_kinds(predictor, horizon) -> None:
-    """--predictor is within-token, --horizon cross-token (checked once loaded)."""
-    from tensorbend.predictors.registry import KINDS
-
-    if predictor is not None and KINDS[predictor.kind].cross_token:
-        raise TensorbendError(
-            f"--predictor {predictor.checkpoint}: a cross-token ({predictor.kind}) checkpoint; "
-            "pass it as --horizon"
-        )
-    if horizon is not None and not KINDS[horizon.kind].cross_token:
-        raise TensorbendError(
-            f"--horizon {horizon.checkpoint}: expected a cross-token (horizon) checkpoint, "
-            f"found kind {horizon.kind}; pass it as --predictor"
-        )
-
-
 def _check_predictor(cfg: RunConfig) -> None:
     policy = cfg.offload.policy
     if cfg.predictor is not None and cfg.baseline is not None:
@@ -163,11 +155,17 @@ def _check_predictor(cfg: RunConfig) -> None:
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
             f"(only it uses a predictor); drop the predictor or change the policy"
         )
-    if cfg.predictor is not None and not Path(cfg.predictor).is_file():
-        raise TensorbendError(
-            f"--predictor {cfg.predictor}: expected a checkpoint file, found none; "
-            f"train one with `tensorbend train`"
-        )
+    for flag, path, kind in (
+        ("--predictor", cfg.predictor, ""),
+        ("--horizon", cfg.horizon, " --predictor horizon"),
+    ):
+        if path is not None and not Path(path).is_file():
+            raise TensorbendError(
+                f"{flag} {path}: expected a checkpoint file, found none; "
+                f"train one with `tensorbend train{kind}`"
+            )
+    kinds = [None if p is None else read_metadata(p)["kind"] for p in (cfg.predictor, cfg.horizon)]
+    check_roles(*kinds, ("--predictor", "--horizon"))
     if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
         raise TensorbendError(
             f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "

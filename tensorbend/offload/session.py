@@ -76,6 +76,22 @@ class SessionConfig:
             )
         StoreConfig(self.io)
 
+    def check_prompts(self, prompts) -> None:
+        """Refuse prompts this config would run wrongly (cheap: no model, no tokenizer).
+
+        Teacher forcing decodes a batch for as many steps as its shortest continuation, so a
+        prompt without one would silently give its whole batch zero decode steps."""
+        if self.decode.decode != "teacher" or self.batch == 1:
+            return
+        bare = [p.id for p in prompts if not p.continuation]
+        if bare:
+            more = f" and {len(bare) - 5} more" if len(bare) > 5 else ""
+            raise TensorbendError(
+                f"--decode teacher --batch {self.batch}: prompts {bare[:5]}{more} have no "
+                "continuation, which would give their whole batch zero decode steps; expected a "
+                "continuation for every prompt: drop those prompts or run --batch 1"
+            )
+
 
 class OffloadSession:
     """One model, one prompt set: a resident reference, then any number of offloaded runs."""
@@ -84,6 +100,7 @@ class OffloadSession:
         self.model, self.cfg, self.model_name = model, cfg, model_name
         self.spec = spec = describe_model(model)
         check_supported(spec.family)
+        cfg.check_prompts(prompts)
         self.inputs = [encode_prompt(tokenizer, p, cfg.decode) for p in prompts]
         self.eos = tokenizer.eos_token_id
         self.pad = next((t for t in (tokenizer.pad_token_id, self.eos) if t is not None), 0)

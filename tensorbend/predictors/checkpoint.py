@@ -114,6 +114,30 @@ def load_predictor(
     return p
 
 
+def check_held_out(
+    path: str | Path, prompt_ids, split: str, fingerprint: str | None = None
+) -> None:
+    """Refuse to use checkpoint `path` on prompts it was trained or early-stopped on.
+
+    `prompt_ids`: the prompts about to be scored, run or replayed, of split `split`. The
+    checkpoint's metadata lists the prompts it saw (`seen_prompts`); an older one without that
+    list may have seen any non-test prompt of its model (`fingerprint` None: unknown yet, so
+    assumed the same). Callers skip this when the user passes `--allow-seen-split`."""
+    meta = read_metadata(path)
+    ids = set(prompt_ids)
+    if "seen_prompts" in meta:
+        seen = ids & set(meta["seen_prompts"])
+    else:
+        same = fingerprint is None or meta["fingerprint"] == fingerprint
+        seen = ids if same and split != "test" else set()
+    if seen:
+        raise CheckpointError(
+            f"predictor {path} was trained or early-stopped on {len(seen)} of the {len(ids)} "
+            f"prompts of split {split!r}: expected held-out prompts (found {sorted(seen)[0]!r} "
+            "among them); use --split test, or pass --allow-seen-split to use them anyway"
+        )
+
+
 def _check_fields(path: Path, meta: dict) -> None:
     """The metadata names a trainable kind, a lookahead, a config and a routing spec."""
     trainable = [k for k, v in KINDS.items() if v.trainable]

@@ -104,6 +104,17 @@ class HorizonConfig:
                     f"horizon has no option {name}: expected it unset, found {getattr(t, name)!r}"
                     + ("; it fits one network over every MoE layer" if name == "fit_layers" else "")
                 )
+        if t.tokens_per_forward is not None:
+            raise PredictorConfigError(
+                f"horizon has no option tokens_per_forward: expected it unset, found "
+                f"{t.tokens_per_forward!r}; its rows are whole forwards (a prefill is one row): "
+                "limit them with --max-train-rows"
+            )
+        if not t.use_prev:
+            raise PredictorConfigError(
+                "horizon has no option use_prev: expected it set, found False; the previous "
+                "forwards' routing is what it reads: drop --no-use-prev"
+            )
         d = cls()
         return cls(
             foresight=t.foresight or d.foresight,
@@ -231,16 +242,25 @@ class HorizonPredictor:
         L, E, D = spec.num_moe_layers, spec.num_experts, spec.hidden_size
         self.net = _Net(L, E, cfg.foresight + 1, D, cfg.width, cfg.uses_hidden).eval()
         self.history: list[dict] = []
+        self.rows: dict[str, int] = {}  # fit_dataset: rows it was trained and early-stopped on
 
     # ------------------------------------------------------------ API
 
     @classmethod
     def fit(cls, spec, la=None, data: TrainData | None = None, cfg=None, progress=False):
-        cfg = cfg or HorizonConfig()
+        p = cls.seeded(spec, cfg or HorizonConfig())
+        return p.fit_dataset(p.dataset(data.train_rows), p.dataset(data.val_rows), progress)
+
+    @classmethod
+    def seeded(cls, spec: RoutingSpec, cfg: HorizonConfig) -> HorizonPredictor:
+        """An untrained predictor initialised under cfg's seed (what `fit` starts from)."""
         torch.manual_seed(cfg.fit.seed)
-        p = cls(spec, cfg)
-        train, val = p.dataset(data.train_rows), p.dataset(data.val_rows)
-        J = cfg.foresight + 1
+        return cls(spec, cfg)
+
+    def fit_dataset(self, train: dict, val: dict, progress: bool = False) -> HorizonPredictor:
+        """Train on `dataset` rows (early stopped on `val`'s); `train.py` streams them from a
+        trace larger than memory."""
+        J = self.cfg.foresight + 1
 
         def loss_fn(net, b, layers):  # one stacked "layer": the net spans every MoE layer
             return F.cross_entropy(net(b["X"][0], _h(b)).reshape(-1, J), b["Y"][0].reshape(-1))
@@ -249,8 +269,9 @@ class HorizonPredictor:
             z = net(val["X"][0], _h(val)).reshape(-1, J)
             return -float(F.cross_entropy(z, val["Y"][0].reshape(-1)))
 
-        _, p.history = fit(p.net, train, loss_fn, val_fn, cfg.fit, progress, desc="horizon")
-        return p
+        _, self.history = fit(self.net, train, loss_fn, val_fn, self.cfg.fit, progress, "horizon")
+        self.rows = {"train_rows": train["X"].shape[1], "val_rows": val["X"].shape[1]}
+        return self
 
     def new_state(self) -> HorizonState:
         s = self.spec
@@ -262,27 +283,42 @@ class HorizonPredictor:
         probs_LEJ = torch.softmax(self.net(state.features()[None], h)[0], dim=-1)
         return Forecast(probs_LEJ, state.tail())
 
-    def dataset(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def dataset(
+        self, rows: dict[str, torch.Tensor], keep_N: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Training rows ([1, N, ...], the layout fit() takes): one per forward that has a
-        successor in its request; Y_NLE = class of the next use (offset - 1, h: later)."""
-        X, Y, H = [], [], []
-        h = self.cfg.foresight
+        successor in its request (`training_rows` counts them); Y_NLE = class of the next use
+        (offset - 1, h: later); decode_N: the forward is a decode step. keep_N: [N] bool, the
+        rows to keep (None: all); every forward still feeds its request's history."""
+        X, Y, H, dec = [], [], [], []
+        h, n = self.cfg.foresight, 0
         for request in request_forwards(rows, self.spec):
             used_FLE = torch.stack([used for _, used, _ in request])
             state = self.new_state()
-            for f, (_, used_LE, hidden_D) in enumerate(request[:-1]):
+            for f, (phase, used_LE, hidden_D) in enumerate(request[:-1]):
                 state.observe(used_LE, hidden_D)
+                n += 1
+                if keep_N is not None and not keep_N[n - 1]:
+                    continue
                 X.append(state.features())
                 H.append(state.hidden())
                 Y.append(first_use_class(used_FLE[f + 1 : f + 1 + h], h))
-        if not X:
+                dec.append(phase == "decode")
+        assert keep_N is None or keep_N.numel() == n, (keep_N.numel(), n)
+        if not X and keep_N is None:
             raise PredictorInputError(
                 "horizon: expected requests of at least two forwards (a prompt with decode "
                 "steps), found none; collect with --max-new-tokens > 0"
             )
-        out = {"X": torch.stack(X)[None], "Y": torch.stack(Y)[None]}
+        L, E = self.spec.num_moe_layers, self.spec.num_experts
+        out = {
+            "X": torch.stack(X)[None] if X else torch.zeros(1, 0, L, E, NUM_FEATURES),
+            "Y": torch.stack(Y)[None] if Y else torch.zeros(1, 0, L, E, dtype=torch.long),
+            "decode_N": torch.tensor(dec, dtype=torch.bool)[None],
+        }
         if self.cfg.uses_hidden:
-            out["H"] = torch.stack(H)[None]
+            D = 2 * self.spec.hidden_size
+            out["H"] = torch.stack(H)[None] if H else torch.zeros(1, 0, D)
         return out
 
     def num_params(self) -> int:
@@ -302,7 +338,14 @@ class HorizonPredictor:
         return p
 
     def fit_summary(self) -> dict:
-        return {}
+        """Rows (forwards) it was trained and early-stopped on; {} when not fitted here."""
+        return dict(self.rows)
+
+
+def training_rows(prefill: int, decode: int) -> int:
+    """Training rows of one request of `prefill` prompt tokens and `decode` steps: its forwards
+    (the prefill is one) but the last, which has no successor."""
+    return max(int(prefill > 0) + decode - 1, 0)
 
 
 def first_use_class(next_FLE: torch.Tensor, h: int) -> torch.Tensor:

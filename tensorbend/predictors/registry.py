@@ -170,6 +170,28 @@ def get_kind(name: str) -> PredictorKind:
     return KINDS[name]
 
 
+def check_roles(
+    predictor_kind: str | None,
+    horizon_kind: str | None,
+    names: tuple[str, str] = ("predictor=", "horizon="),
+) -> None:
+    """Refuse a cross-token kind as the within-token `predictor`, or a within-token kind as the
+    `horizon` (None: not given; a kind outside this table, e.g. the runtime's empty predictor,
+    counts as within-token). `names`: how the caller spells the two (flags or keywords)."""
+    p_name, h_name = names
+    if predictor_kind in KINDS and KINDS[predictor_kind].cross_token:
+        raise PredictorConfigError(
+            f"{p_name} expected a within-token predictor, found a cross-token one (kind "
+            f"{predictor_kind}): pass it as {h_name}"
+        )
+    if horizon_kind is not None and not (horizon_kind in KINDS and KINDS[horizon_kind].cross_token):
+        raise PredictorConfigError(
+            f"{h_name} expected a cross-token (horizon) predictor, found kind {horizon_kind} "
+            f"(within-token): pass it as {p_name}, or train a horizon with `tensorbend train "
+            "--predictor horizon`"
+        )
+
+
 def build(
     name: str,
     spec: RoutingSpec,

@@ -20,6 +20,7 @@ replaces all of these with measured values: x(T) = x_decode + x_per_token * (T -
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -55,16 +56,31 @@ class Calibration:
     def load(cls, path: Path) -> Calibration:
         try:
             d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise TensorbendError(f"calibration {path}: unreadable JSON ({e})") from e
+        how = "bench/simulate_validate.py writes one"
+        if not isinstance(d, dict):
+            raise TensorbendError(
+                f"calibration {path}: expected a JSON object of numbers (the fields of "
+                f"tensorbend.simulate.costs.Calibration), found a {type(d).__name__}; {how}"
+            )
         names = {f.name for f in fields(cls)}
         required = [f.name for f in fields(cls) if f.default is MISSING]
         missing = [n for n in required if n not in d]
         if missing:
             raise TensorbendError(
                 f"calibration {path}: missing {missing}; expected the keys of "
-                "tensorbend.simulate.costs.Calibration (bench/simulate_validate.py writes one)"
+                f"tensorbend.simulate.costs.Calibration ({how})"
             )
+        for k in sorted(names & set(d) - {"source"}):
+            v, positive = d[k], k in ("expert_bytes", "link_bandwidth_Bps", "io_slots")
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v < 0 or (positive and v <= 0):
+                raise TensorbendError(
+                    f"calibration {path}: {k} = {v!r}; expected a finite number "
+                    f"{'> 0' if positive else '>= 0'} (seconds, bytes or counts); fix the file "
+                    f"or measure it again ({how})"
+                )
         return cls(**{k: v for k, v in d.items() if k in names})
 
 

@@ -109,6 +109,8 @@ class SimulateConfig:
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = 0.5
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
+    allow_seen_split: bool = False
+    """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
     """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
     ep_degree: int | None = None
@@ -158,6 +160,18 @@ class SimulateConfig:
                 "--geometry from-trace has no bytes or compute of its own: pass --calibration FILE "
                 "(bench/simulate_validate.py measures one) or name a geometry"
             )
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise TensorbendError(
+                f"--max-prompts {self.max_prompts}: expected a count >= 1 (or leave it out to "
+                "replay every prompt of the split)"
+            )
+        if self.horizon is not None and not Path(self.horizon).is_file():
+            raise TensorbendError(
+                f"--horizon {self.horizon}: expected a checkpoint file, found none; train one "
+                "with `tensorbend train --predictor horizon`"
+            )
+        if self.calibration is not None:
+            Calibration.load(self.calibration)  # a bad file fails before the trace is read
         get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
@@ -189,6 +203,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     """Every policy x predictor x cache fraction of `cfg` on the trace; see the module docstring."""
     t0 = time.perf_counter()
     tr = Trace.open(cfg.trace)
+    _check_held_out(cfg, tr)
     hw, cal, geo, mapping, costs = _setup(cfg, tr)
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
@@ -241,16 +256,12 @@ def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
     """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
     from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.registry import KINDS
+    from tensorbend.predictors.registry import check_roles
 
     pred = load_predictor(
         cfg.horizon, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"]
     )
-    if not KINDS[pred.kind].cross_token:
-        raise TensorbendError(
-            f"--horizon {cfg.horizon}: expected a cross-token (horizon) checkpoint, found kind "
-            f"{pred.kind}; pass it as --predictor"
-        )
+    check_roles(None, pred.kind, ("--predictor", "--horizon"))
     missing = [f for f in pred.cfg.features if f not in tr.features]
     if missing:
         raise TensorbendError(
@@ -322,6 +333,20 @@ def _rows(cfg, tr: Trace):
     if cfg.max_prompts is not None:
         rows = select_rows(rows, RowSelection(max_prompts=cfg.max_prompts))
     return rows
+
+
+def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
+    """Refuse checkpoints on the prompts they saw (manifest only: before any row is read)."""
+    from tensorbend.predictors.checkpoint import check_held_out
+
+    if cfg.allow_seen_split:
+        return
+    paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
+    if cfg.horizon is not None:
+        paths.append(cfg.horizon)
+    ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
+    for path in paths:  # the first max_prompts in row (= manifest) order are replayed
+        check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])
 
 
 def _notes(cfg, cal) -> list[str]:
