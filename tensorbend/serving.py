@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from tensorbend.errors import StoreError, TensorbendError, UnsupportedModelError
+from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
@@ -247,24 +247,14 @@ def _size_cache(cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout) -
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
+    """The --predictor and --horizon checkpoints, each for this model and in its place."""
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.registry import KINDS
+    from tensorbend.predictors.registry import check_roles
 
-    out = []
-    for flag, path, cross in (("--predictor", cfg.predictor, False),
-                              ("--horizon", cfg.horizon, True)):  # fmt: skip
-        if path is None:
-            out.append(None)
-            continue
-        p = load_predictor(path, spec, fingerprint)
-        if KINDS[p.kind].cross_token != cross:
-            want = "a cross-token (horizon)" if cross else "a within-token"
-            raise UnsupportedModelError(
-                f"{flag} {path}: expected {want} checkpoint, found kind {p.kind}; pass it as "
-                f"{'--predictor' if cross else '--horizon'}"
-            )
-        out.append(p)
-    return tuple(out)
+    pred, hor = (None if p is None else load_predictor(p, spec, fingerprint)
+                 for p in (cfg.predictor, cfg.horizon))  # fmt: skip
+    check_roles(pred and pred.kind, hor and hor.kind, ("--predictor", "--horizon"))
+    return pred, hor
 
 
 def _mb(n: int) -> str:

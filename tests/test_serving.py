@@ -306,5 +306,5 @@ def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
     assert main([*base, "--predictor", str(other)]) == 2
     assert "trained for model fingerprint 0123456789abcdef" in capsys.readouterr().err
     assert main([*base, "--horizon", str(mine)]) == 2
-    assert "expected a cross-token (horizon) checkpoint" in capsys.readouterr().err
+    assert "expected a cross-token (horizon) predictor" in capsys.readouterr().err
     assert main([*base, "--predictor", str(mine), "--max-new-tokens", "3"]) == 0
