@@ -1,8 +1,13 @@
-"""`tensorbend demo --quick`: the whole chain on the bundled model, resumable, with a report."""
+"""`tensorbend demo --quick`: the whole chain on the bundled model, resumable, with a report
+whose printed numbers are its JSON's and lie where they must."""
 
 import json
+import math
+import re
 
 from tensorbend.cli import main
+from tensorbend.trace import Trace
+from tensorbend.zoo import resolve_model
 
 
 def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
@@ -13,7 +18,7 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
                  "Projected on Kimi-K2.5"):  # fmt: skip
         assert line in text
     summary = json.loads((out / "report" / "summary.json").read_text())
-    assert set(summary["recall_d1"]) >= {"tensorbend", "seed_mlp", "spec_gate", "transition"}
+    _check_numbers(summary, text, Trace.open(out / "trace").spec)
     assert all(r["output_matches_resident"] for r in summary["runs"])  # prediction never
     assert (out / "report" / "plots" / "recall_by_layer.png").is_file()  # changes output
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json")}
@@ -23,3 +28,42 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in stamps if p.name != "summary.json"} == {
         p: t for p, t in stamps.items() if p.name != "summary.json"
     }
+
+
+def _check_numbers(summary: dict, text: str, spec) -> None:
+    """The printed recall table is summary.json's to 3 decimals, and each recall lies where it
+    must: the oracle exactly 1, random within 0.05 of its expectation K/E (4/32 on zoo:default),
+    ours (tensorbend, d1) in [0.6, 1] and above popularity (frequency) and random. The replay:
+    gap closed = (best - ours) / (best - full oracle) from the same JSON, and Belady (the full
+    oracle) reads no more than the best cache, which reads at most K * L experts per token.
+    The runs: a decode token uses K experts in each of L layers, so every miss reads one
+    expert's bytes: bytes/token >= (1 - hit rate) * K * L * expert bytes, with equality for
+    the caches that prefetch nothing (at least two of them)."""
+    K, E, L = spec.top_k, spec.num_experts, spec.num_moe_layers
+    table = text.split("Held-out decode recall@k at d1")[1].split("\n\n")[0]
+    printed = dict(re.findall(r"^  (\S+)\s+([01]\.\d{3})$", table, flags=re.M))
+    recall = summary["recall_d1"]
+    assert printed == {kind: f"{x:.3f}" for kind, x in recall.items()}
+    assert {"tensorbend", "seed_mlp", "spec_gate", "transition", "random", "oracle"} <= set(recall)
+    assert recall["oracle"] == 1.0
+    assert abs(recall["random"] - K / E) <= 0.05, (recall["random"], K / E)
+    assert 0.6 <= recall["tensorbend"] <= 1.0
+    assert recall["tensorbend"] > max(recall["frequency"], recall["random"])
+
+    f = summary["foresight"]
+    best, ours = f["best_no_prediction_experts_per_token"], f["ours_experts_per_token"]
+    full = f["full_oracle_experts_per_token"]
+    assert 0 < full <= best <= K * L
+    assert math.isclose(f["gap_closed"], (best - ours) / (best - full), rel_tol=1e-9)
+    assert f"gap closed {f['gap_closed']:.0%}" in text
+
+    cfg = json.loads((resolve_model("zoo:default") / "config.json").read_text())
+    # a SwiGLU expert: gate, up and down projections of hidden x moe_intermediate, fp32
+    expert_bytes = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4
+    exact = 0
+    for r in summary["runs"]:
+        assert 0 <= r["demand_hit_rate"] <= 1
+        misses = (1 - r["demand_hit_rate"]) * K * L * expert_bytes
+        assert r["bytes_read_per_token"] >= misses * (1 - 1e-9), r["label"]
+        exact += math.isclose(r["bytes_read_per_token"], misses, rel_tol=1e-9)
+    assert exact >= 2

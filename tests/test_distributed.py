@@ -1,7 +1,9 @@
-"""torchrun with 2 CPU processes (gloo). Data-parallel collection: the same trace content as a
-single-process collection of the same prompts, and a killed rank resumes losing nothing.
-Training over ranks (target layers spread): the same checkpoint bytes as one process."""
+"""torchrun with 2 CPU processes (gloo). Data-parallel collection: each rank collects its own
+block of the prompts, together the same trace content as a single-process collection, and a
+killed rank resumes losing nothing. Training over ranks: each rank fits its own target layers
+(logged per rank), together the same checkpoint bytes as one process."""
 
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +43,17 @@ def _torchrun(d: Path, out: Path, *extra, slow: float = 0.0) -> subprocess.Popen
                             text=True)  # fmt: skip
 
 
+def _split_in_two_blocks(d: Path, out: Path) -> None:
+    """Each rank collected its own contiguous block of the 9 prompts (5, then 4), every one
+    with rows: the work was split, not done twice or by one rank."""
+    ids = [p["id"] for p in Trace.open(d / "ref").prompts]
+    assert len(ids) == 9
+    assert _done(out / "rank-000") == ids[:5] and _done(out / "rank-001") == ids[5:]
+    for r in ("rank-000", "rank-001"):
+        records = json.loads((out / r / "manifest.json").read_text())["prompts"]
+        assert all(p["prefill"] > 0 and p["decode"] > 0 for p in records), r
+
+
 def _same_as_reference(d: Path, out: Path) -> None:
     ref, got = Trace.open(d / "ref"), Trace.open(out)
     assert [p["id"] for p in got.prompts] == [p["id"] for p in ref.prompts]
@@ -56,6 +69,7 @@ def test_two_ranks_collect_what_one_process_collects(setup):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     _same_as_reference(setup, setup / "two")
+    _split_in_two_blocks(setup, setup / "two")
 
 
 def test_a_killed_rank_resumes_losing_and_duplicating_nothing(setup):
@@ -77,25 +91,69 @@ def test_a_killed_rank_resumes_losing_and_duplicating_nothing(setup):
     _same_as_reference(setup, out)
     for r, ids in before.items():  # what was finished was kept, not redone
         assert _done(out / r)[: len(ids)] == ids
+    _split_in_two_blocks(setup, out)
+
+
+# Runs `tensorbend` with fit._fit_loop logging each target layer it fits, one file per rank.
+FIT_LOGGER = """
+import os, sys
+from tensorbend.cli import main
+from tensorbend.predictors import fit
+
+real = fit._fit_loop
+
+def logged(*args, **kwargs):
+    desc = kwargs.get("desc", args[-1])
+    with open(os.path.join(os.environ["FIT_LOG"], "rank" + os.environ.get("RANK", "0")), "a") as f:
+        f.write(desc + "\\n")
+    return real(*args, **kwargs)
+
+fit._fit_loop = logged
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _fitted_layers(log: Path) -> dict[int, list[int]]:
+    """rank -> the target layers it fitted, in order (lines "<kind> layer <li>")."""
+    return {
+        int(f.name.removeprefix("rank")): [
+            int(x.rsplit(" ", 1)[1]) for x in f.read_text().splitlines()
+        ]
+        for f in sorted(log.iterdir())
+    }
 
 
 @pytest.mark.parametrize("kind", ["tensorbend", "seed_mlp"])
 def test_training_over_two_ranks_writes_the_single_process_bytes(setup, kind):
+    """Rank r fits target layers r, r + 2, ... (each rank some, none twice: logged per rank),
+    and the merged checkpoint is byte for byte the single process's."""
+    import tensorbend
     from tensorbend.train import TrainConfig, train
 
+    script = setup / "fit_logger.py"
+    script.write_text(FIT_LOGGER)
     args = ["--trace", str(setup / "ref"), "--predictor", kind, "--epochs", "3",
             "--fit-layers", "separate", "--quiet"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "tensorbend", "train", *args, "--out",
-                          str(setup / f"{kind}_one.safetensors")], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tensorbend", "train", *args, "--out", str(setup / f"{kind}_two.safetensors")]  # fmt: skip
-    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr
-    a = (setup / f"{kind}_one.safetensors").read_bytes()
-    assert a == (setup / f"{kind}_two.safetensors").read_bytes()
+    root = str(Path(tensorbend.__file__).parents[1])  # the package under test, in every rank
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    logs = {}
+    for n in (1, 2):
+        logs[n] = setup / f"{kind}_fit_log_{n}"
+        logs[n].mkdir()
+        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  "--standalone", "--nproc-per-node", "2"]  # fmt: skip
+        p = subprocess.run([*launch, str(script), "train", *args, "--out",
+                            str(setup / f"{kind}_{n}.safetensors")],
+                           env={**env, "FIT_LOG": str(logs[n])}, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+    one, two = _fitted_layers(logs[1]), _fitted_layers(logs[2])
+    Lt = len(one[0])
+    assert list(one) == [0] and one[0] == list(range(Lt)) and Lt >= 2
+    assert two == {0: list(range(0, Lt, 2)), 1: list(range(1, Lt, 2))}  # split, each non-empty
+    a = (setup / f"{kind}_1.safetensors").read_bytes()
+    assert a == (setup / f"{kind}_2.safetensors").read_bytes()
     joint = train(TrainConfig(trace=setup / "ref", out=setup / f"{kind}_joint.safetensors",
                               predictor=kind, epochs=3), progress=False)  # fmt: skip
     assert joint.params > 0 and (setup / f"{kind}_joint.safetensors").read_bytes() != a
@@ -111,8 +169,6 @@ def test_training_over_ranks_without_separate_layers_is_refused(setup):
 
 
 def _done(rank_dir: Path) -> list[str]:
-    import json
-
     m = rank_dir / "manifest.json"
     return [p["id"] for p in json.loads(m.read_text())["prompts"]] if m.is_file() else []
 

@@ -99,33 +99,6 @@ def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
         train(TrainConfig(tmp_path / "t", tmp_path / "x.safetensors", "horizon"), progress=False)
 
 
-def test_a_forecast_never_sees_later_forwards(tmp_path):
-    """Scrambling the routing and hidden states of forwards after f leaves f's forecast
-    unchanged (it reads forwards <= f of its request only)."""
-    from tensorbend.predictors.horizon import request_forwards
-
-    permutation_trace(tmp_path / "t", prompts=16)
-    tr = Trace.open(tmp_path / "t")
-    rows = tr.load(("ids", "gate_input"), split="train")
-    p = HorizonPredictor.fit(tr.spec, None, TrainData(rows, rows), HorizonConfig(foresight=2))
-    request = request_forwards(rows, tr.spec)[0]
-    cut = len(request) // 2
-    g = torch.Generator().manual_seed(1)
-    scrambled = request[:cut] + [
-        (ph, used[:, torch.randperm(used.shape[1], generator=g)], torch.randn(h.shape, generator=g))
-        for ph, used, h in request[cut:]
-    ]
-    for a, b in ((request, scrambled),):
-        sa, sb = p.new_state(), p.new_state()
-        for f in range(cut):
-            sa.observe(*a[f][1:])
-            sb.observe(*b[f][1:])
-        fa, fb = p.forecast(sa), p.forecast(sb)
-        assert torch.equal(fa.first_use_LEJ, fb.first_use_LEJ)
-    sb.observe(*scrambled[cut][1:])
-    assert not torch.equal(p.forecast(sb).first_use_LEJ, fa.first_use_LEJ)  # it does read f
-
-
 def test_fast_numpy_path_equals_the_torch_computation(cycle):
     """The runtime's numpy path (state, forecast, next-use steps) equals HorizonPredictor's."""
     import numpy as np

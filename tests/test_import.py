@@ -7,7 +7,9 @@ routing, with the right phases, positions and sizes.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import subprocess
 import sys
 
@@ -17,7 +19,6 @@ import torch
 
 from tensorbend.engines import ImportConfig, import_trace
 from tensorbend.engines.csv import write_csv
-from tensorbend.engines.vllm import encode_routed_experts
 from tensorbend.errors import TraceError
 from tensorbend.trace import Trace
 
@@ -155,7 +156,38 @@ def test_existing_trace_is_kept_unless_overwrite(tmp_path):
     )
 
 
-def vllm_responses(routing, dense=(0,), prompt_start=0):
+def npy_base64(array_RAK: np.ndarray) -> str:
+    """`choices[i].routed_experts` as vLLM's server sends it, written byte by byte from the
+    documented format (docs/import.md: base64 of the array's `.npy` bytes; uint8 ids when
+    experts <= 256, else uint16), by neither numpy's writer nor ours. The `.npy` layout (numpy's
+    NEP 1, version 1.0): the magic b"\\x93NUMPY", version bytes 1, 0, the header length as a
+    little-endian uint16, the header (a Python dict literal of descr, fortran_order, shape,
+    padded with spaces and ended by a newline so the data starts at a multiple of 64 bytes),
+    then the values in C order."""
+    descr, code = {"uint8": ("|u1", "B"), "uint16": ("<u2", "H")}[array_RAK.dtype.name]
+    shape = ", ".join(str(n) for n in array_RAK.shape)
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({shape}), }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    assert (10 + len(header)) % 64 == 0
+    values = [int(x) for x in array_RAK.reshape(-1).tolist()]
+    data = struct.pack(f"<{len(values)}{code}", *values)
+    npy = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1") + data
+    return base64.b64encode(npy).decode("ascii")
+
+
+def test_npy_base64_is_the_documented_layout_by_hand():
+    """A uint8 [1, 1, 2] array [[[3, 200]]]: 10 bytes of preamble, a 118-byte header (the data
+    starts at byte 128), then the 2 data bytes; a uint16 id is 2 little-endian bytes."""
+    raw = base64.b64decode(npy_base64(np.array([[[3, 200]]], dtype=np.uint8)))
+    header = "{'descr': '|u1', 'fortran_order': False, 'shape': (1, 1, 2), }"
+    assert raw[:10] == b"\x93NUMPY\x01\x00" + bytes([118, 0])
+    assert raw[10:128] == (header + " " * (117 - len(header)) + "\n").encode()
+    assert raw[128:] == bytes([3, 200])
+    wide = base64.b64decode(npy_base64(np.array([[[300]]], dtype=np.uint16)))
+    assert b"'descr': '<u2'" in wide and wide[128:] == bytes([44, 1])  # 300 = 1 * 256 + 44
+
+
+def vllm_responses(routing, dense=(0,), prompt_start=0, dtype=np.uint8):
     """OpenAI completion responses as vLLM's server returns them with routed experts on: the
     layer axis counts every decoder layer, dense layers stay 0, rows = prompt + generated - 1."""
     out = []
@@ -164,7 +196,7 @@ def vllm_responses(routing, dense=(0,), prompt_start=0):
         n_prompt = int((phase == 0).sum())
         n_gen = T - n_prompt + 1  # the last sampled token never ran a forward
         A = L + len(dense)
-        full = np.zeros((T, A, K), dtype=np.uint8)
+        full = np.zeros((T, A, K), dtype=dtype)
         full[:, [a for a in range(A) if a not in dense]] = ids
         out.append(
             {
@@ -175,7 +207,7 @@ def vllm_responses(routing, dense=(0,), prompt_start=0):
                         "index": 0,
                         "text": "x",
                         "token_ids": list(range(100, 100 + n_gen)),
-                        "routed_experts": encode_routed_experts(full[prompt_start:]),
+                        "routed_experts": npy_base64(full[prompt_start:]),
                     }
                 ],
                 "usage": {
@@ -222,6 +254,17 @@ def test_vllm_prompt_start_offsets_positions_and_npz(tmp_path):
         )
     import_trace(ImportConfig(source="vllm", path=d, out=tmp_path / "t2", progress=False))
     assert_trace_equals(tmp_path / "t2", routing)
+
+
+def test_vllm_uint16_ids_of_a_model_with_more_than_256_experts(tmp_path):
+    routing = planted_routing(prompts=3, L=2, E=300, K=2)
+    assert max(int(ids.max()) for ids, _ in routing.values()) > 255
+    resp = vllm_responses(routing, dense=(1,), dtype=np.uint16)
+    (tmp_path / "a.json").write_text(json.dumps(resp))
+    src = tmp_path / "a.json"
+    import_trace(ImportConfig(source="vllm", path=src, out=tmp_path / "t", progress=False))
+    tr = assert_trace_equals(tmp_path / "t", routing)
+    assert tr.spec.moe_layer_ids == (0, 2)
 
 
 def test_vllm_without_routed_experts_says_how_to_enable_it(tmp_path):

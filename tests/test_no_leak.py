@@ -1,4 +1,6 @@
-"""No-leak guarantees: what a prediction may read at its source point, row selection, held-out eval."""
+"""No-leak guarantees: what a prediction may read at its source point, row selection, held-out
+eval; across tokens, a whole request whose future is scrambled through the foresight replay,
+the engine-neutral Prefetcher and the threaded runtime."""
 
 import copy
 from dataclasses import replace
@@ -9,8 +11,10 @@ from planted import router_trace, tiny_real_trace
 
 from tensorbend.errors import TensorbendError
 from tensorbend.evaluate import EvalConfig, evaluate
+from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import HEADLINE_LOOKAHEADS, LOOKAHEADS, TrainData, sources_from_rows
 from tensorbend.predictors.fit import FitConfig
+from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
 from tensorbend.predictors.registry import KINDS, build
 from tensorbend.predictors.residual_gate import ResidualGateConfig
 from tensorbend.predictors.seed_mlp import SEED_FIT, SeedMLPConfig
@@ -137,3 +141,206 @@ def test_eval_refuses_a_checkpoints_own_training_prompts_without_the_flag(routed
     assert evaluate(
         EvalConfig(trace=routed, predictors=(out,), baselines=(), timing_rows=0)
     ).results
+
+
+# ------------------------------------------------ across tokens: a whole request, future scrambled
+
+L_H, E_H, K_H, D_H = 3, 8, 2, 16
+PREFILL, DECODE, CUT = 5, 10, 5  # forwards 0 (the prefill) .. 10; the future: forwards > CUT
+
+
+def _horizon(spec):
+    torch.manual_seed(0)
+    h = HorizonPredictor(spec, HorizonConfig(foresight=3))
+    for p in h.net.parameters():  # arbitrary but fixed forecasts that read every input
+        torch.nn.init.normal_(p, std=0.3)
+    return h
+
+
+def _request(g):
+    """One request's rows: a 5-token prefill, then 10 decode tokens; random routing [T, L, K]
+    (distinct experts per token) and gate inputs."""
+    T = PREFILL + DECODE
+    ids_TLK = torch.stack(
+        [
+            torch.stack([torch.randperm(E_H, generator=g)[:K_H] for _ in range(L_H)])
+            for _ in range(T)
+        ]
+    )
+    return {
+        "expert_ids_TLK": ids_TLK.to(torch.int16),
+        "gate_input_TLD": torch.randn(T, L_H, D_H, generator=g),
+        "prompt_index_T": torch.zeros(T, dtype=torch.long),
+        "phase_T": (torch.arange(T) >= PREFILL).to(torch.int8),
+        "positions_T": torch.arange(T),
+    }
+
+
+def _with_future_scrambled(rows, g):
+    """The same request with the routing and gate inputs of every forward after CUT redrawn
+    (decode forward f >= 1 is row PREFILL - 1 + f)."""
+    out, fresh, first = dict(rows), _request(g), PREFILL + CUT
+    for k in ("expert_ids_TLK", "gate_input_TLD"):
+        out[k] = torch.cat([rows[k][:first], fresh[k][first:]])
+    assert not torch.equal(out["expert_ids_TLK"][first], rows["expert_ids_TLK"][first])
+    return out
+
+
+@pytest.fixture(scope="module")
+def request_pair():
+    g = torch.Generator().manual_seed(0)
+    spec = RoutingSpec("qwen3_moe", "softmax", E_H, K_H, D_H, L_H, tuple(range(L_H)))
+    rows = _request(g)
+    return spec, _horizon(spec), rows, _with_future_scrambled(rows, g)
+
+
+def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
+    request_pair, monkeypatch
+):
+    """Whole requests through `evaluate_foresight` (which gets every forward at once): the
+    forecasts after forwards 0..CUT, and every placement and eviction of the caches that use
+    no oracle before forward CUT + 1 starts, are the same with the future scrambled; from
+    forward CUT + 1 on they differ (the replay does read what it is given)."""
+    from tensorbend import foresight
+    from tensorbend.offload.policies import NextUse, Reuse
+
+    spec, pred, rows, scrambled = request_pair
+    L, log = spec.num_moe_layers, []
+    set_forecast, place = Reuse.set_forecast, foresight.ResidentSet.place
+
+    def logged_forecast(self, forward, ahead, after):
+        log.append(("forecast", forward, ahead, after))
+        return set_forecast(self, forward, ahead, after)
+
+    def logged_place(self, key, now, *a, **kw):
+        out = place(self, key, now, *a, **kw)
+        if not isinstance(self.policy, NextUse):  # Belady reads the future by definition
+            log.append(("place", type(self.policy).__name__, self.pool,
+                        type(self.admission).__name__, key, now, out))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(Reuse, "set_forecast", logged_forecast)
+    monkeypatch.setattr(foresight.ResidentSet, "place", logged_place)
+    runs = []
+    for r in (rows, scrambled):
+        log.clear()
+        foresight.evaluate_foresight(pred, r, cache_frac=0.25)
+        runs.append((list(log), foresight.forecasts(pred, r)))
+    (log_a, fc_a), (log_b, fc_b) = runs
+
+    def before_cut(entries):
+        return [e for e in entries if (e[1] <= CUT if e[0] == "forecast" else e[5] < (CUT + 1) * L)]
+
+    past = before_cut(log_a)
+    assert past == before_cut(log_b)
+    assert {e[1] for e in past if e[0] == "place"} >= {"LRU", "LFU", "LFRU", "Reuse"}
+    assert sum(e[0] == "forecast" for e in past) == 2 * (CUT + 1)  # reuse x 2 admissions
+    assert log_a != log_b
+    for f in range(CUT + 1):
+        assert torch.equal(fc_a[f].first_use_LEJ, fc_b[f].first_use_LEJ), f
+        assert torch.equal(fc_a[f].tail_LE, fc_b[f].tail_LE), f
+    assert not torch.equal(fc_a[CUT + 1].first_use_LEJ, fc_b[CUT + 1].first_use_LEJ)
+
+
+def test_the_prefetcher_predicts_nothing_before_a_forward_from_its_future(request_pair):
+    """An engine loop asking the `Prefetcher` (spec_gate at d1 within the token, the horizon
+    across tokens) over the whole request: every prediction and forecast of forwards 0..CUT is
+    the same with the future scrambled, the forecast after CUT + 1 is not; each forecast is
+    the replay's (`foresight.forecasts`) for the same forward."""
+    import numpy as np
+
+    from tensorbend.engines.prefetcher import Prefetcher
+    from tensorbend.foresight import forecasts
+    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.rows import forwards
+
+    spec, horizon, rows, scrambled = request_pair
+    g = torch.Generator().manual_seed(1)
+    router = {f"layers.{m}.weight": torch.randn(E_H, D_H, generator=g) for m in range(L_H)}
+    gate = build_baseline("spec_gate", spec, "d1", router_params=router)
+    runs = []
+    for r in (rows, scrambled):
+        pf = Prefetcher(spec, gate, horizon, token_ahead_layers=1)
+        pf.begin_request()
+        per_forward = []
+        for fw in forwards(r):
+            got = []
+            for m in range(L_H):
+                got += pf.observe(m, hidden_TD=r["gate_input_TLD"][fw.rows, m],
+                                  routed_ids_TK=r["expert_ids_TLK"][fw.rows, m].long())  # fmt: skip
+            pf.on_token_end()
+            per_forward.append((got, pf.forecast))
+        runs.append(per_forward)
+        offline = forecasts(horizon, r)
+        for f, (_, (forward, ahead, after)) in enumerate(per_forward):
+            want_ahead, want_after = offline[f].next_use_steps(f, L_H)
+            assert forward == f
+            np.testing.assert_allclose(ahead, want_ahead, rtol=1e-5)
+            np.testing.assert_allclose(after, want_after, rtol=1e-5)
+    a, b = runs
+    assert len(a) == len(b) == 1 + DECODE
+    assert all(got for got, _ in a[1:])  # within-token and next-forward predictions each time
+    assert a[: CUT + 1] == b[: CUT + 1]
+    assert a[CUT + 1][1] != b[CUT + 1][1]
+
+
+def test_the_runtime_predicts_nothing_before_a_forward_from_its_future(monkeypatch):
+    """The threaded runtime, teacher-forced on two continuations that share their first CUT
+    tokens (the decode forward f feeds continuation token f - 1): the predictor inputs, the
+    predictions (spec_gate at d1, the horizon's next-forward experts) and the forecasts of
+    forwards 0..CUT are identical; forward CUT + 1 sees another token and forecasts otherwise."""
+    from tiny_models import build, char_tokenizer
+
+    from tensorbend.hf import DecodeConfig
+    from tensorbend.models import describe_model
+    from tensorbend.offload import hooks as hooks_mod
+    from tensorbend.offload.plan import PolicyConfig
+    from tensorbend.offload.session import OffloadSession, SessionConfig
+    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.prompts import Prompt
+    from tensorbend.routers import router_params
+
+    recorded, init = [], hooks_mod.PredictionHooks.__init__
+
+    def recording(self, *a, **kw):
+        init(self, *a, **kw)
+        self.observed = []  # (inputs, predictions, (forward, first, forecast)) per call
+        recorded.append(self)
+
+    monkeypatch.setattr(hooks_mod.PredictionHooks, "__init__", recording)
+    continuations = (" jumps over", " jumpZ~q#kx!")  # the char tokenizer: one token a char
+    ca, cb = continuations
+    assert ca[:CUT] == cb[:CUT] and ca[CUT] != cb[CUT]
+    runs = []
+    for cont in continuations:
+        model = build("deepseek_v3", 0)
+        spec = describe_model(model)
+        gate = build_baseline("spec_gate", spec, "d1", router_params=router_params(model, spec))
+        cfg = SessionConfig(DecodeConfig(decode="teacher", max_new_tokens=8))
+        sess = OffloadSession(model, char_tokenizer(), [Prompt("a", "the quick brown fox",
+                              continuation=cont)], cfg, model_name="tiny")  # fmt: skip
+        try:
+            pc = PolicyConfig("prefetch", cache_frac=0.5)
+            r = sess.run_policy(pc, gate, horizon=_horizon(spec))
+        finally:
+            sess.close()
+        assert r.output_matches_resident and r.tokens["decode"] == 8
+        by_forward = {}
+        for (m, hidden, ids), preds, (forward, _, forecast) in recorded[-1].observed:
+            by_forward.setdefault(forward, []).append((m, hidden, ids, preds, forecast))
+        assert sorted(by_forward) == list(range(9))
+        runs.append(by_forward)
+    a, b = runs
+
+    def same(x, y):
+        return len(x) == len(y) and all(
+            p[0] == q[0] and torch.equal(p[1], q[1]) and torch.equal(p[2], q[2])
+            and p[3] == q[3] and p[4] == q[4]
+            for p, q in zip(x, y, strict=True)
+        )  # fmt: skip
+
+    assert any(preds for f in range(CUT + 1) for _, _, _, preds, _ in a[f])
+    for f in range(CUT + 1):
+        assert same(a[f], b[f]), f
+    assert not torch.equal(a[CUT + 1][0][1], b[CUT + 1][0][1])  # another token's hidden state
+    assert a[CUT + 1][-1][4] != b[CUT + 1][-1][4]  # and another forecast

@@ -1,5 +1,6 @@
 """The runtime feeds a predictor exactly what it was trained and scored on: the SourceBatch
-built in the hooks equals `predictors.base.sources_from_rows` on a trace of the same prompts."""
+built in the hooks equals `predictors.base.sources_from_rows` on a trace of the same prompts,
+and what the cross-token horizon observes after each forward equals `request_forwards`."""
 
 import pytest
 import torch
@@ -77,3 +78,49 @@ def test_online_sources_equal_offline_rows(setup, la):
         else:
             src_TK = torch.cat([s.src_ids_TK for s in online])
             assert torch.equal(src_TK, offline.src_ids_TK), (la, m)
+
+
+def test_online_horizon_inputs_equal_offline_request_forwards(setup, monkeypatch):
+    """What the horizon observes at run time, after each forward (the experts every layer used,
+    the last token's gate input of the last MoE layer, one history per request), equals
+    `horizon.request_forwards` on the trace, and so do its forecasts (the replay's)."""
+    import numpy as np
+
+    from tensorbend.foresight import forecasts
+    from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor, request_forwards
+    from tensorbend.predictors.horizon_fast import FastHorizon
+
+    sess, rows = setup
+    spec = sess.spec
+    torch.manual_seed(0)
+    hz = HorizonPredictor(spec, HorizonConfig(foresight=3))
+    for p in hz.net.parameters():  # arbitrary but fixed, non-trivial forecasts
+        torch.nn.init.normal_(p, std=0.3)
+    seen = []  # (state, used_LE, hidden_D, forward, forecast) per horizon step
+    step = FastHorizon.step
+
+    def recording(self, st, used_LE, hidden_D, forward):
+        out = step(self, st, used_LE, hidden_D, forward)
+        seen.append((st, used_LE.copy(), hidden_D.copy(), forward, out))
+        return out
+
+    monkeypatch.setattr(FastHorizon, "step", recording)
+    r = sess.run_policy(PolicyConfig("prefetch", cache_frac=0.5), None, horizon=hz)
+    assert r.output_matches_resident is True
+    offline = request_forwards(rows, spec)
+    want = [fw for request in offline for fw in request]
+    assert len(offline) == 3 and len(want) == len(seen) == 3 + r.tokens["decode"]
+    assert [fw for _, _, _, fw, _ in seen] == list(range(len(want)))  # the run's forwards
+    bounds = np.cumsum([0, *map(len, offline)]).tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # one history per request
+        assert len({id(s[0]) for s in seen[a:b]}) == 1
+    assert len({id(s[0]) for s in seen}) == len(offline)
+    offline_fc = forecasts(hz, rows)
+    for (_, used_LE, hidden_D, f, (ahead, after)), (_, used, hidden) in zip(
+        seen, want, strict=True
+    ):
+        assert np.array_equal(used_LE, used.numpy()), f
+        assert np.array_equal(hidden_D, hidden.numpy()), f
+        want_ahead, want_after = offline_fc[f].next_use_steps(f, spec.num_moe_layers)
+        np.testing.assert_allclose(ahead, want_ahead, rtol=1e-5)
+        np.testing.assert_allclose(after, want_after, rtol=1e-5)

@@ -1,6 +1,9 @@
 """Models larger than memory: collection through transformers + accelerate placement
 (`--max-memory`, layers spilled to disk) records exactly the trace of a resident run."""
 
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,12 +23,27 @@ def _model_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_a_model_spilled_to_disk_gives_the_resident_trace(tmp_path):
-    budget = int(_model_bytes() * 0.4)  # less than half the model fits: most layers on disk
-    model, _ = load_model("zoo:default", max_memory=budget, offload_dir=tmp_path / "off")
-    placed = set(model.hf_device_map.values())
-    assert "disk" in placed and "cpu" in placed, model.hf_device_map
-    del model
+def test_a_model_spilled_to_disk_gives_the_resident_trace(tmp_path, monkeypatch):
+    """The spilled collection really ran from disk: the model it loaded maps decoder layers to
+    "disk", holds their parameters on `meta` (accelerate streams them in per forward) and at
+    least the bytes that do not fit the budget there, with files in the offload folder; its
+    trace equals the resident one bit for bit."""
+    import tensorbend.collect as collect_mod
+
+    total = _model_bytes()
+    budget = int(total * 0.4)  # less than half the model fits: most layers on disk
+    loaded = []
+    load = collect_mod.load_model
+
+    def spying(*args, **kwargs):
+        model, tok = load(*args, **kwargs)
+        given = inspect.signature(load).bind(*args, **kwargs).arguments
+        if given.get("max_memory") is not None:  # the spilled run
+            files = sorted(p.name for p in Path(given["offload_dir"]).iterdir())
+            loaded.append((dict(model.hf_device_map), dict(model.named_parameters()), files))
+        return model, tok
+
+    monkeypatch.setattr(collect_mod, "load_model", spying)
     runs = {}
     for name, mem in (("resident", None), ("spilled", str(budget))):
         cfg = CollectConfig(model="zoo:default", out=tmp_path / name, max_prompts=3,
@@ -42,6 +60,17 @@ def test_a_model_spilled_to_disk_gives_the_resident_trace(tmp_path):
     pa, pb = a.router_params(), b.router_params()
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     assert not (tmp_path / "spilled" / ".offload").exists()  # the default offload dir is removed
+    [(device_map, params, files)] = loaded
+    assert "disk" in device_map.values() and "cpu" in device_map.values(), device_map
+    on_disk = [m for m, where in device_map.items() if where == "disk"]
+    assert any(m.startswith("model.layers.") for m in on_disk), device_map
+    for name, p in params.items():
+        if any(name.startswith(m + ".") for m in on_disk):
+            assert p.device.type == "meta", name
+    meta_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.is_meta)
+    assert sum(p.numel() * p.element_size() for p in params.values()) == total
+    assert total - budget <= meta_bytes < total  # what does not fit the budget is not in memory
+    assert any(f.endswith(".safetensors") for f in files), files
 
 
 def test_only_weights_from_the_offload_folder_are_realigned(tmp_path):

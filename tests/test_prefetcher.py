@@ -1,6 +1,7 @@
 """The engine-neutral prefetch API: a synthetic engine loop (no HF model, no runtime) asking a
 Prefetcher gets exactly the predictions and forecasts the runtime got on the same inputs."""
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import build, char_tokenizer
@@ -88,3 +89,83 @@ def test_a_predictor_in_the_others_place_is_refused():
                        r"predictor, found a cross-token one \(kind horizon\): pass it as horizon="):  # fmt: skip
         Prefetcher(spec, predictor=_horizon(spec))
     assert Prefetcher(spec, within, _horizon(spec)).horizon is not None  # the right places
+
+
+def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand():
+    """B = 2 sequences in lockstep: each keeps its own history; the published forecast is the
+    soonest expected use of either, the next forward's prefetches rank experts by the chance
+    that either uses them, 1 - (1 - p_a)(1 - p_b). A horizon whose only weights are
+    logit(next forward) = ln 3 * used-in-this-forward + beta_e (foresight h = 1, routing
+    inputs) makes every number computable by hand from the documented formulas:
+        p     = sigmoid(ln 3 * used + beta_e)
+        rate  = clip(0.03 * sum_(g <= f) 0.97^(f - g) used_g, 1e-3, 1), tail = (1 - rate) / rate
+        next  = (f + 1) * L + m,   later = next + L * tail
+        ahead = p * next + (1 - p) * later,   after_first = later   (h = 1)"""
+    import math
+
+    from tensorbend.engines.prefetcher import RoutingHistory
+    from tensorbend.models import RoutingSpec
+
+    L, E, K, D, B = 2, 4, 2, 4, 2
+    spec = RoutingSpec("qwen3_moe", "softmax", E, K, D, L, (0, 1))
+    h = HorizonPredictor(spec, HorizonConfig(foresight=1, inputs="routing"))
+    beta_E = [0.0, 0.1, 0.2, 0.3]
+    with torch.no_grad():
+        h.net.w_LJX.zero_()
+        h.net.w_LJX[:, 0, 0] = math.log(3)  # class "next forward", feature "used in f"
+        h.net.b_LEJ.zero_()
+        h.net.b_LEJ[:, :, 0] = torch.tensor(beta_E)
+    pf = Prefetcher(spec, horizon=h, token_ahead_layers=2, history=RoutingHistory(L, batch=B))
+    # ids [B * T, K] per layer, sequences in order (rows 0..T-1: a, T..2T-1: b)
+    prefill = {0: [[0, 1], [0, 1], [1, 2], [1, 2]], 1: [[2, 3], [2, 3], [2, 3], [3, 2]]}
+    decode = {0: [[3, 0], [1, 2]], 1: [[0, 1], [2, 3]]}
+    forwards = [prefill, decode]
+    # used[f][b][m]: the experts sequence b used at layer m in forward f
+    used = [[[{0, 1}, {2, 3}], [{1, 2}, {2, 3}]], [[{0, 3}, {0, 1}], [{1, 2}, {2, 3}]]]
+
+    def sigmoid(x):
+        return 1 / (1 + math.exp(-x))
+
+    pf.begin_request()
+    ranked_by_forward = []
+    for f, ids in enumerate(forwards):
+        T = len(ids[0])
+        for m in range(L):
+            got = pf.observe(m, hidden_TD=torch.zeros(T, D), routed_ids_TK=torch.tensor(ids[m]))
+        pf.on_token_end()
+        p_BLE = [[[sigmoid(math.log(3) * (e in used[f][b][m]) + beta_E[e]) for e in range(E)]
+                  for m in range(L)] for b in range(B)]  # fmt: skip
+        want_ahead, want_after, either = [], [], []
+        for m in range(L):
+            row_ahead, row_after, row_either = [], [], []
+            for e in range(E):
+                nxt, aheads, afters = (f + 1) * L + m, [], []
+                for b in range(B):
+                    count = sum(0.97 ** (f - g) * (e in used[g][b][m]) for g in range(f + 1))
+                    rate = min(max(0.03 * count, 1e-3), 1.0)
+                    later = nxt + L * (1 - rate) / rate
+                    p = p_BLE[b][m][e]
+                    aheads.append(p * nxt + (1 - p) * later)
+                    afters.append(later)
+                row_ahead.append(min(aheads))
+                row_after.append(min(afters))
+                row_either.append(1 - (1 - p_BLE[0][m][e]) * (1 - p_BLE[1][m][e]))
+            want_ahead.append(row_ahead)
+            want_after.append(row_after)
+            either.append(row_either)
+        forward, ahead, after = pf.forecast
+        assert forward == f
+        np.testing.assert_allclose(ahead, want_ahead, rtol=1e-5)
+        np.testing.assert_allclose(after, want_after, rtol=1e-5)
+        ranked = [(m, e) for m in range(L)
+                  for e in sorted(range(E), key=lambda e: -either[m][e])[:K]]  # fmt: skip
+        assert [(p.layer, p.expert) for p in got] == ranked
+        assert [(p.step, p.rank, p.hint) for p in got] == [
+            ((f + 1) * L + m, r, False) for r, (m, _) in enumerate(ranked)
+        ]
+        ranked_by_forward.append(ranked)
+    # written out: after the prefill, layer 0 ranks e1 (both used it: 0.946) and e2 (0.904)
+    # above e0 (0.875) and e3 (0.819), where the larger of the two chances (e2 0.786 > e1
+    # 0.768) would order them the other way; layer 1: e3 (0.961), e2 (0.954). After the
+    # decode forward, both layers: e3 (0.916), e2 (0.903), e1 (0.890), e0 (0.875).
+    assert ranked_by_forward == [[(0, 1), (0, 2), (1, 3), (1, 2)], [(0, 3), (0, 2), (1, 3), (1, 2)]]
