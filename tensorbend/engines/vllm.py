@@ -54,13 +54,6 @@ def read_prompts(
             yield _prompt(pid, rx, n_prompt, n_gen, tokens, where, layers)
 
 
-def encode_routed_experts(array_RLK: np.ndarray) -> str:
-    """What vLLM's server puts in `routed_experts`: base64 of the array's `.npy` bytes."""
-    buf = io.BytesIO()
-    np.save(buf, array_RLK, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 # ---------------------------------------------------------------- helpers
 
 
