@@ -1,0 +1,355 @@
+"""Indexed victim search: the resident set's victims without ranking every entry at each miss.
+
+Usage (a drop-in for `ResidentSet`, same arguments, same victims):
+    >>> from tensorbend.offload.policies import LFRU
+    >>> rs = IndexedResidentSet(capacity=2, num_layers=1, policy=LFRU())
+    >>> misses = [step for step, e in enumerate([0, 0, 0, 1, 2, 1, 0]) if not rs.access((0, e), step)]
+    >>> misses, sorted(rs)
+    ([0, 3, 4, 5], [(0, 0), (0, 1)])
+
+`offload.resident.ResidentSet.victim` is the reference: the evictable entry of the pool with
+the highest `policy.rank(key, recency, now)`, a tuple whose last field is -recency, so ties go
+to the least recent entry (recencies are distinct) and the victim is unique. That scan costs
+a rank per entry per miss: minutes per replay for pools of hundreds of experts. Here the index
+is chosen by the property each policy class declares, `ranking`:
+
+  static     (LRU, LFU) a rank changes only when its key is used or placed: a heap of ranks,
+             re-pushed on those events; stale entries are skipped by version.
+  scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(key, now)`
+             says until which step a rank stays as it is; a heap of ranks plus a heap of those
+             steps, re-ranking a key when its step comes (or when it is used, placed, hinted, or
+             a new forecast arrives). Ranks that move at every step move together in groups
+             (Predicted: one layer's unpredicted experts, whose estimates keep the order of their
+             log counts; Reuse: the experts whose forecast has passed, all "next used at now + 1",
+             ties by recency): each group is a heap in its fixed order, and only its head is
+             ranked at the miss. The victim is the highest rank among the heap's top and the
+             heads: at most one entry per group, L for a global pool, 1 per layer.
+  ages       (LFRU) every score count / (age + 1) moves at every step; see `_Tournament`.
+
+Every index skips entries that are not evictable (loading or pinned) by setting them aside and
+putting them back. Time (`now`) never goes backwards. tests/test_victim_heap.py replays random
+and planted traces through both and asserts identical victims for every policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from operator import neg
+
+from tensorbend.offload.policies import INF, Key
+from tensorbend.offload.resident import ResidentSet
+
+Evictable = Callable[[Key], bool] | None
+
+
+class IndexedResidentSet(ResidentSet):
+    """A ResidentSet whose `victim` asks an index chosen by `policy.ranking`."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._now = 0  # the latest step seen (hints carry none)
+        self._index = _INDEXES[self.policy.ranking](self)
+
+    def use(self, key: Key, now: int) -> bool:
+        if now > self._now:
+            self._now = now
+        if super().use(key, now):
+            self._index.used(key, now)
+            return True
+        return False
+
+    def hint(self, key: Key, when: int) -> None:
+        super().hint(key, when)
+        if key in self._recency:
+            self._index.hinted(key, self._now)
+
+    def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
+        super().set_forecast(forward, ahead_LE, after_first_LE)
+        self._index.rebuild(self._now)
+
+    def place(self, key: Key, now: int, when=None, evictable: Evictable = None):
+        if now > self._now:
+            self._now = now
+        return super().place(key, now, when, evictable)
+
+    def victim(self, key: Key, now: int, evictable: Evictable = None) -> Key | None:
+        return self._index.victim(self.pool_of(key), max(self._now, now), evictable)
+
+    def remove(self, key: Key) -> None:
+        super().remove(key)
+        self._index.drop(key, self._now)
+
+    def _add(self, key: Key) -> None:
+        super()._add(key)
+        self._index.put(key, self._now)
+
+
+class _StaticIndex:
+    """One heap per pool of negated ranks [(-rank, version, key)], each at least the key's
+    current rank: a use only lowers a rank, so a used key is re-ranked when it reaches the top
+    (a top whose stored rank is current is the highest)."""
+
+    def __init__(self, rs: ResidentSet):
+        self.rs = rs
+        self.heaps: dict[int, list] = {}
+        self.version: dict[Key, int] = {}
+
+    def put(self, key: Key, now: int) -> None:
+        """Key placed, or its rank changed otherwise than by a use."""
+        v = self.version[key] = self.version.get(key, 0) + 1
+        heap = self.heaps.setdefault(self.rs.pool_of(key), [])
+        heapq.heappush(heap, (self._neg_rank(key, now), v, key))
+        if len(heap) > 4 * self.rs.capacity + 64:
+            _compact(heap, self.version)
+
+    def used(self, key: Key, now: int) -> None:
+        pass
+
+    def hinted(self, key: Key, now: int) -> None:
+        pass
+
+    def drop(self, key: Key, now: int) -> None:
+        self.version[key] += 1  # its entries go stale
+
+    def rebuild(self, now: int) -> None:
+        for key in self.rs:
+            self.put(key, now)
+
+    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        heap, version = self.heaps.get(pool, []), self.version
+        aside, found = [], None
+        while heap:
+            neg, v, key = heap[0]
+            if version[key] != v:
+                heapq.heappop(heap)  # stale
+                continue
+            current = self._neg_rank(key, now)
+            if current != neg:
+                heapq.heapreplace(heap, (current, v, key))  # used since: lower now
+                continue
+            if evictable is None or evictable(key):
+                found = key
+                break
+            aside.append(heapq.heappop(heap))
+        for item in aside:
+            heapq.heappush(heap, item)
+        return found
+
+    def _neg_rank(self, key: Key, now: int) -> tuple:
+        return tuple(map(neg, self.rs.policy.rank(key, self.rs._recency[key], now)))
+
+
+class _ScheduledIndex(_StaticIndex):
+    """Ranks that hold until a known step (heap + expiry heap), and groups ranked by their head.
+
+    heaps[pool]: [(-rank, version, key)] for keys outside groups, always current; groups[pool][g]:
+    [(order, recency, version, key)], the head ranks highest in g at every step; expiry:
+    [(until, version, key)]."""
+
+    def __init__(self, rs: ResidentSet):
+        super().__init__(rs)
+        self.groups: dict[int, dict[int, list]] = {}
+        self.expiry: list = []
+
+    def put(self, key: Key, now: int) -> None:
+        until, group, order = self.rs.policy.schedule(key, now)
+        assert until > now, (key, now, until)
+        if group is None:
+            super().put(key, now)
+        else:
+            v = self.version[key] = self.version.get(key, 0) + 1
+            heap = self.groups.setdefault(self.rs.pool_of(key), {}).setdefault(group, [])
+            heapq.heappush(heap, (order, self.rs._recency[key], v, key))
+            if len(heap) > 4 * self.rs.capacity + 64:
+                _compact(heap, self.version)
+        if until != INF:
+            heapq.heappush(self.expiry, (until, self.version[key], key))
+
+    used = hinted = put  # a use or a hint may raise a rank (NextUse) or move it in time
+
+    def rebuild(self, now: int) -> None:
+        self.heaps, self.groups, self.expiry = {}, {}, []
+        super().rebuild(now)
+
+    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        expiry, version = self.expiry, self.version
+        while expiry and expiry[0][0] <= now:
+            _, v, key = heapq.heappop(expiry)
+            if version[key] == v and key in self.rs:
+                self.put(key, now)
+        heads = [_top(self.heaps.get(pool, []), version, evictable)]
+        heads += [_top(g, version, evictable) for g in self.groups.get(pool, {}).values()]
+        heads = [k for k in heads if k is not None]
+        if not heads:
+            return None
+        rank, recency = self.rs.policy.rank, self.rs._recency
+        return max(heads, key=lambda k: rank(k, recency[k], now))
+
+
+class _AgesIndex:
+    """LFRU: one `_Tournament` per pool over the keys' (count, last use, recency). A use only
+    lowers a rank at every later step (more uses, a later last use, a later recency), so a
+    used key's line is refreshed when it wins the tournament, as in _StaticIndex."""
+
+    def __init__(self, rs: ResidentSet):
+        self.rs = rs
+        self.trees: dict[int, _Tournament] = {}
+
+    def put(self, key: Key, now: int) -> None:
+        p = self.rs.pool_of(key)
+        tree = self.trees.get(p) or self.trees.setdefault(p, _Tournament(self.rs.pool_capacity(p)))
+        tree.set(key, self._line(key), now)
+
+    def used(self, key: Key, now: int) -> None:
+        pass
+
+    def hinted(self, key: Key, now: int) -> None:
+        pass
+
+    def rebuild(self, now: int) -> None:
+        pass
+
+    def drop(self, key: Key, now: int) -> None:
+        self.trees[self.rs.pool_of(key)].clear(key, now)
+
+    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        tree = self.trees.get(pool)
+        return None if tree is None else tree.best(now, evictable, self._line)
+
+    def _line(self, key: Key) -> tuple[int, int, int]:
+        return (*self.rs.policy.line(key), self.rs._recency[key])
+
+
+class _Tournament:
+    """A kinetic tournament: the lowest LFRU score c / (now - l + 1) among lines (c, l, r).
+
+    Exact formulation: at step t the score order of a and b is the sign of
+        g(t) = (c_a - c_b) * (t + 1) + c_b * l_a - c_a * l_b      (a ranks lower iff g < 0)
+    (cross-multiplied, denominators > 0), ties (g = 0) by recency r. g is linear in t, so a
+    duel between two lines changes its winner at most once, at a step computed exactly in
+    integers; a never-used key is (0, 0), score 0 at every step. Each node of a binary tree over
+    the pool's slots holds the winner of its subtree and `until`, the first step at which its
+    duel or one below it can change. A query at `now` replays only the nodes with until <= now
+    (children first); an insert or removal replays its path. The root is then the entry a
+    scan of `LFRU.rank` (float scores) picks: distinct fractions with c * (age + 1) < 2**51 stay
+    distinct and in order as doubles, and equal ones are equal.
+    """
+
+    def __init__(self, capacity: int):
+        n = 1
+        while n < max(capacity, 1):
+            n *= 2
+        self.n = n
+        self.slot: dict[Key, int] = {}
+        self.free = list(range(n - 1, -1, -1))
+        self.key: list[Key | None] = [None] * n
+        self.c, self.last, self.r = [0] * n, [0] * n, [0] * n
+        self.win = [-1] * (2 * n)  # node -> winning slot (-1: empty); leaves at n + slot
+        self.until = [INF] * (2 * n)
+
+    def set(self, key: Key, line: tuple[int, int, int], now: int) -> None:
+        """Key's line (count, last use, recency), new or changed."""
+        i = self.slot.get(key)
+        if i is None:
+            i = self.slot[key] = self.free.pop()
+        self.key[i] = key
+        self.c[i], self.last[i], self.r[i] = line
+        self._path(i, True, now)
+
+    def clear(self, key: Key, now: int) -> None:
+        i = self.slot.pop(key)
+        self.key[i] = None
+        self.free.append(i)
+        self._path(i, False, now)
+
+    def best(self, now: int, evictable: Evictable, line_of) -> Key | None:
+        """The lowest-scoring evictable key at step now (None: none); `line_of(key)` is the
+        current line, which a stored line of a key used since can only undercut."""
+        self._refresh(now)
+        aside, found = [], None
+        while (w := self.win[1]) >= 0:
+            key = self.key[w]
+            line = line_of(key)
+            if line != (self.c[w], self.last[w], self.r[w]):
+                self.set(key, line, now)
+                continue
+            if evictable is None or evictable(key):
+                found = key
+                break
+            aside.append(w)
+            self._path(w, False, now)
+        for w in aside:
+            self._path(w, True, now)
+        return found
+
+    def _path(self, i: int, present: bool, now: int) -> None:
+        node = self.n + i
+        self.win[node] = i if present else -1
+        node //= 2
+        while node:
+            self._pull(node, now)
+            node //= 2
+
+    def _refresh(self, now: int) -> None:
+        until, n = self.until, self.n
+        if until[1] > now:
+            return
+        stack, order = [1], []
+        while stack:
+            node = stack.pop()
+            if node < n and until[node] <= now:
+                order.append(node)
+                stack += (2 * node, 2 * node + 1)
+        for node in reversed(order):  # children before parents
+            self._pull(node, now)
+
+    def _pull(self, node: int, now: int) -> None:
+        a, b = self.win[2 * node], self.win[2 * node + 1]
+        below = min(self.until[2 * node], self.until[2 * node + 1])
+        if a < 0 or b < 0:
+            self.win[node], self.until[node] = max(a, b), below
+            return
+        w, t = self._duel(a, b, now)
+        self.win[node], self.until[node] = w, min(below, t)
+
+    def _duel(self, a: int, b: int, now: int) -> tuple[int, float]:
+        """(winner at now, first step at which the loser wins)."""
+        c, last, r = self.c, self.last, self.r
+        g = (c[a] - c[b]) * (now + 1) + c[b] * last[a] - c[a] * last[b]
+        if not (g < 0 or (g == 0 and r[a] < r[b])):
+            a, b = b, a
+        slope = c[a] - c[b]  # the winner's g(t) = slope * (t + 1) + base rises iff slope > 0
+        if slope <= 0:
+            return a, INF
+        base = c[b] * last[a] - c[a] * last[b]
+        t = -(base // slope) - 1 if r[a] > r[b] else (-base) // slope  # first g >= 0 / g > 0
+        assert t > now, (t, now)
+        return a, t
+
+
+_INDEXES = {"static": _StaticIndex, "scheduled": _ScheduledIndex, "ages": _AgesIndex}
+
+
+def _compact(heap: list, version: dict) -> None:
+    """Drop stale entries (a version that is no longer the key's)."""
+    heap[:] = [item for item in heap if version[item[-1]] == item[-2]]
+    heapq.heapify(heap)
+
+
+def _top(heap: list, version: dict, evictable: Evictable) -> Key | None:
+    """The first current, evictable key of a heap of (..., version, key); the rest stay."""
+    aside, found = [], None
+    while heap:
+        item = heap[0]
+        key = item[-1]
+        if version[key] != item[-2]:
+            heapq.heappop(heap)  # stale
+            continue
+        if evictable is None or evictable(key):
+            found = key
+            break
+        aside.append(heapq.heappop(heap))
+    for item in aside:
+        heapq.heappush(heap, item)
+    return found
