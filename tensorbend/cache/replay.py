@@ -161,6 +161,7 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     feed = feed or Feed()
     out = Replayed()
     L = len(ids_FLK[0]) if ids_FLK else 1
+    use, place, victims = rs.use, rs.place, out.victims
     for f, layers in enumerate(ids_FLK):
         for m, ids in enumerate(layers):
             now = f * L + m
@@ -168,10 +169,10 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
             pinned: set = set()
             for e in ids:
                 key = (m, e)
-                if not rs.use(key, now):
+                if not use(key, now):
                     out.misses += 1
-                    placed = rs.place(key, now, None, lambda k, pinned=pinned: k not in pinned)
-                    out.victims.append((now, key, placed.outcome, placed.victim))
+                    placed = place(key, now, None, lambda k, pinned=pinned: k not in pinned)
+                    victims.append((now, key, placed.outcome, placed.victim))
                 pinned.add(key)
         feed.after(rs, f)
     return out

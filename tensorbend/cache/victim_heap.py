@@ -50,12 +50,13 @@ class IndexedResidentSet(ResidentSet):
         super().__init__(*args, **kw)
         self._now = 0  # the latest step seen (hints carry none)
         self._index = _INDEXES[self.policy.ranking](self)
+        self._used = self._index.used
 
     def use(self, key: Key, now: int) -> bool:
         if now > self._now:
             self._now = now
-        if super().use(key, now):
-            self._index.used(key, now)
+        if ResidentSet.use(self, key, now):  # (not super(): this is the replay's hot path)
+            self._used(key, now)
             return True
         return False
 
