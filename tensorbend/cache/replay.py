@@ -27,7 +27,6 @@ exact next use of every expert as its forecast), and Belady with all or h forwar
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 
 from tensorbend.offload.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
@@ -176,11 +175,3 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
                 pinned.add(key)
         feed.after(rs, f)
     return out
-
-
-def layer_steps_per_s(ids_FLK: list, rs: ResidentSet, feed: Feed) -> tuple[float, Replayed]:
-    """Layer-steps per second of `replay` (wall clock, this process), and what it replayed."""
-    t0 = time.perf_counter()
-    out = replay(ids_FLK, rs, feed)
-    seconds = time.perf_counter() - t0
-    return len(ids_FLK) * len(ids_FLK[0]) / seconds, out
