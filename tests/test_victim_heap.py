@@ -78,8 +78,9 @@ def test_same_victims_with_admission(name, admission):
 
 
 def _fuzz(rs: ResidentSet, seed: int, L: int, E: int, forwards: int) -> list:
-    """Random demands, hints (past, near, far, repeated), prefetches, pins, failed loads and
-    forecasts (Reuse), in an order the drivers can produce; every placement's result."""
+    """Random demands (placed at once, or after the step's other demands), hints (near, far,
+    repeated), prefetches, pins, failed loads and forecasts (Reuse), in an order the drivers
+    can produce; every placement's result."""
     rng, out = random.Random(seed), []
     for f in range(forwards):
         for m in range(L):
@@ -87,12 +88,19 @@ def _fuzz(rs: ResidentSet, seed: int, L: int, E: int, forwards: int) -> list:
             for _ in range(rng.randrange(3)):
                 rs.hint((rng.randrange(L), rng.randrange(E)), now + rng.choice([1, 2, L, 3 * L]))
             pinned = {(m, e) for e in rng.sample(range(E), 2) if (m, e) in rs}
-            for e in sorted(rng.sample(range(E), 2)):
+            later = rng.random() < 0.5  # claim all, then place (placed older than later uses)
+            missed = []
+            for e in sorted(rng.sample(range(E), 3)):
                 key = (m, e)
                 if not rs.use(key, now):
-                    p = rs.place(key, now, None, lambda k, pinned=pinned: k not in pinned)
-                    out.append((now, key, p.outcome, p.victim))
+                    missed.append(key)
+                    if not later:
+                        p = rs.place(key, now, None, lambda k, pinned=pinned: k not in pinned)
+                        out.append((now, key, p.outcome, p.victim))
                 pinned.add(key)
+            for key in missed if later else ():
+                p = rs.place(key, now, None, lambda k, pinned=pinned: k not in pinned)
+                out.append((now, key, p.outcome, p.victim))
             extra = (rng.randrange(L), rng.randrange(E))
             if rng.random() < 0.3 and extra not in rs:
                 p = rs.place(extra, now, now + rng.randrange(1, 2 * L))
@@ -143,15 +151,15 @@ def _score(c, last, t):
 def test_tournament_duel_is_exact():
     """Winner and change step of every duel, against exact fractions at every later step."""
     rng = random.Random(3)
-    tree = _Tournament(2)
     for _ in range(1000):
         now = rng.randrange(5, 40)
         lines = [(rng.randrange(0, 6), rng.randrange(0, now + 1), r) for r in (1, 2)]
         lines = [(0, 0, r) if c == 0 else (c, last, r) for c, last, r in lines]
         rng.shuffle(lines)
+        tree = _Tournament(2)  # two leaves under the root
         for i, line in enumerate(lines):
-            tree.c[i], tree.last[i], tree.r[i] = line
-        w, until = tree._duel(0, 1, now)
+            tree.set(i, line, now)
+        w, until = tree.win[1], tree.until[1]
         for t in range(now, now + 120):
             (sa, ra), (sb, rb) = ((_score(c, last, t), r) for c, last, r in lines)
             winner = 0 if (sa, ra) < (sb, rb) else 1

@@ -13,8 +13,9 @@ to the least recent entry (recencies are distinct) and the victim is unique. Tha
 a rank per entry per miss: minutes per replay for pools of hundreds of experts. Here the index
 is chosen by the property each policy class declares, `ranking`:
 
-  static     (LRU, LFU) a rank changes only when its key is used or placed: a heap of ranks,
-             re-pushed on those events; stale entries are skipped by version.
+  recency    (LRU) the rank is -recency: keys in order of use (`_RecencyIndex`).
+  static     (LFU) a rank changes only when its key is used or placed, and a use only lowers
+             it: a heap of ranks, a used key re-ranked when it reaches the top.
   scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(key, now)`
              says until which step a rank stays as it is; a heap of ranks plus a heap of those
              steps, re-ranking a key when its step comes (or when it is used, placed, hinted, or
@@ -34,6 +35,7 @@ and planted traces through both and asserts identical victims for every policy.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 from operator import neg
 
@@ -139,6 +141,61 @@ class _StaticIndex:
 
     def _neg_rank(self, key: Key, now: int) -> tuple:
         return tuple(map(neg, self.rs.policy.rank(key, self.rs._recency[key], now)))
+
+
+class _RecencyIndex:
+    """LRU (rank = -recency): per pool, keys oldest first in an OrderedDict; a use moves its
+    key to the end (it now has the newest recency). A placement is appended too, unless its
+    recency is older than the newest there (a demand placed after later uses): such keys wait
+    in a heap by recency until used. The victim is the older of the two first evictable keys."""
+
+    def __init__(self, rs: ResidentSet):
+        self.rs = rs
+        self.order: dict[int, OrderedDict] = {}
+        self.late: dict[int, list] = {}  # pool -> [(recency, key)]
+
+    def put(self, key: Key, now: int) -> None:
+        p, recency = self.rs.pool_of(key), self.rs._recency[key]
+        order = self.order.get(p) or self.order.setdefault(p, OrderedDict())
+        if not order or recency > self.rs._recency[next(reversed(order))]:
+            order[key] = None
+        else:
+            heapq.heappush(self.late.setdefault(p, []), (recency, key))
+
+    def used(self, key: Key, now: int) -> None:
+        order = self.order[self.rs.pool_of(key)]
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None  # was late: its entry there goes stale
+
+    def hinted(self, key: Key, now: int) -> None:
+        pass
+
+    def drop(self, key: Key, now: int) -> None:
+        self.order[self.rs.pool_of(key)].pop(key, None)
+
+    def rebuild(self, now: int) -> None:
+        pass
+
+    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        order, late = self.order.get(pool, ()), self.late.get(pool, [])
+        first = next((k for k in order if evictable is None or evictable(k)), None)
+        recency, aside, other = self.rs._recency, [], None
+        while late:
+            r, key = late[0]
+            if key in order or recency.get(key) != r:
+                heapq.heappop(late)  # used since, or left
+            elif evictable is None or evictable(key):
+                other = key
+                break
+            else:
+                aside.append(heapq.heappop(late))
+        for item in aside:
+            heapq.heappush(late, item)
+        if other is None or (first is not None and recency[first] < recency[other]):
+            return first
+        return other
 
 
 class _ScheduledIndex(_StaticIndex):
@@ -285,11 +342,18 @@ class _Tournament:
         return found
 
     def _path(self, i: int, present: bool, now: int) -> None:
+        """Leaf i changed: replay its ancestors, up to the first whose duel came out as before
+        with another winner (a node's winner and until, computed at any earlier step, hold
+        for every step before until: the nodes above it are still right)."""
+        win, until, pull = self.win, self.until, self._pull
         node = self.n + i
-        self.win[node] = i if present else -1
+        win[node] = i if present else -1
         node //= 2
         while node:
-            self._pull(node, now)
+            old = win[node], until[node]
+            pull(node, now)
+            if win[node] == old[0] != i and until[node] == old[1]:
+                return
             node //= 2
 
     def _refresh(self, now: int) -> None:
@@ -302,34 +366,43 @@ class _Tournament:
             if node < n and until[node] <= now:
                 order.append(node)
                 stack += (2 * node, 2 * node + 1)
+        pull = self._pull
         for node in reversed(order):  # children before parents
-            self._pull(node, now)
+            pull(node, now)
 
     def _pull(self, node: int, now: int) -> None:
-        a, b = self.win[2 * node], self.win[2 * node + 1]
-        below = min(self.until[2 * node], self.until[2 * node + 1])
+        """Node's winner and until from its children's at step now. The duel in integers
+        (class docstring): for the winner w over v, g_w(t) = slope * (t + 1) + base with slope
+        = c_w - c_v; w wins for ever if slope <= 0, else until the first t with g_w(t) > 0,
+        or g_w(t) >= 0 when w has the larger recency (it then wins only while g_w < 0)."""
+        win, until = self.win, self.until
+        a, b = win[2 * node], win[2 * node + 1]
+        ua, ub = until[2 * node], until[2 * node + 1]
+        below = ua if ua < ub else ub
         if a < 0 or b < 0:
-            self.win[node], self.until[node] = max(a, b), below
+            win[node], until[node] = (a if a > b else b), below
             return
-        w, t = self._duel(a, b, now)
-        self.win[node], self.until[node] = w, min(below, t)
-
-    def _duel(self, a: int, b: int, now: int) -> tuple[int, float]:
-        """(winner at now, first step at which the loser wins)."""
         c, last, r = self.c, self.last, self.r
-        g = (c[a] - c[b]) * (now + 1) + c[b] * last[a] - c[a] * last[b]
+        ca, cb, la, lb = c[a], c[b], last[a], last[b]
+        g = (ca - cb) * (now + 1) + cb * la - ca * lb
         if not (g < 0 or (g == 0 and r[a] < r[b])):
-            a, b = b, a
-        slope = c[a] - c[b]  # the winner's g(t) = slope * (t + 1) + base rises iff slope > 0
+            a, b, ca, cb, la, lb = b, a, cb, ca, lb, la
+        win[node] = a
+        slope = ca - cb
         if slope <= 0:
-            return a, INF
-        base = c[b] * last[a] - c[a] * last[b]
+            until[node] = below
+            return
+        base = cb * la - ca * lb
         t = -(base // slope) - 1 if r[a] > r[b] else (-base) // slope  # first g >= 0 / g > 0
-        assert t > now, (t, now)
-        return a, t
+        until[node] = t if t < below else below
 
 
-_INDEXES = {"static": _StaticIndex, "scheduled": _ScheduledIndex, "ages": _AgesIndex}
+_INDEXES = {
+    "recency": _RecencyIndex,
+    "static": _StaticIndex,
+    "scheduled": _ScheduledIndex,
+    "ages": _AgesIndex,
+}
 
 
 def _compact(heap: list, version: dict) -> None:

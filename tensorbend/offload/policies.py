@@ -33,7 +33,8 @@ rounding makes two distinct counts equal) the less used leaves first.
 
 Victim search: every policy declares how its rank moves with the clock (`ranking`), and
 `cache/victim_heap.py` picks the index that finds the same victim as a scan by that property:
-  static      rank(key, ...) changes only when key is used or placed (LRU, LFU)
+  recency     rank is (constant, -recency): LRU
+  static      rank(key, ...) changes only when key is used (and then never rises) or placed: LFU
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
   scheduled   `schedule(key, now)` says until which step the rank stays as it is, or which
               group of keys (one order among them at every step) it moves with
@@ -62,14 +63,14 @@ Key = tuple[int, int]  # (MoE layer m, expert e)
 INF = float("inf")
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 AdmissionName = Literal["all", "frequency", "predicted"]
-Ranking = Literal["static", "ages", "scheduled"]
+Ranking = Literal["recency", "static", "ages", "scheduled"]
 
 
 class LRU:
     """Least recently used (the base: other policies override what they know more about)."""
 
     name = "lru"
-    ranking: ClassVar[Ranking] = "static"  # how rank moves with the clock (module docstring)
+    ranking: ClassVar[Ranking] = "recency"  # how rank moves with the clock (module docstring)
 
     def touch(self, key: Key, now: int) -> None:
         """A demand use of key at step now (hit or miss)."""
@@ -88,6 +89,7 @@ class LFU(LRU):
     """Least frequently used: all-time demand count per key (ties: least recent)."""
 
     name = "lfu"
+    ranking: ClassVar[Ranking] = "static"
 
     def __init__(self) -> None:
         self.counts: dict[Key, int] = {}
