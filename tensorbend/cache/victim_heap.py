@@ -16,7 +16,7 @@ is chosen by the property each policy class declares, `ranking`:
   recency    (LRU) the rank is -recency: keys in order of use (`_RecencyIndex`).
   static     (LFU) a rank changes only when its key is used or placed, and a use only lowers
              it: a heap of ranks, a used key re-ranked when it reaches the top.
-  scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(key, now)`
+  scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(...)`
              says until which step a rank stays as it is; a heap of ranks plus a heap of those
              steps, re-ranking a key when its step comes (or when it is used, placed, hinted, or
              a new forecast arrives). Ranks that move at every step move together in groups
@@ -201,9 +201,10 @@ class _RecencyIndex:
 class _ScheduledIndex(_StaticIndex):
     """Ranks that hold until a known step (heap + expiry heap), and groups ranked by their head.
 
-    heaps[pool]: [(-rank, version, key)] for keys outside groups, always current; groups[pool][g]:
-    [(order, recency, version, key)], the head ranks highest in g at every step; expiry:
-    [(until, version, key)]."""
+    `policy.schedule(key, recency, now)` -> (until, group, value). heaps[pool]: [(-rank,
+    version, key)] for keys outside groups (rank = value), each current until its step;
+    groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
+    expiry: [(until, version, key)]."""
 
     def __init__(self, rs: ResidentSet):
         super().__init__(rs)
@@ -211,18 +212,21 @@ class _ScheduledIndex(_StaticIndex):
         self.expiry: list = []
 
     def put(self, key: Key, now: int) -> None:
-        until, group, order = self.rs.policy.schedule(key, now)
+        recency = self.rs._recency[key]
+        until, group, value = self.rs.policy.schedule(key, recency, now)
         assert until > now, (key, now, until)
+        v = self.version[key] = self.version.get(key, 0) + 1
+        p = self.rs.pool_of(key)
         if group is None:
-            super().put(key, now)
+            heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
+            heapq.heappush(heap, (tuple(map(neg, value)), v, key))
         else:
-            v = self.version[key] = self.version.get(key, 0) + 1
-            heap = self.groups.setdefault(self.rs.pool_of(key), {}).setdefault(group, [])
-            heapq.heappush(heap, (order, self.rs._recency[key], v, key))
-            if len(heap) > 4 * self.rs.capacity + 64:
-                _compact(heap, self.version)
+            heap = self.groups.setdefault(p, {}).get(group) or self.groups[p].setdefault(group, [])
+            heapq.heappush(heap, (value, v, key))
+        if len(heap) > 4 * self.rs.capacity + 64:
+            _compact(heap, self.version)
         if until != INF:
-            heapq.heappush(self.expiry, (until, self.version[key], key))
+            heapq.heappush(self.expiry, (until, v, key))
 
     used = hinted = put  # a use or a hint may raise a rank (NextUse) or move it in time
 

@@ -36,7 +36,7 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   recency     rank is (constant, -recency): LRU
   static      rank(key, ...) changes only when key is used (and then never rises) or placed: LFU
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
-  scheduled   `schedule(key, now)` says until which step the rank stays as it is, or which
+  scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
               group of keys (one order among them at every step) it moves with
 
 Admission (`ResidentSet` asks only when a miss finds its pool full; a free slot always admits):
@@ -155,14 +155,14 @@ class NextUse(LRU):
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (self.next_use(key, now), -recency)
 
-    def schedule(self, key: Key, now: int) -> tuple[float, int | None, float]:
-        """(until, group, order): rank (group None) or group membership stays as at `now` for
-        every step < until; NextUse keys form no group. The next use s moves on at step s; an unseen s comes into sight at the
-        first forward f with f + foresight > s // L."""
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
+        """(until, group, value) for `cache/victim_heap.py`: key's rank is `value` (group None)
+        for every step < until. NextUse keys form no group: the next use s moves on at step
+        s; an unseen s comes into sight at the first forward f with f + foresight > s // L."""
         step = self._next_step(key, now)
         if step == INF or step < self.horizon(now):
-            return step, None, 0.0
-        return min(step, (step // self.L - self.foresight + 1) * self.L), None, 0.0
+            return step, None, (step, -recency)
+        return min(step, (step // self.L - self.foresight + 1) * self.L), None, (INF, -recency)
 
     def _next_step(self, key: Key, now: int) -> float:
         steps = self.steps_by_key.get(key)
@@ -222,13 +222,14 @@ class Predicted(LRU):
             return (h, -INF, -recency)
         return (self._estimate(key, now), -self.log_count.get(key, -INF), -recency)
 
-    def schedule(self, key: Key, now: int) -> tuple[float, int | None, float]:
-        """(until, group, order): a predicted key keeps its rank until its step; the others
-        move with their layer's group m, ranked within it by log count (lowest first)."""
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
+        """(until, group, value): a predicted key's rank is `value` until its step; the others
+        move with their layer's group m, where `value` orders them (the lowest log count,
+        then the least recent, ranks highest in the group at every step)."""
         h = self.hints.get(key)
         if h is not None and h > now:
-            return h, None, 0.0
-        return INF, key[0], self.log_count.get(key, -INF)
+            return h, None, (h, -INF, -recency)
+        return INF, key[0], (self.log_count.get(key, -INF), recency)
 
     def _estimate(self, key: Key, now: int) -> float:
         m, L = key[0], self.L
@@ -282,21 +283,22 @@ class Reuse(Predicted):
             return super().rank(key, recency, now)
         return (self.next_use(key, now), -INF, -recency)
 
-    def schedule(self, key: Key, now: int) -> tuple[float, int | None, float]:
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
         """As Predicted before a forecast; then a forecast value v holds until the step at
         which v <= now + 1 or layer m of forward f + 1 passes; keys past that (ranked now + 1,
         ties by recency) form the group FLOOR."""
         if self.ahead is None:
-            return super().schedule(key, now)
+            return super().schedule(key, recency, now)
         hint = self.hints.get(key)
         if hint is not None and hint > now:
-            return hint, None, 0.0
+            return hint, None, (hint, -INF, -recency)
         first = (self.forward + 1) * self.L + key[0]
         switch = first if first > now else INF  # where `ahead` gives way to `after_first`
         value = self._forecast(key, now)
         if value <= now + 1:
-            return switch, self.FLOOR, 0.0
-        return min(switch, INF if value == INF else ceil(value) - 1), None, 0.0
+            return switch, self.FLOOR, (recency,)
+        until = INF if value == INF else ceil(value) - 1
+        return min(switch, until), None, (value, -INF, -recency)
 
     def _forecast(self, key: Key, now: int) -> float:
         m, e = key
