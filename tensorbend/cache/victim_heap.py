@@ -204,12 +204,15 @@ class _ScheduledIndex(_StaticIndex):
     `policy.schedule(key, recency, now)` -> (until, group, value). heaps[pool]: [(-rank,
     version, key)] for keys outside groups (rank = value), each current until its step;
     groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
-    expiry: [(until, version, key)]."""
+    expiry: [(until, version, key)]. A group head's rank is kept for the rest of its step
+    unless the head, its version (a use, a placement) or any hint changes it."""
 
     def __init__(self, rs: ResidentSet):
         super().__init__(rs)
         self.groups: dict[int, dict[int, list]] = {}
         self.expiry: list = []
+        self.memo: dict = {}  # (pool, group) -> (head, its version, its rank) at memo_now
+        self.memo_now: int | None = None
 
     def put(self, key: Key, now: int) -> None:
         recency = self.rs._recency[key]
@@ -228,10 +231,15 @@ class _ScheduledIndex(_StaticIndex):
         if until != INF:
             heapq.heappush(self.expiry, (until, v, key))
 
-    used = hinted = put  # a use or a hint may raise a rank (NextUse) or move it in time
+    used = put  # a use may raise a rank (NextUse) or move it in time
+
+    def hinted(self, key: Key, now: int) -> None:
+        self.memo.clear()  # a hint may move a whole group (Predicted: its layer's next visit)
+        if key in self.rs:
+            self.put(key, now)
 
     def rebuild(self, now: int) -> None:
-        self.heaps, self.groups, self.expiry = {}, {}, []
+        self.heaps, self.groups, self.expiry, self.memo = {}, {}, [], {}
         super().rebuild(now)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
@@ -240,13 +248,25 @@ class _ScheduledIndex(_StaticIndex):
             _, v, key = heapq.heappop(expiry)
             if version[key] == v and key in self.rs:
                 self.put(key, now)
-        heads = [_top(self.heaps.get(pool, []), version, evictable)]
-        heads += [_top(g, version, evictable) for g in self.groups.get(pool, {}).values()]
-        heads = [k for k in heads if k is not None]
-        if not heads:
-            return None
-        rank, recency = self.rs.policy.rank, self.rs._recency
-        return max(heads, key=lambda k: rank(k, recency[k], now))
+        if now != self.memo_now:
+            self.memo, self.memo_now = {}, now
+        rank, recency, memo = self.rs.policy.rank, self.rs._recency, self.memo
+        best, best_rank = _top(self.heaps.get(pool, []), version, evictable), None
+        if best is not None:
+            best_rank = rank(best, recency[best], now)
+        for g, heap in self.groups.get(pool, {}).items():
+            key = _top(heap, version, evictable)
+            if key is None:
+                continue
+            known = memo.get((pool, g))  # a group head's rank, kept while nothing moved it
+            if known is not None and known[0] == key and known[1] == version[key]:
+                r = known[2]
+            else:
+                r = rank(key, recency[key], now)
+                memo[pool, g] = (key, version[key], r)
+            if best is None or r > best_rank:
+                best, best_rank = key, r
+        return best
 
 
 class _AgesIndex:
