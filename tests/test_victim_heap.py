@@ -13,8 +13,9 @@ from fractions import Fraction
 
 import pytest
 
+from tensorbend.cache.kinetic import Tournament
 from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
-from tensorbend.cache.victim_heap import IndexedResidentSet, _Tournament
+from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.offload.policies import (
     INF,
     LFRU,
@@ -156,7 +157,7 @@ def test_tournament_duel_is_exact():
         lines = [(rng.randrange(0, 6), rng.randrange(0, now + 1), r) for r in (1, 2)]
         lines = [(0, 0, r) if c == 0 else (c, last, r) for c, last, r in lines]
         rng.shuffle(lines)
-        tree = _Tournament(2)  # two leaves under the root
+        tree = Tournament(2)  # two leaves under the root
         for i, line in enumerate(lines):
             tree.set(i, line, now)
         w, until = tree.win[1], tree.until[1]

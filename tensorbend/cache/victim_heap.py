@@ -25,7 +25,8 @@ is chosen by the property each policy class declares, `ranking`:
              ties by recency): each group is a heap in its fixed order, and only its head is
              ranked at the miss. The victim is the highest rank among the heap's top and the
              heads: at most one entry per group, L for a global pool, 1 per layer.
-  ages       (LFRU) every score count / (age + 1) moves at every step; see `_Tournament`.
+  ages       (LFRU) every score count / (age + 1) moves at every step: a kinetic tournament
+             (cache/kinetic.py).
 
 Every index skips entries that are not evictable (loading or pinned) by setting them aside and
 putting them back. Time (`now`) never goes backwards. tests/test_victim_heap.py replays random
@@ -36,13 +37,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
 from operator import neg
 
+from tensorbend.cache.kinetic import AgesIndex, Evictable
 from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.resident import ResidentSet
-
-Evictable = Callable[[Key], bool] | None
 
 
 class IndexedResidentSet(ResidentSet):
@@ -269,163 +268,11 @@ class _ScheduledIndex(_StaticIndex):
         return best
 
 
-class _AgesIndex:
-    """LFRU: one `_Tournament` per pool over the keys' (count, last use, recency). A use only
-    lowers a rank at every later step (more uses, a later last use, a later recency), so a
-    used key's line is refreshed when it wins the tournament, as in _StaticIndex."""
-
-    def __init__(self, rs: ResidentSet):
-        self.rs = rs
-        self.trees: dict[int, _Tournament] = {}
-
-    def put(self, key: Key, now: int) -> None:
-        p = self.rs.pool_of(key)
-        tree = self.trees.get(p) or self.trees.setdefault(p, _Tournament(self.rs.pool_capacity(p)))
-        tree.set(key, self._line(key), now)
-
-    def used(self, key: Key, now: int) -> None:
-        pass
-
-    def hinted(self, key: Key, now: int) -> None:
-        pass
-
-    def rebuild(self, now: int) -> None:
-        pass
-
-    def drop(self, key: Key, now: int) -> None:
-        self.trees[self.rs.pool_of(key)].clear(key, now)
-
-    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        tree = self.trees.get(pool)
-        return None if tree is None else tree.best(now, evictable, self._line)
-
-    def _line(self, key: Key) -> tuple[int, int, int]:
-        return (*self.rs.policy.line(key), self.rs._recency[key])
-
-
-class _Tournament:
-    """A kinetic tournament: the lowest LFRU score c / (now - l + 1) among lines (c, l, r).
-
-    Exact formulation: at step t the score order of a and b is the sign of
-        g(t) = (c_a - c_b) * (t + 1) + c_b * l_a - c_a * l_b      (a ranks lower iff g < 0)
-    (cross-multiplied, denominators > 0), ties (g = 0) by recency r. g is linear in t, so a
-    duel between two lines changes its winner at most once, at a step computed exactly in
-    integers; a never-used key is (0, 0), score 0 at every step. Each node of a binary tree over
-    the pool's slots holds the winner of its subtree and `until`, the first step at which its
-    duel or one below it can change. A query at `now` replays only the nodes with until <= now
-    (children first); an insert or removal replays its path. The root is then the entry a
-    scan of `LFRU.rank` (float scores) picks: distinct fractions with c * (age + 1) < 2**51 stay
-    distinct and in order as doubles, and equal ones are equal.
-    """
-
-    def __init__(self, capacity: int):
-        n = 1
-        while n < max(capacity, 1):
-            n *= 2
-        self.n = n
-        self.slot: dict[Key, int] = {}
-        self.free = list(range(n - 1, -1, -1))
-        self.key: list[Key | None] = [None] * n
-        self.c, self.last, self.r = [0] * n, [0] * n, [0] * n
-        self.win = [-1] * (2 * n)  # node -> winning slot (-1: empty); leaves at n + slot
-        self.until = [INF] * (2 * n)
-
-    def set(self, key: Key, line: tuple[int, int, int], now: int) -> None:
-        """Key's line (count, last use, recency), new or changed."""
-        i = self.slot.get(key)
-        if i is None:
-            i = self.slot[key] = self.free.pop()
-        self.key[i] = key
-        self.c[i], self.last[i], self.r[i] = line
-        self._path(i, True, now)
-
-    def clear(self, key: Key, now: int) -> None:
-        i = self.slot.pop(key)
-        self.key[i] = None
-        self.free.append(i)
-        self._path(i, False, now)
-
-    def best(self, now: int, evictable: Evictable, line_of) -> Key | None:
-        """The lowest-scoring evictable key at step now (None: none); `line_of(key)` is the
-        current line, which a stored line of a key used since can only undercut."""
-        self._refresh(now)
-        aside, found = [], None
-        while (w := self.win[1]) >= 0:
-            key = self.key[w]
-            line = line_of(key)
-            if line != (self.c[w], self.last[w], self.r[w]):
-                self.set(key, line, now)
-                continue
-            if evictable is None or evictable(key):
-                found = key
-                break
-            aside.append(w)
-            self._path(w, False, now)
-        for w in aside:
-            self._path(w, True, now)
-        return found
-
-    def _path(self, i: int, present: bool, now: int) -> None:
-        """Leaf i changed: replay its ancestors, up to the first whose duel came out as before
-        with another winner (a node's winner and until, computed at any earlier step, hold
-        for every step before until: the nodes above it are still right)."""
-        win, until, pull = self.win, self.until, self._pull
-        node = self.n + i
-        win[node] = i if present else -1
-        node //= 2
-        while node:
-            old = win[node], until[node]
-            pull(node, now)
-            if win[node] == old[0] != i and until[node] == old[1]:
-                return
-            node //= 2
-
-    def _refresh(self, now: int) -> None:
-        until, n = self.until, self.n
-        if until[1] > now:
-            return
-        stack, order = [1], []
-        while stack:
-            node = stack.pop()
-            if node < n and until[node] <= now:
-                order.append(node)
-                stack += (2 * node, 2 * node + 1)
-        pull = self._pull
-        for node in reversed(order):  # children before parents
-            pull(node, now)
-
-    def _pull(self, node: int, now: int) -> None:
-        """Node's winner and until from its children's at step now. The duel in integers
-        (class docstring): for the winner w over v, g_w(t) = slope * (t + 1) + base with slope
-        = c_w - c_v; w wins for ever if slope <= 0, else until the first t with g_w(t) > 0,
-        or g_w(t) >= 0 when w has the larger recency (it then wins only while g_w < 0)."""
-        win, until = self.win, self.until
-        a, b = win[2 * node], win[2 * node + 1]
-        ua, ub = until[2 * node], until[2 * node + 1]
-        below = ua if ua < ub else ub
-        if a < 0 or b < 0:
-            win[node], until[node] = (a if a > b else b), below
-            return
-        c, last, r = self.c, self.last, self.r
-        ca, cb, la, lb = c[a], c[b], last[a], last[b]
-        g = (ca - cb) * (now + 1) + cb * la - ca * lb
-        if not (g < 0 or (g == 0 and r[a] < r[b])):
-            a, b, ca, cb, la, lb = b, a, cb, ca, lb, la
-        win[node] = a
-        slope = ca - cb
-        if slope <= 0:
-            until[node] = below
-            return
-        base = cb * la - ca * lb
-        t = -(base // slope) - 1 if r[a] > r[b] else (-base) // slope  # first g >= 0 / g > 0
-        until[node] = t if t < below else below
-
-
 _INDEXES = {
     "recency": _RecencyIndex,
     "static": _StaticIndex,
     "scheduled": _ScheduledIndex,
-    "ages": _AgesIndex,
+    "ages": AgesIndex,
 }
 
 
