@@ -102,6 +102,9 @@ def _fuzz(rs: ResidentSet, seed: int, L: int, E: int, forwards: int) -> list:
             for key in missed if later else ():
                 p = rs.place(key, now, None, lambda k, pinned=pinned: k not in pinned)
                 out.append((now, key, p.outcome, p.victim))
+            for _ in range(rng.randrange(4)):  # predictions made at the router, then prefetches
+                m2 = rng.randrange(L)  # for layer m2 of the next forward or the one after
+                rs.hint((m2, rng.randrange(E)), (f + rng.choice([1, 2])) * L + m2)
             extra = (rng.randrange(L), rng.randrange(E))
             if rng.random() < 0.3 and extra not in rs:
                 p = rs.place(extra, now, now + rng.randrange(1, 2 * L))
@@ -190,3 +193,26 @@ def test_index_ranks_few_entries_per_victim():
     assert calls["lfu", ResidentSet] > 100 and calls["predicted", ResidentSet] > 100  # ~ 128
     assert calls["lfu", IndexedResidentSet] < calls["lfu", ResidentSet] / 5
     assert calls["predicted", IndexedResidentSet] < 2 * (L + 1)  # heads of L groups (+ hinted)
+
+
+def test_a_hint_for_an_absent_expert_moves_its_layer_within_a_step():
+    """Predicted: a hint of an expert not in the cache still moves its layer's next visit (the
+    predicted set excludes the others), so the victim can change within the same step."""
+    changed = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        L, E = 2, 6
+        sets = [cls(4, L, Predicted(L)) for cls in (ResidentSet, IndexedResidentSet)]
+        for rs in sets:
+            for step in range(12):
+                rs.access((step % L, rng.randrange(E)), step)  # the same draws for both sets
+            rng.seed(seed)
+        now = 12
+        before = [rs.victim((0, E - 1), now) for rs in sets]
+        absent = [k for k in ((m, e) for m in range(L) for e in range(E)) if k not in sets[0]]
+        for rs in sets:
+            rs.hint(absent[seed % len(absent)], now + 1 + seed % L)
+        after = [rs.victim((0, E - 1), now) for rs in sets]
+        assert before[0] == before[1] and after[0] == after[1]
+        changed += before[0] != after[0]
+    assert changed > 0

@@ -63,8 +63,7 @@ class IndexedResidentSet(ResidentSet):
 
     def hint(self, key: Key, when: int) -> None:
         super().hint(key, when)
-        if key in self._recency:
-            self._index.hinted(key, self._now)
+        self._index.hinted(key, self._now)
 
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         super().set_forecast(forward, ahead_LE, after_first_LE)
@@ -98,7 +97,7 @@ class _StaticIndex:
         self.version: dict[Key, int] = {}
 
     def put(self, key: Key, now: int) -> None:
-        """Key placed, or its rank changed otherwise than by a use."""
+        """Key placed, or its rank changed otherwise than by a use (hinted, a forecast)."""
         v = self.version[key] = self.version.get(key, 0) + 1
         heap = self.heaps.setdefault(self.rs.pool_of(key), [])
         heapq.heappush(heap, (self._neg_rank(key, now), v, key))
