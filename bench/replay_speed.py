@@ -33,13 +33,13 @@ def main(argv=None) -> int:
         before_prompts=a.before_prompts,
         policies=tuple(a.policies.split(",")),
     )
-    result = measure(cfg)
+    command = " ".join(["python -m bench.replay_speed", *(sys.argv[1:] if argv is None else argv)])
+    result = measure(cfg, command)
     text = json.dumps(result, indent=2)
     if a.json:
         atomic_write_text(Path(a.json), text + "\n")
     if a.doc:
-        command = "python -m bench.replay_speed " + " ".join(argv or sys.argv[1:])
-        atomic_write_text(Path(a.doc), markdown(result, command.strip()))
+        atomic_write_text(Path(a.doc), markdown(result))
     print(text)
     return 0
 

@@ -151,6 +151,7 @@ class _RecencyIndex:
         self.rs = rs
         self.order: dict[int, OrderedDict] = {}
         self.late: dict[int, list] = {}  # pool -> [(recency, key)]
+        self.per_layer = rs.pool == "per_layer"
 
     def put(self, key: Key, now: int) -> None:
         p, recency = self.rs.pool_of(key), self.rs._recency[key]
@@ -161,7 +162,7 @@ class _RecencyIndex:
             heapq.heappush(self.late.setdefault(p, []), (recency, key))
 
     def used(self, key: Key, now: int) -> None:
-        order = self.order[self.rs.pool_of(key)]
+        order = self.order[key[0] if self.per_layer else 0]  # pool_of, on the hot path
         if key in order:
             order.move_to_end(key)
         else:
