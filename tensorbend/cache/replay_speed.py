@@ -86,6 +86,7 @@ def measure(cfg: SpeedConfig, command: str = "") -> dict:
             "python": platform.python_version(),
             "load_avg_1min_at_start": round(load, 2),
             "load_avg_1min_at_end": round(os.getloadavg()[0], 2),
+            "shared": load > 0.5,  # other work ran beside this one (before it, load was > 0.5)
         },
         "results": rows,
     }
@@ -105,9 +106,14 @@ def markdown(r: dict) -> str:
         f"on the first {c['before_prompts']} prompts ({r['before_layer_steps']:,} layer-steps); "
         "after = `IndexedResidentSet` on the same prefix (victims compared) and on the whole "
         "trace. Layer-steps per second, wall clock; CPU = per second of this process's CPU "
-        f"time. Machine: {m['cpus']} CPUs, Python {m['python']}, 1-minute load average "
-        f"{m['load_avg_1min_at_start']} at the start and {m['load_avg_1min_at_end']} at the "
-        "end (other work was running when it is above 1).",
+        f"time. Machine: {m['cpus']} CPUs, Python {m['python']}. "
+        + (
+            "Measured while other work shared the machine (1-minute load average "
+            f"{m['load_avg_1min_at_start']} at the start, {m['load_avg_1min_at_end']} at the "
+            "end): an idle machine replays faster."
+            if m["shared"]
+            else "Measured on an otherwise idle machine."
+        ),
         "",
         "| policy | index | before | after (prefix) | speedup | after (whole trace) | "
         "after, CPU | same victims |",
