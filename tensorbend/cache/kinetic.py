@@ -33,6 +33,7 @@ class AgesIndex:
     root whose line is stale is refreshed and the root asked again."""
 
     def __init__(self, rs: ResidentSet):
+        assert rs.policy.use_lowers_rank, rs.policy.name
         self.rs = rs
         self.trees: dict[int, Tournament] = {}
 

@@ -88,10 +88,11 @@ class IndexedResidentSet(ResidentSet):
 
 class _StaticIndex:
     """One heap per pool of negated ranks [(-rank, version, key)], each at least the key's
-    current rank: a use only lowers a rank, so a used key is re-ranked when it reaches the top
-    (a top whose stored rank is current is the highest)."""
+    current rank: a use only lowers a rank, so a used key (its stored recency is stale) is
+    re-ranked when it reaches the top; a top whose stored rank is current is the highest."""
 
     def __init__(self, rs: ResidentSet):
+        assert rs.policy.use_lowers_rank or rs.policy.ranking == "scheduled", rs.policy.name
         self.rs = rs
         self.heaps: dict[int, list] = {}
         self.version: dict[Key, int] = {}
@@ -118,16 +119,15 @@ class _StaticIndex:
             self.put(key, now)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        heap, version = self.heaps.get(pool, []), self.version
+        heap, version, recency = self.heaps.get(pool, []), self.version, self.rs._recency
         aside, found = [], None
         while heap:
-            neg, v, key = heap[0]
+            stored, v, key = heap[0]
             if version[key] != v:
                 heapq.heappop(heap)  # stale
                 continue
-            current = self._neg_rank(key, now)
-            if current != neg:
-                heapq.heapreplace(heap, (current, v, key))  # used since: lower now
+            if stored[-1] != recency[key]:  # used since (ranks hold recency last): lower now
+                heapq.heapreplace(heap, (self._neg_rank(key, now), v, key))
                 continue
             if evictable is None or evictable(key):
                 found = key
@@ -148,6 +148,7 @@ class _RecencyIndex:
     in a heap by recency until used. The victim is the older of the two first evictable keys."""
 
     def __init__(self, rs: ResidentSet):
+        assert rs.policy.use_lowers_rank, rs.policy.name
         self.rs = rs
         self.order: dict[int, OrderedDict] = {}
         self.late: dict[int, list] = {}  # pool -> [(recency, key)]

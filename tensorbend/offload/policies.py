@@ -38,6 +38,8 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
   scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
               group of keys (one order among them at every step) it moves with
+and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
+and ages indexes rely on: they re-rank a used key only when it comes up as a candidate.
 
 Admission (`ResidentSet` asks only when a miss finds its pool full; a free slot always admits):
   AdmitAll        every miss is kept.
@@ -71,6 +73,7 @@ class LRU:
 
     name = "lru"
     ranking: ClassVar[Ranking] = "recency"  # how rank moves with the clock (module docstring)
+    use_lowers_rank: ClassVar[bool] = True  # a use never raises the key's rank, now or later
 
     def touch(self, key: Key, now: int) -> None:
         """A demand use of key at step now (hit or miss)."""
@@ -137,6 +140,7 @@ class NextUse(LRU):
 
     name = "next_use"
     ranking: ClassVar[Ranking] = "scheduled"
+    use_lowers_rank: ClassVar[bool] = False  # a use moves the next use later
 
     def __init__(
         self, steps_by_key: dict[Key, list[int]], num_layers: int, foresight: int | None = None
@@ -238,7 +242,8 @@ class Predicted(LRU):
             visit += L
         if self.layer_hint.get(m, -1) >= visit:
             visit += L  # the predicted set for that visit excludes this expert
-        p = min(1.0, self._count(key, now) * (1 - self.decay))
+        g = self.log_count.get(key)  # (the count inline: victim search ranks many of these)
+        p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
         return visit + L * (1 - p) / max(p, 1e-3)
 
     def _count(self, key: Key, now: int) -> float:
