@@ -215,21 +215,16 @@ class _ScheduledIndex(_StaticIndex):
         self.memo_now: int | None = None
 
     def put(self, key: Key, now: int) -> None:
-        recency = self.rs._recency[key]
-        until, group, value = self.rs.policy.schedule(key, recency, now)
-        assert until > now, (key, now, until)
-        v = self.version[key] = self.version.get(key, 0) + 1
-        p = self.rs.pool_of(key)
+        p, group, item, until = self._entry(key, now)
         if group is None:
             heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
-            heapq.heappush(heap, (tuple(map(neg, value)), v, key))
         else:
             heap = self.groups.setdefault(p, {}).get(group) or self.groups[p].setdefault(group, [])
-            heapq.heappush(heap, (value, v, key))
+        heapq.heappush(heap, item)
         if len(heap) > 4 * self.rs.capacity + 64:
             _compact(heap, self.version)
         if until != INF:
-            heapq.heappush(self.expiry, (until, v, key))
+            heapq.heappush(self.expiry, (until, item[1], key))
 
     used = put  # a use may raise a rank (NextUse) or move it in time
 
@@ -239,8 +234,21 @@ class _ScheduledIndex(_StaticIndex):
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
+        """Every rank anew (a forecast): put's entries, heapified at once."""
         self.heaps, self.groups, self.expiry, self.memo = {}, {}, [], {}
-        super().rebuild(now)
+        for key in self.rs:
+            p, group, item, until = self._entry(key, now)
+            if group is None:
+                self.heaps.setdefault(p, []).append(item)
+            else:
+                self.groups.setdefault(p, {}).setdefault(group, []).append(item)
+            if until != INF:
+                self.expiry.append((until, item[1], key))
+        for heap in [*self.heaps.values(), self.expiry]:
+            heapq.heapify(heap)
+        for groups in self.groups.values():
+            for heap in groups.values():
+                heapq.heapify(heap)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         expiry, version = self.expiry, self.version
@@ -267,6 +275,14 @@ class _ScheduledIndex(_StaticIndex):
             if best is None or r > best_rank:
                 best, best_rank = key, r
         return best
+
+    def _entry(self, key: Key, now: int) -> tuple:
+        """(pool, group, heap entry, until) of key's rank from now on; a new version."""
+        until, group, value = self.rs.policy.schedule(key, self.rs._recency[key], now)
+        assert until > now, (key, now, until)
+        v = self.version[key] = self.version.get(key, 0) + 1
+        item = (tuple(map(neg, value)), v, key) if group is None else (value, v, key)
+        return self.rs.pool_of(key), group, item, until
 
 
 _INDEXES = {

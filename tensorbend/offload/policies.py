@@ -297,8 +297,9 @@ class Reuse(Predicted):
         hint = self.hints.get(key)
         if hint is not None and hint > now:
             return hint, None, (hint, -INF, -recency)
-        first = (self.forward + 1) * self.L + key[0]
-        switch = first if first > now else INF  # where `ahead` gives way to `after_first`
+        m, e = key
+        first = (self.forward + 1) * self.L + m  # where `ahead` gives way to `after_first`
+        switch = first if first > now and self.ahead[m][e] != self.after_first[m][e] else INF
         value = self._forecast(key, now)
         if value <= now + 1:
             return switch, self.FLOOR, (recency,)
