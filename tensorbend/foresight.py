@@ -15,7 +15,7 @@ decode forwards of held-out requests:
                         forwards f+1..f+h of the request, n = |S| (R-precision)
   replay                the requests replayed one after another, demand loads only (no
                         prefetch, no timing: what a policy must read), through the runtime's own
-                        ResidentSet and policies: experts read per decode token for lru, lfu,
+                        resident set and policies: experts read per decode token for lru, lfu,
                         lfru x pool global/per_layer x admission all/frequency (no prediction),
                         `reuse` driven by the predictor (global pool, admission all/predicted),
                         and Belady knowing h = 1, 2, 4, 8 forwards (the current one counts) or
@@ -30,10 +30,12 @@ decode forwards of held-out requests:
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
+from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Reuse, make_admission
-from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
 
 ORACLE_FORESIGHTS = (1, 2, 4, 8, None)  # None: all of the future
@@ -240,7 +242,8 @@ def _replay(phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle
     """Demand-only replay: experts read per decode token; with `oracle`, the good-decision rate
     of the evictions (see the module docstring)."""
     adm = make_admission(admission, L, ADMISSION_WINDOW)
-    rs = ResidentSet(slots, L, policy, pool=pool, admission=adm)
+    rs = IndexedResidentSet(slots, L, policy, pool=pool, admission=adm)
+    farthest = None if oracle is None else _Farthest(rs, oracle)
     reads = decode = good = evictions = 0
     for f, phase in enumerate(phases):
         for m in range(L):
@@ -249,26 +252,47 @@ def _replay(phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle
                 if rs.use((m, e), now):
                     continue
                 reads += phase == "decode"
-                best = _belady_victim(rs, (m, e), now, oracle) if oracle is not None else None
+                best = None if farthest is None else farthest.value((m, e), now)
                 placed = rs.place((m, e), now)
                 if placed.victim is not None and best is not None:
                     evictions += 1
-                    good += oracle.next_use(placed.victim, now) >= oracle.next_use(best, now)
+                    good += oracle.next_use(placed.victim, now) >= best
+                if farthest is not None and placed.outcome == "admitted":
+                    farthest.placed((m, e), now)
         decode += phase == "decode"
         if fc is not None:
-            policy.set_forecast(
-                f, *Forecast(fc.first_use_LEJ[f], fc.tail_LE[f]).next_use_steps(f, L)
-            )
+            rs.set_forecast(f, *Forecast(fc.first_use_LEJ[f], fc.tail_LE[f]).next_use_steps(f, L))
     out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions}
     if oracle is not None:
         out["good_decisions"] = good / evictions if evictions else None
     return out
 
 
-def _belady_victim(rs: ResidentSet, key, now: int, oracle: NextUse):
-    """The candidate Belady evicts to make room for key (None when the pool has room)."""
-    if rs.has_room(key):
-        return None
-    p = rs.pool_of(key)
-    cands = [k for k in rs if rs.pool_of(k) == p]
-    return max(cands, key=lambda k: oracle.next_use(k, now)) if cands else None
+class _Farthest:
+    """The farthest next use (full-foresight NextUse) among the entries of a pool: the victim
+    Belady would pick, by value, without ranking the pool at each miss. Each entry's next use s
+    is stored until step s, when the key is used and its next use moves on (heap `until`)."""
+
+    def __init__(self, rs: IndexedResidentSet, oracle: NextUse):
+        self.rs, self.oracle = rs, oracle
+        self.heaps: dict[int, list] = {}  # pool -> [(-next use, key)]
+        self.until: list = []  # [(next use, key)]
+
+    def placed(self, key, now: int) -> None:
+        s = self.oracle.next_use(key, now)
+        heapq.heappush(self.heaps.setdefault(self.rs.pool_of(key), []), (-s, key))
+        if s != float("inf"):
+            heapq.heappush(self.until, (s, key))
+
+    def value(self, key, now: int) -> float | None:
+        """The farthest next use in key's pool (None when the pool has room: no victim)."""
+        if self.rs.has_room(key):
+            return None
+        while self.until and self.until[0][0] <= now:
+            _, k = heapq.heappop(self.until)
+            if k in self.rs:
+                self.placed(k, now)
+        heap = self.heaps.get(self.rs.pool_of(key), [])
+        while heap and (heap[0][1] not in self.rs or -heap[0][0] <= now):
+            heapq.heappop(heap)  # evicted, or a next use that has passed (re-pushed above)
+        return -heap[0][0] if heap else None

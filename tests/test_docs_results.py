@@ -89,6 +89,7 @@ def test_seed_study_table_matches_its_json():
         ("offload_sweep", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
         ("offload_sweep", "docs/bench/offload_default_b4.json", "docs/offload_default_b4.md"),
         ("train_memory", "docs/bench/train_memory.json", "docs/bench/train_memory.md"),
+        ("replay_speed", "docs/bench/replay_speed.json", "docs/bench/replay_speed.md"),
     ],
 )
 def test_generated_docs_are_their_json_rendered(bench, json_path, doc):

@@ -6,13 +6,12 @@
    policy, with predictions (prefetch + hints) and without.
 2. The threaded runtime itself (`OffloadSession.run_policy`, one I/O thread, no link cap)
    and the simulator count the same hits, misses and evictions for lru and lfu.
-3. The simulator's indexed victim search returns ResidentSet's victims on random sequences.
+(The indexed victim search both use returns ResidentSet's victims: tests/test_victim_heap.py.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -21,10 +20,8 @@ from test_offload_runtime import _session
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.offload.link import Link as StoreLink
 from tensorbend.offload.plan import PolicyConfig
-from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
-from tensorbend.simulate.indexed import make_indexed
 from tensorbend.simulate.link import Link
 from tensorbend.simulate.plan import steps_by_key
 from tensorbend.simulate.runs import make_resident_set
@@ -159,45 +156,3 @@ def test_threaded_runtime_and_simulator_count_the_same(recorded, policy):
         run.total.evictions,
         run.total.bytes_read,
     )
-
-
-@pytest.mark.parametrize("make", [LRU, LFU, LFRU, lambda: Predicted(3), "next_use", "next_use_h2"])
-def test_indexed_victims_equal_resident_set_victims(make):
-    rng = random.Random(0)
-    L, E = 3, 6
-    seq = [[(m, rng.randrange(E)) for m in range(L)] for _ in range(300)]
-    steps = {}
-    for f, keys in enumerate(seq):
-        for k in keys:
-            steps.setdefault(k, []).append(f * L + k[0])
-
-    def policy():
-        if make == "next_use":
-            return NextUse(steps, L)
-        if make == "next_use_h2":
-            return NextUse(steps, L, foresight=2)
-        return make()
-
-    out = []
-    for rs in (ResidentSet(5, L, policy()), make_indexed(5, L, policy())):
-        coin = random.Random(1)
-        victims, pinned = [], set()
-        for f, keys in enumerate(seq):
-            for k in keys:
-                now = f * L + k[0]
-                if f % 7 == 0:
-                    rs.hint((k[0], (k[1] + 1) % E), now + L)
-                if not rs.use(k, now):
-                    p = rs.place(k, now, None, lambda x, pinned=pinned: x not in pinned)
-                    victims.append(p.victim)
-                if coin.random() < 0.1:
-                    extra = (k[0], coin.randrange(E))
-                    if extra not in rs:
-                        victims.append(
-                            rs.place(
-                                extra, now, now + 2, lambda x, pinned=pinned: x not in pinned
-                            ).victim
-                        )
-                pinned = {k}
-        out.append(victims)
-    assert out[0] == out[1] and sum(v is not None for v in out[0]) > 50

@@ -200,7 +200,7 @@ class ExpertCache:
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast for the policy (policies.Reuse.set_forecast)."""
         with self._cond:
-            self.resident.policy.set_forecast(forward, ahead_LE, after_first_LE)
+            self.resident.set_forecast(forward, ahead_LE, after_first_LE)
 
     def layer_counters(self) -> list[dict]:
         """Per MoE layer seen so far: demand hits, late (still loading), misses, bytes read."""

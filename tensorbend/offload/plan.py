@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
 from tensorbend.offload import NO_PREDICTION_CACHES, PolicyName
@@ -33,7 +34,7 @@ from tensorbend.offload.policies import (
     Reuse,
     make_admission,
 )
-from tensorbend.offload.resident import PoolName, ResidentSet
+from tensorbend.offload.resident import PoolName
 from tensorbend.offload.store import ExpertLayout
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
 
@@ -114,7 +115,7 @@ def build_cache(
     else:
         policy = {"lfu": LFU, "lfru": LFRU}.get(pc.policy, LRU)()
     admission = make_admission(pc.admission, L, pc.admission_window)
-    rs = ResidentSet(slots, L, policy, pool=pc.pool, admission=admission)
+    rs = IndexedResidentSet(slots, L, policy, pool=pc.pool, admission=admission)
     cfg = CacheConfig(scratch=spec.top_k, device=device)
     return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.nbytes)
 

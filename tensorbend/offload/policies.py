@@ -26,7 +26,20 @@ Reuse (Belady on a cross-token predictor's forecast of each next use) and
 NextUse (Belady's MIN from a recorded routing; with `foresight` h it knows only the routing of
 steps < (now // L + h) * L: the rest of the current forward and the next h - 1; keys not used
 within that window rank by recency, so h = 0 is LRU and h >= the run's forwards is full MIN).
-Ties always go to the least recent entry.
+Ties go to the least recent entry; `Predicted` and `Reuse` rank (next use, tie, -recency),
+where tie is -inf for a predicted or forecast use (ties: least recent, as everywhere) and
+-log(decayed count) for an estimate from use rates, so that of two equal estimates (only
+rounding makes two distinct counts equal) the less used leaves first.
+
+Victim search: every policy declares how its rank moves with the clock (`ranking`), and
+`cache/victim_heap.py` picks the index that finds the same victim as a scan by that property:
+  recency     rank is (constant, -recency): LRU
+  static      rank(key, ...) changes only when key is used (and then never rises) or placed: LFU
+  ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
+  scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
+              group of keys (one order among them at every step) it moves with
+and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
+and ages indexes rely on: they re-rank a used key only when it comes up as a candidate.
 
 Admission (`ResidentSet` asks only when a miss finds its pool full; a free slot always admits):
   AdmitAll        every miss is kept.
@@ -45,18 +58,22 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Literal
+from math import ceil, exp, log
+from typing import ClassVar, Literal
 
 Key = tuple[int, int]  # (MoE layer m, expert e)
 INF = float("inf")
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 AdmissionName = Literal["all", "frequency", "predicted"]
+Ranking = Literal["recency", "static", "ages", "scheduled"]
 
 
 class LRU:
     """Least recently used (the base: other policies override what they know more about)."""
 
     name = "lru"
+    ranking: ClassVar[Ranking] = "recency"  # how rank moves with the clock (module docstring)
+    use_lowers_rank: ClassVar[bool] = True  # a use never raises the key's rank, now or later
 
     def touch(self, key: Key, now: int) -> None:
         """A demand use of key at step now (hit or miss)."""
@@ -75,6 +92,7 @@ class LFU(LRU):
     """Least frequently used: all-time demand count per key (ties: least recent)."""
 
     name = "lfu"
+    ranking: ClassVar[Ranking] = "static"
 
     def __init__(self) -> None:
         self.counts: dict[Key, int] = {}
@@ -90,6 +108,7 @@ class LFRU(LFU):
     """Frequency damped by age: score = uses / (steps since the last use + 1); lowest leaves."""
 
     name = "lfru"
+    ranking: ClassVar[Ranking] = "ages"
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,6 +126,10 @@ class LFRU(LFU):
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (-self.score(key, now), -recency)
 
+    def line(self, key: Key) -> tuple[int, int]:
+        """(uses, step of the last use): score = uses / (now - last + 1); (0, 0) never used."""
+        return (self.counts[key], self.last_use[key]) if key in self.last_use else (0, 0)
+
 
 class NextUse(LRU):
     """Belady's MIN over a recorded routing, optionally knowing only `foresight` forwards ahead.
@@ -116,6 +139,8 @@ class NextUse(LRU):
     """
 
     name = "next_use"
+    ranking: ClassVar[Ranking] = "scheduled"
+    use_lowers_rank: ClassVar[bool] = False  # a use moves the next use later
 
     def __init__(
         self, steps_by_key: dict[Key, list[int]], num_layers: int, foresight: int | None = None
@@ -124,15 +149,8 @@ class NextUse(LRU):
         self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
 
     def next_use(self, key: Key, now: int) -> float:
-        steps = self.steps_by_key.get(key)
-        if not steps:
-            return INF
-        i = bisect.bisect_right(steps, now)
-        if i == len(steps):
-            return INF
-        if self.foresight is not None and steps[i] >= self.horizon(now):
-            return INF
-        return steps[i]
+        step = self._next_step(key, now)
+        return INF if step >= self.horizon(now) else step
 
     def horizon(self, now: int) -> float:
         """First step this policy cannot see (INF with full foresight)."""
@@ -140,6 +158,22 @@ class NextUse(LRU):
 
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (self.next_use(key, now), -recency)
+
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
+        """(until, group, value) for `cache/victim_heap.py`: key's rank is `value` (group None)
+        for every step < until. NextUse keys form no group: the next use s moves on at step
+        s; an unseen s comes into sight at the first forward f with f + foresight > s // L."""
+        step = self._next_step(key, now)
+        if step == INF or step < self.horizon(now):
+            return step, None, (step, -recency)
+        return min(step, (step // self.L - self.foresight + 1) * self.L), None, (INF, -recency)
+
+    def _next_step(self, key: Key, now: int) -> float:
+        steps = self.steps_by_key.get(key)
+        if not steps:
+            return INF
+        i = bisect.bisect_right(steps, now)
+        return INF if i == len(steps) else steps[i]
 
 
 class Predicted(LRU):
@@ -150,20 +184,29 @@ class Predicted(LRU):
     one forward later if a prediction for that visit left it out; we stretch that visit by the
     odds against use, (1 - p) / p visits, where p is the expert's recent use rate per visit
     (decayed count, `decay` per forward). Without predictions this is a layer-cycle-aware LFU.
+
+    The decayed count is kept as its logarithm referred to step 0 (count at step t =
+    exp(log_count + t * log(decay) / L)): it then stays constant between uses, and at every step
+    the estimates of one layer's unpredicted experts are in the order of their log counts
+    (the estimate is a non-increasing function of the count; every operation on the way is
+    monotone in IEEE arithmetic). `cache/victim_heap.py` relies on that order.
     """
 
     name = "predicted"
+    ranking: ClassVar[Ranking] = "scheduled"
 
     def __init__(self, num_layers: int, decay: float = 0.9):
+        assert 0.0 < decay <= 1.0, decay
         self.L, self.decay = num_layers, decay
+        self._per_step = log(decay) / num_layers  # log of the decay of a count per step
         self.hints: dict[Key, int] = {}
         self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
-        self.use: dict[Key, tuple[float, int]] = {}  # key -> (decayed count, step of last use)
+        self.log_count: dict[Key, float] = {}  # key -> log(decayed count) referred to step 0
         self._clock = -1  # latest step seen: hints at or before it have passed
 
     def touch(self, key: Key, now: int) -> None:
         self._clock = max(self._clock, now)
-        self.use[key] = (self._count(key, now) + 1.0, now)
+        self.log_count[key] = log(self._count(key, now) + 1.0) - now * self._per_step
 
     def hint(self, key: Key, when: int) -> None:
         old = self.hints.get(key)
@@ -175,21 +218,37 @@ class Predicted(LRU):
         h = self.hints.get(key)
         if h is not None and h > now:
             return h
+        return self._estimate(key, now)
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        h = self.hints.get(key)
+        if h is not None and h > now:
+            return (h, -INF, -recency)
+        return (self._estimate(key, now), -self.log_count.get(key, -INF), -recency)
+
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
+        """(until, group, value): a predicted key's rank is `value` until its step; the others
+        move with their layer's group m, where `value` orders them (the lowest log count,
+        then the least recent, ranks highest in the group at every step)."""
+        h = self.hints.get(key)
+        if h is not None and h > now:
+            return h, None, (h, -INF, -recency)
+        return INF, key[0], (self.log_count.get(key, -INF), recency)
+
+    def _estimate(self, key: Key, now: int) -> float:
         m, L = key[0], self.L
         visit = now - now % L + m
         if visit <= now:
             visit += L
         if self.layer_hint.get(m, -1) >= visit:
             visit += L  # the predicted set for that visit excludes this expert
-        p = min(1.0, self._count(key, now) * (1 - self.decay))
+        g = self.log_count.get(key)  # (the count inline: victim search ranks many of these)
+        p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
         return visit + L * (1 - p) / max(p, 1e-3)
 
-    def rank(self, key: Key, recency: int, now: int) -> tuple:
-        return (self.next_use(key, now), -recency)
-
     def _count(self, key: Key, now: int) -> float:
-        c, t = self.use.get(key, (0.0, now))
-        return c * self.decay ** ((now - t) / self.L)
+        g = self.log_count.get(key)
+        return 0.0 if g is None else exp(g + now * self._per_step)
 
 
 class Reuse(Predicted):
@@ -204,6 +263,7 @@ class Reuse(Predicted):
     """
 
     name = "reuse"
+    FLOOR = -1  # the group of keys whose forecast has passed: all next used "at now + 1"
 
     def __init__(self, num_layers: int):
         super().__init__(num_layers)
@@ -221,10 +281,35 @@ class Reuse(Predicted):
         hint = self.hints.get(key)
         if hint is not None and hint > now:
             return hint
+        return max(self._forecast(key, now), now + 1)  # a stale forecast never says "past"
+
+    def rank(self, key: Key, recency: int, now: int) -> tuple:
+        if self.ahead is None:
+            return super().rank(key, recency, now)
+        return (self.next_use(key, now), -INF, -recency)
+
+    def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
+        """As Predicted before a forecast; then a forecast value v holds until the step at
+        which v <= now + 1 or layer m of forward f + 1 passes; keys past that (ranked now + 1,
+        ties by recency) form the group FLOOR."""
+        if self.ahead is None:
+            return super().schedule(key, recency, now)
+        hint = self.hints.get(key)
+        if hint is not None and hint > now:
+            return hint, None, (hint, -INF, -recency)
+        m, e = key
+        first = (self.forward + 1) * self.L + m  # where `ahead` gives way to `after_first`
+        switch = first if first > now and self.ahead[m][e] != self.after_first[m][e] else INF
+        value = self._forecast(key, now)
+        if value <= now + 1:
+            return switch, self.FLOOR, (recency,)
+        until = INF if value == INF else ceil(value) - 1
+        return min(switch, until), None, (value, -INF, -recency)
+
+    def _forecast(self, key: Key, now: int) -> float:
         m, e = key
         first = (self.forward + 1) * self.L + m  # the step of forecast class 1
-        value = self.ahead[m][e] if first > now else self.after_first[m][e]
-        return max(value, now + 1)  # a stale forecast never says "already past"
+        return self.ahead[m][e] if first > now else self.after_first[m][e]
 
 
 class AdmitAll:

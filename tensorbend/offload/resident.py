@@ -105,6 +105,10 @@ class ResidentSet:
         """A prediction that key is used at step `when` (passed to the policy)."""
         self.policy.hint(key, when)
 
+    def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
+        """A cross-token forecast (passed to the policy: `policies.Reuse.set_forecast`)."""
+        self.policy.set_forecast(forward, ahead_LE, after_first_LE)
+
     def place(
         self,
         key: Key,

@@ -5,8 +5,8 @@ Usage:
     row["decode_tok_s"], row["stall_s_per_token"]     # the keys of `run --json`
 
 `make_resident_set` maps a policy name to the runtime's policy objects (offload/policies.py)
-in a ResidentSet with the asked pool and admission; the simulator's indexed variant finds the
-same victims faster (indexed.py). Cache size: `cache_frac` of each layer's (trace) experts,
+in a resident set with the asked pool and admission (`cache.victim_heap.IndexedResidentSet`:
+the runtime's victims, found through an index). Cache size: `cache_frac` of each layer's (trace) experts,
 at least top-k slots; its bytes are reported for the geometry's own experts.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse, make_admission
 from tensorbend.offload.resident import ResidentSet
@@ -21,7 +22,6 @@ from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, Times
 from tensorbend.simulate.geometry import Geometry
-from tensorbend.simulate.indexed import make_indexed
 from tensorbend.simulate.link import Link
 from tensorbend.simulate.predictions import Ranked
 
@@ -50,7 +50,7 @@ def make_resident_set(
         ev = {"lfu": LFU, "lfru": LFRU}.get(policy, LRU)()
     cap = 0 if policy == "on_demand" else capacity
     adm = make_admission(admission, num_layers, admission_window)
-    return make_indexed(cap, num_layers, ev, pool=pool, admission=adm)
+    return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=adm)
 
 
 def run_one(

@@ -1,0 +1,48 @@
+"""Layer-steps per second of a pure-Python replay, per policy, before and after the victim index.
+
+Usage:
+    python -m bench.replay_speed [--prompts 60] [--tokens 64] [--before-prompts 6]
+        [--json docs/bench/replay_speed.json] [--doc docs/bench/replay_speed.md]
+
+What is measured and how: `tensorbend/cache/replay_speed.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tensorbend.atomic import atomic_write_text
+from tensorbend.cache.replay_speed import SpeedConfig, markdown, measure
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=SpeedConfig.prompts)
+    ap.add_argument("--tokens", type=int, default=SpeedConfig.tokens)
+    ap.add_argument("--before-prompts", type=int, default=SpeedConfig.before_prompts)
+    ap.add_argument("--policies", default=",".join(SpeedConfig.policies))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--doc", default=None)
+    a = ap.parse_args(argv)
+    cfg = SpeedConfig(
+        prompts=a.prompts,
+        tokens=a.tokens,
+        before_prompts=a.before_prompts,
+        policies=tuple(a.policies.split(",")),
+    )
+    command = " ".join(["python -m bench.replay_speed", *(sys.argv[1:] if argv is None else argv)])
+    result = measure(cfg, command)
+    text = json.dumps(result, indent=2)
+    if a.json:
+        atomic_write_text(Path(a.json), text + "\n")
+    if a.doc:
+        atomic_write_text(Path(a.doc), markdown(result))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
