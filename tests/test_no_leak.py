@@ -206,7 +206,7 @@ def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
 
     spec, pred, rows, scrambled = request_pair
     L, log = spec.num_moe_layers, []
-    set_forecast, place = Reuse.set_forecast, foresight.ResidentSet.place
+    set_forecast, place = Reuse.set_forecast, foresight.IndexedResidentSet.place
 
     def logged_forecast(self, forward, ahead, after):
         log.append(("forecast", forward, ahead, after))
@@ -220,7 +220,7 @@ def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
         return out
 
     monkeypatch.setattr(Reuse, "set_forecast", logged_forecast)
-    monkeypatch.setattr(foresight.ResidentSet, "place", logged_place)
+    monkeypatch.setattr(foresight.IndexedResidentSet, "place", logged_place)
     runs = []
     for r in (rows, scrambled):
         log.clear()
