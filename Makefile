@@ -62,6 +62,8 @@ bench-accuracy: bench-traces
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/projections.json --doc docs/projections.md > /dev/null
+	$(PY) bench/zoo_card.py $(BENCH)/default/trace $(BENCH)/qwen/trace \
+		--json docs/zoo_card.json --doc docs/zoo_card.md > /dev/null
 	$(PY) bench/train_memory.py --trace $(BENCH)/default/trace \
 		--json docs/bench/train_memory.json --doc docs/bench/train_memory.md > /dev/null
 

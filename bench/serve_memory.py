@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     result = _aggregate(runs, args, ckpt, baseline)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
-    write_generated(args.doc, format_doc(result))
-    print(format_doc(result))
+    write_generated(args.doc, markdown(json.loads(args.json.read_text())))
+    print(markdown(result))
     return 0
 
 
@@ -122,7 +122,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
     }
 
 
-def format_doc(res: dict) -> str:
+def markdown(res: dict) -> str:
     gb = 1e9
     budget, base = res["max_memory_bytes"], res["import_baseline_rss_bytes"]
     lines = [

@@ -153,6 +153,19 @@ def _cmd_zoo_train(args) -> int:
     return 0
 
 
+def _cmd_zoo_card(args) -> int:
+    from tensorbend.trace import Trace
+    from tensorbend.zoo.realism import format_card, routing_card
+
+    cards = {}
+    for d in args.traces:
+        trace = Trace.open(Path(d))
+        cards[str(trace.manifest["model"].get("name", d))] = routing_card(trace, args.cache_frac)
+    print(format_card(cards))
+    _write_json(args.json, cards)
+    return 0
+
+
 def _cmd_zoo_corpus(args) -> int:
     from tensorbend.zoo.corpus import prepare_corpus
 
@@ -234,6 +247,14 @@ def _zoo_parser(sub) -> None:
     zl.add_argument("--json", action="store_true")
     zp = _verb(zsub, "path", _cmd_zoo_path, "directory of a bundled model", quiet=False)
     zp.add_argument("name")
+    zk = _verb(zsub, "card", _cmd_zoo_card, "routing realism of traces beside a real MoE's",
+               quiet=False)  # fmt: skip
+    zk.add_argument("traces", nargs="+", metavar="TRACE_DIR",
+                    help="traces with held-out decode rows (`tensorbend collect --decode "
+                    "teacher`); a routing-only import works too (no token statistics)")  # fmt: skip
+    zk.add_argument("--cache-frac", type=float, default=0.25,
+                    help="cache size for the foresight statistics (default: 0.25)")  # fmt: skip
+    zk.add_argument("--json", help="write the statistics as JSON")
     zc = _verb(zsub, "corpus", _cmd_zoo_corpus, "extract the offline training corpus", quiet=False)
     zc.add_argument("--out", required=True, help="corpus directory to write")
     add_config_flags(_verb(zsub, "train", _cmd_zoo_train, "train a small MoE LM"), ZooTrainConfig)

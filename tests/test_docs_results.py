@@ -90,6 +90,8 @@ def test_seed_study_table_matches_its_json():
         ("offload_sweep", "docs/bench/offload_default_b4.json", "docs/offload_default_b4.md"),
         ("train_memory", "docs/bench/train_memory.json", "docs/bench/train_memory.md"),
         ("replay_speed", "docs/bench/replay_speed.json", "docs/bench/replay_speed.md"),
+        ("zoo_card", "docs/zoo_card.json", "docs/zoo_card.md"),
+        ("serve_memory", "docs/bench/serve_memory.json", "docs/serve_memory.md"),
     ],
 )
 def test_generated_docs_are_their_json_rendered(bench, json_path, doc):

@@ -107,7 +107,7 @@ class ExactForecast(Feed):
 
     def __init__(self, ids_FLK: list, num_experts: int):
         self.ids, self.L = ids_FLK, len(ids_FLK[0])
-        self.steps = _steps_by_key(ids_FLK)
+        self.steps = steps_by_key(ids_FLK)
         self.next_LE = [[INF] * num_experts for _ in range(self.L)]
         self.pos: dict = {}
         for (m, e), steps in self.steps.items():
@@ -140,7 +140,7 @@ def replay_policy(name: str, ids_FLK: list, num_layers: int, num_experts: int = 
         return Reuse(L), ExactForecast(ids_FLK, E)
     if name.startswith("belady"):
         h = None if name == "belady" else int(name.split("=")[1])
-        return NextUse(_steps_by_key(ids_FLK), L, h), Feed()
+        return NextUse(steps_by_key(ids_FLK), L, h), Feed()
     return {"lru": LRU, "lfu": LFU, "lfru": LFRU}[name](), Feed()
 
 
@@ -166,7 +166,7 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     return out
 
 
-def _steps_by_key(ids_FLK: list) -> dict:
+def steps_by_key(ids_FLK: list) -> dict:
     """Sorted steps at which each (m, e) is used (NextUse's routing; for lists, as
     `simulate.plan.steps_by_key` for the simulator's work and `foresight._steps_by_key`)."""
     L = len(ids_FLK[0]) if ids_FLK else 1
