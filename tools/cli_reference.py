@@ -20,7 +20,7 @@ OUT = ROOT / "docs" / "cli.md"
 VERBS = (
     (), ("collect",), ("trace", "info"), ("trace", "import"), ("train",), ("eval",), ("run",), ("generate",),
     ("simulate",), ("demo",), ("zoo", "list"), ("zoo", "path"), ("zoo", "train"),
-    ("zoo", "corpus"),
+    ("zoo", "card"), ("zoo", "corpus"),
 )  # fmt: skip
 
 
