@@ -110,16 +110,16 @@ def test_interrupted_store_build_resumes_and_keeps_finished_layers(tmp_path, mon
     plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
     path = tmp_path / "store" / "experts.safetensors"
     calls = []
-    real = ExpertPlan.expert
+    real = ExpertPlan.expert_into
 
-    def flaky(self, m, e, dtype):
+    def flaky(self, m, e, out, staging=None):
         calls.append(m)
         if m == 2 and not getattr(flaky, "failed", False):
             flaky.failed = True
             raise KeyboardInterrupt  # killed while layer 2 was being written
-        return real(self, m, e, dtype)
+        return real(self, m, e, out, staging)
 
-    monkeypatch.setattr(ExpertPlan, "expert", flaky)
+    monkeypatch.setattr(ExpertPlan, "expert_into", flaky)
     with pytest.raises(KeyboardInterrupt):
         build_store(plan, path, {"fingerprint": "x"}, torch.float32, progress=False)
     assert not path.exists()
@@ -308,3 +308,27 @@ def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
     assert main([*base, "--horizon", str(mine)]) == 2
     assert "expected a cross-token (horizon) predictor" in capsys.readouterr().err
     assert main([*base, "--predictor", str(mine), "--max-new-tokens", "3"]) == 0
+
+
+def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):
+    """Shards in bf16, served in float32: each stored expert equals what from_pretrained(dtype=
+    float32) builds (the conversion goes through the staging buffer)."""
+    from tiny_models import build
+
+    model = build("qwen3_moe").to(torch.bfloat16)
+    model.config.eos_token_id = 1
+    model.save_pretrained(tmp_path / "ckpt")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
+                                               experts_implementation="eager")  # fmt: skip
+    spec = describe_model(ref)
+    lm = tensorbend.load_offloaded(tmp_path / "ckpt", store_dir=tmp_path / "s", cache_frac=0.5,
+                                   progress=False)  # fmt: skip
+    h = lm.tensorbend
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
+            got = torch.empty(h.layout.numel)
+            h.store.read_into(m, e, got)
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+    h.close()

@@ -114,29 +114,40 @@ class Checkpoint:
         return sum(r.nbytes for r in self.refs.values())
 
     def read(self, ref: TensorRef, row: int | None = None) -> torch.Tensor:
-        """The tensor (a fresh CPU tensor), or only row `row` of its leading dim."""
-        shape, start, nbytes = ref.shape, ref.start, ref.nbytes
+        """The tensor (a fresh CPU tensor in its own dtype), or only row `row` of its leading dim."""
+        shape = ref.shape if row is None else ref.shape[1:]
+        out = torch.empty(shape, dtype=_dtype(ref))
+        self.read_into(ref, out.reshape(-1), row)
+        return out
+
+    def read_into(
+        self, ref: TensorRef, out: torch.Tensor, row: int | None = None, staging=None
+    ) -> None:
+        """Read the tensor (or row `row`) into the contiguous 1-D CPU tensor `out`, converting
+        to out's dtype through `staging` (a uint8 buffer, grown as needed) when they differ."""
+        start, nbytes = ref.start, ref.nbytes
         if row is not None:
-            nbytes //= shape[0]
+            nbytes //= ref.shape[0]
             start += row * nbytes
-            shape = shape[1:]
-        dtype = ST_DTYPES.get(ref.dtype)
-        if dtype is None:
-            raise UnsupportedModelError(
-                f"{ref.shard.name}: tensor {ref.key} has dtype {ref.dtype}: expected one of "
-                f"{', '.join(ST_DTYPES)} (quantized checkpoints are not supported)"
-            )
-        buf = bytearray(nbytes)
+        dtype = _dtype(ref)
+        assert out.is_contiguous() and out.numel() * dtype.itemsize == nbytes, (ref.key, out.shape)
+        if nbytes == 0:
+            return
+        if dtype == out.dtype:
+            dst = out.view(torch.uint8)
+        else:
+            if staging is None or staging.numel() < nbytes:
+                staging = torch.empty(nbytes, dtype=torch.uint8)
+            dst = staging[:nbytes]
         with open(ref.shard, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], start)
+            got = os.preadv(f.fileno(), [memoryview(dst.numpy())], start)
         if got != nbytes:
             raise StoreError(
                 f"{ref.shard}: short read of {ref.key} (expected {nbytes} bytes, got {got}): "
                 f"the shard is truncated; download or save the checkpoint again"
             )
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        if dst.data_ptr() != out.data_ptr():
+            out.copy_(dst.view(dtype))
 
 
 @dataclass
@@ -192,21 +203,30 @@ class ExpertPlan:
 
     def expert(self, m: int, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e of MoE layer m packed as the store keeps it: flat, parts back to back."""
-        flats = []
+        out = torch.empty(self.layout.numel, dtype=dtype)
+        self.expert_into(m, e, out)
+        return out
+
+    def expert_into(self, m: int, e: int, out: torch.Tensor, staging=None) -> None:
+        """`expert` read straight into `out` (no intermediate copies when dtypes match)."""
+        at = 0
         for name, shape in self.layout.parts:
             src = self.parts[m][name]
-            if src.fused is not None:
-                t = self.ckpt.read(src.fused, row=e)
-            else:
-                pieces = src.pieces[e]
-                t = torch.cat([self.ckpt.read(pieces[i]) for i in sorted(pieces)], dim=0)
-            if tuple(t.shape) != shape:
+            refs = [(src.fused, e)] if src.fused is not None else [
+                (src.pieces[e][i], None) for i in sorted(src.pieces[e])
+            ]  # fmt: skip
+            found = _stacked_shape([r.shape[1:] if row is not None else r.shape
+                                    for r, row in refs])  # fmt: skip
+            if found != shape:
                 raise StoreError(
                     f"{self.ckpt.directory}: layer {m} expert {e} part {name}: expected shape "
-                    f"{list(shape)} (from config.json), found {list(t.shape)} in the checkpoint"
+                    f"{list(shape)} (from config.json), found {list(found)} in the checkpoint"
                 )
-            flats.append(t.to(dtype).reshape(-1))
-        return torch.cat(flats)
+            for ref, row in refs:
+                n = _numel(ref.shape[1:] if row is not None else ref.shape)
+                self.ckpt.read_into(ref, out[at : at + n], row, staging)
+                at += n
+        assert at == out.numel()
 
     def _check(self) -> None:
         E = self.spec.num_experts
@@ -254,11 +274,14 @@ def build_store(
             os.ftruncate(fd, len(header) + L * E * layout.nbytes)
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
+        flat = torch.empty(layout.numel, dtype=dtype)  # one expert, reused: memory stays flat
+        staging = torch.empty(layout.nbytes, dtype=torch.uint8)
         for m in range(done, L):
             for e in range(E):
-                flat = plan.expert(m, e, dtype)
-                data = flat.contiguous().view(torch.uint8).numpy().tobytes()
-                os.pwrite(fd, data, len(header) + (m * E + e) * layout.nbytes)
+                plan.expert_into(m, e, flat, staging)
+                data = memoryview(flat.view(torch.uint8).numpy())
+                if os.pwrite(fd, data, len(header) + (m * E + e) * layout.nbytes) != len(data):
+                    raise StoreError(f"{partial}: short write (disk full?); free space and rerun")
                 bar.update(1)
             os.fsync(fd)
             atomic_write_text(record, json.dumps({**want, "layers_done": m + 1}))
@@ -328,6 +351,29 @@ def _piece(key: str, src: str, converters) -> tuple[int, int]:
     match = re.search(r"experts\.(\d+)\.", key)
     assert match is not None, f"converter {src} matched {key} without an expert index"
     return conv.source_patterns.index(src), int(match.group(1))
+
+
+def _dtype(ref: TensorRef) -> torch.dtype:
+    dtype = ST_DTYPES.get(ref.dtype)
+    if dtype is None:
+        raise UnsupportedModelError(
+            f"{ref.shard.name}: tensor {ref.key} has dtype {ref.dtype}: expected one of "
+            f"{', '.join(ST_DTYPES)} (quantized checkpoints are not supported)"
+        )
+    return dtype
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _stacked_shape(shapes: list) -> tuple[int, ...]:
+    """Shapes concatenated along dim 0 (per-expert pieces), or the one shape."""
+    first = tuple(shapes[0])
+    return (sum(s[0] for s in shapes), *first[1:]) if len(shapes) > 1 else first
 
 
 def _digest(data: bytes) -> str:
