@@ -9,6 +9,9 @@ the fixed work below:
   hardware profiles on a large geometry, global and per-layer pools, all / frequency /
   predicted admission, bounded foresight, batches, backlog 0 / 0.5 / inf, lookaheads;
 - the horizon's forecasts (random, fixed seed) steering `Reuse` through `runs.run_one`;
+- the event run alone (`simulate.events.EventRun`) on planted work with noisy predictions
+  before attention and at the router: five policies x I/O threads 1-3 x backlog 0 / 0.25 s /
+  inf, an uncapped link (transfers completing at the instant they start) and a preloaded cache;
 - the runtime's `ExpertCache` driven as its compute and I/O threads act (one thread, loads
   finishing at once or one layer late), with a counter reset half way.
 Every counter, second and token count must stay equal (floats compared exactly). Rewrite the
@@ -29,11 +32,14 @@ import torch
 from test_import import csv_rows, planted_routing
 
 from tensorbend.cache.replay import planted_trace
+from tensorbend.cache.transfers import Link
 from tensorbend.engines import ImportConfig, import_trace
 from tensorbend.engines.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration
+from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
+from tensorbend.simulate.io import IOThreads
 from tensorbend.simulate.runs import make_resident_set
 
 KNOWN = Path(__file__).parent / "data" / "cache_model_known.json"
@@ -79,7 +85,7 @@ CASES = {  # name: (trace, calibration or None for profiles, SimulateConfig fiel
 def observe(root: Path) -> dict:
     """Every observation, keyed `case/policy/predictor/cache_frac` (simulated rows) or
     `runtime/policy/admission`."""
-    return {**simulated(root), **horizon(root), **runtime()}
+    return {**simulated(root), **horizon(root), **event_runs(), **runtime()}
 
 
 def simulated(root: Path) -> dict:
@@ -127,6 +133,45 @@ def horizon(root: Path) -> dict:
     for ranked in rank_all(("transition", "none"), tr, rows, "d1", 2, None):
         r = runs.run_one(cfg, "prefetch", ranked, 0.5, fwds, demand, mapping, costs, hw, geo, fcs)
         out[f"horizon/prefetch/{ranked.kind}/0.5"] = _row(r)
+    return out
+
+
+def event_runs() -> dict:
+    """EventRun on planted work: 8 bytes per expert, 64 B/s (0.125 s on the wire) + 0.0625 s
+    latency, attention 0.25 s and 0.0625 s per expert token, 0.5 s per forward, 1/64 s per
+    prediction, 1/128 s per miss (all exact in binary)."""
+    times = Times(lambda n: 0.25 * n, lambda n: 0.0625 * n, lambda n: 0.5, 0.015625, 0.0078125)
+    runs = [(p, threads, backlog, 64.0) for p in ("lru", "lfru", "prefetch", "oracle", "on_demand")
+            for threads, backlog in ((1, float("inf")), (3, 0.25), (2, 0.0))]  # fmt: skip
+    runs += [
+        ("lru", 2, float("inf"), None),
+        ("prefetch", 2, 0.25, None),
+        ("resident", 2, 0.25, 64.0),
+    ]
+    planted = planted_work()
+    out = {}
+    for policy, threads, backlog, bandwidth in runs:
+        work = [
+            ForwardWork(
+                phase=int(f % 12 != 0),  # each prompt's first forward: a 6-token prefill
+                tokens=6 if f % 12 == 0 else 1,
+                layers=[LayerWork(lw["demand"], lw["at_start"], lw["at_router"]) for lw in layers],
+            )
+            for f, layers in enumerate(planted)
+        ]
+        cap = 64 if policy == "resident" else 20
+        rs = make_resident_set(policy, cap, 4, steps=_steps(planted))
+        io = IOThreads(Link(bandwidth, 0.0625), threads, backlog)
+        run = EventRun(rs, io, times, scratch=3, unit_bytes=8)
+        if policy == "resident":
+            run.preload([(m, e) for m in range(4) for e in range(16)])
+        run.run(work)
+        out[f"event/{policy}/{threads}/{backlog}/{bandwidth}"] = {
+            "total": vars(run.total),
+            "phases": [vars(run.stats[0]), vars(run.stats[1])],
+            "seconds": [run.seconds[0], run.seconds[1]],
+            "tokens": [run.tokens[0], run.tokens[1]],
+        }
     return out
 
 
@@ -192,7 +237,7 @@ def test_simulated_runs_and_runtime_counters_match_the_recorded_answers(tmp_path
     for k in differ[:3]:
         print(k, "\n  known", known[k], "\n  seen ", seen[k])
     assert not differ, f"{len(differ)} of {len(known)} differ, e.g. {differ[:5]}"
-    assert len(known) == 92
+    assert len(known) == 110
 
 
 # ---------------------------------------------------------------- helpers
@@ -223,7 +268,8 @@ def _counters(stats) -> dict:
     return {k: v for k, v in vars(stats).items() if k != "stall_s"}  # stall: wall clock
 
 
-def _steps(work) -> dict:
+def _steps(work: list[list[dict]]) -> dict:
+    """Sorted steps at which each (layer, expert) is demanded (the oracle's future)."""
     out = {}
     for f, layers in enumerate(work):
         for m, lw in enumerate(layers):
