@@ -3,7 +3,7 @@
 Usage (one driver per run: the runtime's `offload.cache.ExpertCache` under its lock, or the
 simulator's `simulate.events.EventRun`; times are the driver's clock):
     >>> from tensorbend.offload.policies import LRU
-    >>> from tensorbend.offload.resident import ResidentSet
+    >>> from tensorbend.offload.resident import Placement, ResidentSet
     >>> table = SlotTable(ResidentSet(1, 1, LRU()), scratch=1, nbytes=16)
     >>> table.now = 0                          # logical clock of the policy: step = forward * L + m
     >>> table.claim((0, 5), t=0.0)             # compute: a demand; the expert is not there
@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.offload.resident import Placement, ResidentSet
 
 _LAYER_COUNTERS = ("hits", "late", "misses", "bytes_read")
 
@@ -219,7 +219,7 @@ class SlotTable:
         """Start with these experts resident and ready from `at` (policy resident: every expert)."""
         for key in keys:
             placed = self.resident.place(key, self.now)
-            assert placed.outcome == "admitted", "preload beyond capacity"
+            assert placed == Placement("admitted"), "preload beyond capacity"
             self.entries[key] = Slot(self.free.pop(), True, ready_at=at)
 
     def evict(self, key: Key) -> None:
