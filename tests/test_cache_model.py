@@ -38,8 +38,7 @@ from tensorbend.engines.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration
-from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
-from tensorbend.simulate.io import IOThreads
+from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 from tensorbend.simulate.runs import make_resident_set
 
 KNOWN = Path(__file__).parent / "data" / "cache_model_known.json"

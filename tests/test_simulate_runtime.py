@@ -22,8 +22,7 @@ from tensorbend.cache.transfers import Link
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
-from tensorbend.simulate.io import IOThreads
+from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 from tensorbend.simulate.plan import steps_by_key
 from tensorbend.simulate.runs import make_resident_set
 

@@ -31,7 +31,7 @@ one H100 MoE layer of batch-1 decode compute (see `real_link`), scaled to this m
 measured resident compute time per MoE layer. `speedup` makes any link N times faster.
 
 The `RequestQueue` is what I/O threads serve (`offload.loader.Loader` with real threads,
-`simulate.io.IOThreads` in event time): every demand load before any prefetch, prefetches by
+`simulate.events.IOThreads` in event time): every demand load before any prefetch, prefetches by
 the step they are needed at (soonest first: a prediction for the next token's layers waits
 behind this token's), then by the prediction's rank, then first come. A demand for a queued
 prefetch upgrades it; prefetches whose step has come are cancelled (`cancel_stale`); a prefetch
@@ -184,9 +184,10 @@ class RequestQueue:
     def __init__(self, max_backlog_s: float = INF):
         self.max_backlog_s = max_backlog_s
         self.queued: dict[Key, Request] = {}  # alive requests by key
-        self._heap: list[tuple] = []  # (kind, priority, seq, request): queued by `_released`
-        self._unreleased: deque[Request] = deque()  # queued after the last pop's time, in order
-        self._arrivals: deque[Request] = deque()  # every request in order (dead ones lazily)
+        self._heap: list[tuple] = []  # (kind, priority, seq, request) of requests a pop saw
+        self._unreleased: deque[Request] = deque()  # queued after every pop's time, in order
+        self._arrivals: deque[Request] = deque()  # all requests in order (dead ones dropped
+        # from the front): the earliest queued one is the first alive
         self._seq = 0
         self._last_at = -INF
 

@@ -5,7 +5,6 @@ Usage (simulator.py builds the work and the resident set; one `EventRun` per sim
     >>> from tensorbend.cache.transfers import Link
     >>> from tensorbend.offload.policies import LRU
     >>> from tensorbend.offload.resident import ResidentSet
-    >>> from tensorbend.simulate.io import IOThreads
     >>> work = [ForwardWork(phase=1, tokens=1, layers=[LayerWork(demand=[(0, 1), (1, 1)])])]
     >>> run = EventRun(ResidentSet(0, 1, LRU()), IOThreads(Link(5.0), 1, float("inf")),
     ...                times=Times(attn_s=lambda n: 1.0, expert_s=lambda n: 0.5,
@@ -24,10 +23,13 @@ Shared with the runtime, not copied: claims, slots, pins, bypass (staging `scrat
 victims, waste and counters are `cache.slots.SlotTable` (the table `offload.cache.ExpertCache`
 drives under its lock) over the same `offload.resident.ResidentSet` and policies; the request
 queue and the wire are `cache.transfers` (as `offload.loader.Loader` and
-`offload.store.ExpertStore` use them), served by simulated I/O threads (io.py). An entry is
+`offload.store.ExpertStore` use them), served by simulated I/O threads (`IOThreads`, the
+loader's threads in event time). An entry is
 ready at the time its booked transfer arrives; the completion (its counters) is applied at that
-time, after any request a thread starts at the same instant. Counters are `CacheStats`, per
-phase (0 prefill, 1 decode).
+time, after any request a thread starts at the same instant (so an entry evicted at the very
+instant it lands is not counted as read: the simulator has always done so, and
+tests/test_cache_model.py keeps its numbers). Counters are `CacheStats`, per phase (0 prefill,
+1 decode).
 """
 
 from __future__ import annotations
@@ -37,10 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorbend.cache.slots import CacheStats, SlotTable
-from tensorbend.cache.transfers import DEMAND, Request
+from tensorbend.cache.transfers import DEMAND, Link, Request, RequestQueue, Wire
 from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.simulate.io import IOThreads
 
 
 @dataclass
@@ -189,3 +190,63 @@ class EventRun:
         entry.ready_at = done = self.io.wire.book(s, self.nbytes)
         heapq.heappush(self.done, (done, req.key))
         return done
+
+
+Start = Callable[[Request, float], float | None]  # (request, start time) -> thread free at
+
+
+class IOThreads:
+    """The I/O threads in event time: `threads` readers serving the shared request queue and
+    wire. Each takes the best request queued by the time it is free (`RequestQueue.pop`) and
+    stays busy until `start` says (a read keeps its thread until the bytes arrived, as
+    `ExpertStore.read_into` sleeps until its booking ends); a demand that finds no cache slot
+    blocks its thread (`start` returns None) until `retry_blocked`. Time only moves forward:
+    the caller advances the threads to the compute thread's time before it queues anything.
+
+        >>> io = IOThreads(Link(bandwidth_Bps=5.0, latency_s=0.5), 2, max_backlog_s=float("inf"))
+        >>> io.queue.demand((0, 1), at=0.0)
+        >>> io.queue.prefetch((1, 4), when=7, rank=0, at=0.0)
+        True
+        >>> started = []
+        >>> io.advance(10.0, lambda req, s: started.append((req.key, s)) or io.wire.book(s, 10))
+        >>> started, io.wire.free_at           # 10 bytes at 5 B/s: 2 s each, back to back
+        ([((0, 1), 0.0), ((1, 4), 0.0)], 4.0)
+    """
+
+    def __init__(self, link: Link, threads: int, max_backlog_s: float):
+        self.link = link
+        self.wire = Wire(link)
+        self.queue = RequestQueue(max_backlog_s)
+        self.free_at = [0.0] * threads  # when each thread can start its next request
+        self.blocked: list[tuple[int, Request]] = []  # demands waiting for a cache slot
+
+    def advance(self, t: float, start: Start) -> None:
+        """Start every request a free thread takes by time t."""
+        while self.queue:
+            i = min(range(len(self.free_at)), key=self.free_at.__getitem__)
+            s = max(self.free_at[i], self.queue.next_arrival())
+            if s > t:
+                return
+            req = self.queue.pop(s)
+            free = start(req, s)
+            if free is None:
+                self.blocked.append((i, req))
+                self.free_at[i] = INF
+            else:
+                self.free_at[i] = free
+
+    def retry_blocked(self, t: float, start: Start) -> None:
+        """A slot may have freed up at time t: blocked demands try again (oldest first)."""
+        waiting, self.blocked = self.blocked, []
+        for i, req in waiting:
+            free = start(req, t)
+            if free is None:
+                self.blocked.append((i, req))
+            else:
+                self.free_at[i] = free
+
+    def next_free(self) -> float:
+        """Earliest time a thread could start a queued request (INF when nothing can)."""
+        if not self.queue:
+            return INF
+        return max(min(self.free_at), self.queue.next_arrival())

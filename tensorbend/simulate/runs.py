@@ -21,9 +21,8 @@ from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reus
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
-from tensorbend.simulate.events import EventRun, Times
+from tensorbend.simulate.events import EventRun, IOThreads, Times
 from tensorbend.simulate.geometry import Geometry
-from tensorbend.simulate.io import IOThreads
 from tensorbend.simulate.predictions import Ranked
 
 NO_PREDICTION = ("lru", "lfu", "lfru")
