@@ -72,6 +72,8 @@ class Times:
 
 
 class EventRun:
+    """One simulated run: the compute thread's work over a `SlotTable`, loads by `io`."""
+
     def __init__(
         self, resident: ResidentSet, io: IOThreads, times: Times, scratch: int, unit_bytes: int
     ):
