@@ -67,7 +67,7 @@ def test_on_demand_keeps_nothing_after_use():
     cache = _cache(0, LRU(), scratch=2)  # no resident slots: every miss uses a staging slot
     s = _replay(cache, [0, 0, 1, 1])
     assert (s.hits, s.misses, s.bypassed) == (0, 4, 4) and not cache.entries
-    assert sorted(cache.scratch_free) == [0, 1]
+    assert sorted(cache.slots.scratch_free) == [0, 1]
 
 
 def test_bypassed_miss_is_computed_and_not_kept():
@@ -76,7 +76,7 @@ def test_bypassed_miss_is_computed_and_not_kept():
     s = _replay(cache, [0, 1, 0, 1, 2, 0, 1])
     assert (s.hits, s.misses, s.bypassed, s.evictions) == (2, 5, 3, 1)
     assert s.bytes_read == 5 * 16  # a bypassed expert is read (into staging) all the same
-    assert list(cache.entries) == [(0, 1)] and cache.scratch_free == [1]
+    assert list(cache.entries) == [(0, 1)] and cache.slots.scratch_free == [1]
 
 
 def test_prefetch_counters_used_and_wasted():
@@ -198,8 +198,6 @@ def test_prefetch_racing_a_demand_hands_over_the_pin():
 
 def test_loader_queue_order_demand_then_soonest_then_rank():
     """No I/O threads: inspect the queue the threads would serve, in order."""
-    import heapq
-
     from tensorbend.offload.loader import Loader
 
     cache = _cache(4, LRU())
@@ -213,10 +211,9 @@ def test_loader_queue_order_demand_then_soonest_then_rank():
     assert loader.prefetch((0, 6), priority=0, when=5) is False  # queued already
     loader.cancel_stale(4)  # nothing stale left: (0, 7) became a demand
     order = []
-    while loader._heap:
-        kind, _, _, key, _, alive = heapq.heappop(loader._heap)
-        if alive:
-            order.append((kind, key))
+    while loader.queue:
+        req = loader.queue.pop()
+        order.append((req.kind, req.key))
     assert order == [(0, (0, 3)), (0, (0, 7)), (1, (0, 6)), (1, (0, 5)), (1, (1, 0))]
     assert cache.stats.prefetch_issued == 4 and cache.stats.prefetch_cancelled == 0
     loader.prefetch((0, 9), priority=0, when=6)

@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from tiny_models import build
 
+from tensorbend.cache.transfers import Link, parse_link, real_link
 from tensorbend.errors import StoreError
 from tensorbend.models import describe_model, moe_block
-from tensorbend.offload.link import Link, parse_link, real_link
 from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
 
 

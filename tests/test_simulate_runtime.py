@@ -1,9 +1,10 @@
-"""The simulator picks the runtime's victims: same ResidentSet, same mechanism, same order.
+"""The simulator picks the runtime's victims: same ResidentSet, same slot table, same order.
 
 1. A recorded sequence (the routing of a tiny model's resident run) is replayed through the
    runtime's own `ExpertCache` (driven in the order its compute and I/O threads act, with
    instant loads) and through the simulator: the victims, in order, are identical for every
-   policy, with predictions (prefetch + hints) and without.
+   policy, with predictions (prefetch + hints) and without. Both drive `cache.slots.SlotTable`;
+   what this checks is that the two drivers call it in the same order.
 2. The threaded runtime itself (`OffloadSession.run_policy`, one I/O thread, no link cap)
    and the simulator count the same hits, misses and evictions for lru and lfu.
 (The indexed victim search both use returns ResidentSet's victims: tests/test_victim_heap.py.)
@@ -17,12 +18,11 @@ import pytest
 import torch
 from test_offload_runtime import _session
 
+from tensorbend.cache.transfers import Link
 from tensorbend.offload.cache import CacheConfig, ExpertCache
-from tensorbend.offload.link import Link as StoreLink
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times
-from tensorbend.simulate.link import Link
+from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 from tensorbend.simulate.plan import steps_by_key
 from tensorbend.simulate.runs import make_resident_set
 
@@ -69,7 +69,7 @@ def simulate_victims(work, rs, K) -> list:
     out = victims_of(rs)
     run = EventRun(
         rs,
-        Link(0.0, 0.0, 1, float("inf")),
+        IOThreads(Link(), 1, float("inf")),
         Times(lambda n: 0.0, lambda n: 0.0, lambda n: 0.0),
         scratch=K,
         unit_bytes=1,
@@ -138,12 +138,12 @@ def test_threaded_runtime_and_simulator_count_the_same(recorded, policy):
     sess, ids = recorded
     L, K = sess.spec.num_moe_layers, sess.spec.top_k
     sess.cfg = dataclasses.replace(sess.cfg, io_threads=1)
-    r = sess.run_policy(PolicyConfig(policy, cache_frac=0.5), link=StoreLink()).to_json()
+    r = sess.run_policy(PolicyConfig(policy, cache_frac=0.5), link=Link()).to_json()
     assert r["output_matches_resident"]
     rs = make_resident_set(policy, r["cache_slots"], L)
     run = EventRun(
         rs,
-        Link(1e-3, 0.0, 1, float("inf")),
+        IOThreads(Link(r["expert_bytes"] / 1e-3), 1, float("inf")),
         Times(lambda n: 1e-3, lambda n: 1e-4, lambda n: 0.0),
         scratch=K,
         unit_bytes=r["expert_bytes"],

@@ -8,12 +8,11 @@ Usage:
     True
 
 See docs/offload.md. Modules, in the order a run uses them:
-  link      the emulated transfer link (bandwidth + latency caps, the real-system ratio)
-  store     on-disk expert store: one contiguous read per expert
+  store     on-disk expert store: one contiguous read per expert, booked on the link's wire
   policies  eviction and admission rules (pure; shared with the simulator)
   resident  ResidentSet: which experts hold slots, per pool (pure; shared with the simulator)
-  cache     ExpertCache: slots, LOADING/READY, pins, counters
-  loader    Loader: I/O threads on one priority queue
+  cache     ExpertCache: tensor slots, lock and waiting over cache/slots.py's slot table
+  loader    Loader: I/O threads on cache/transfers.py's request queue
   hooks     PredictionHooks: router hooks -> predictor inputs -> prefetches + cache hints
   oracle    RecordedRouting: the resident run's routing as predictions, with bounded foresight
   layer     OffloadedExperts: the experts forward on weights from the cache

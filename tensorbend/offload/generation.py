@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from tensorbend.cache.slots import CacheStats
 from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_batch, decode_prompt
-from tensorbend.offload.cache import CacheStats
 from tensorbend.offload.hooks import RoutingHistory, StepClock
 
 PHASES = ("prefill", "decode")

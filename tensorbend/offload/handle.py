@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.cache.slots import CacheStats
+from tensorbend.cache.transfers import Link
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
-from tensorbend.offload.cache import CacheStats
 from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import OffloadedExperts, check_supported
-from tensorbend.offload.link import Link
 from tensorbend.offload.loader import Loader
 from tensorbend.offload.plan import PolicyConfig, build_cache
 from tensorbend.offload.result import phase_numbers

@@ -7,12 +7,11 @@ Usage (the session does this per policy run):
     loader.cancel_stale(now)                    # layer `now` started: older prefetches are moot
     loader.close()
 
-One priority queue: every demand load before any prefetch, prefetches by the step they are
-needed at (soonest first: a prediction for the next token's layers waits behind this token's),
-then by the prediction's rank, then first come. A demand for a queued prefetch upgrades it. Prefetches
-whose step has come (`cancel_stale`) are cancelled; one is dropped when the emulated link is
-busy for more than `max_backlog_s` (wrong prefetches then use idle link time instead of
-delaying demand loads). Whether a prefetch may evict, and what, is the cache's question.
+The threads serve one `cache.transfers.RequestQueue` (the simulator's I/O threads serve the
+same queue in event time): demand loads first, then prefetches by the step they are needed at
+and by rank; a demand upgrades a queued prefetch; stale prefetches are cancelled; a prefetch
+taken while the store's wire is busy for more than `max_backlog_s` is dropped. Whether a
+prefetch may evict, and what, is the cache's question (`ExpertCache.start_load`).
 
 CUDA: reads land in a pinned staging buffer per thread, then one copy stream moves them into
 the slot; the copy waits for the compute stream to finish with the slot's previous expert.
@@ -20,29 +19,24 @@ the slot; the copy waits for the compute stream to finish with the slot's previo
 
 from __future__ import annotations
 
-import heapq
 import threading
 
 import torch
 
+from tensorbend.cache.transfers import DEMAND, RequestQueue
 from tensorbend.offload.cache import ExpertCache
 from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.store import ExpertStore
 
-DEMAND, PREFETCH = 0, 1
-
 
 class Loader:
-    """I/O threads serving one priority queue: demand loads first, then prefetches by rank."""
+    """I/O threads serving one request queue: demand loads first, then prefetches by rank."""
 
     def __init__(
         self, store: ExpertStore, cache: ExpertCache, threads: int = 2, max_backlog_s: float = INF
     ):
         self.store, self.cache = store, cache
-        self.max_backlog_s = max_backlog_s
-        self._heap: list[list] = []  # [kind, (when, rank), seq, key, when, alive]
-        self._queued: dict[Key, list] = {}
-        self._seq = 0
+        self.queue = RequestQueue(max_backlog_s)  # guarded by _cond
         self._cond = threading.Condition()
         self._closed = False
         self._cuda = cache.device.type == "cuda"
@@ -57,30 +51,22 @@ class Loader:
 
     def demand(self, key: Key) -> None:
         with self._cond:
-            req = self._queued.get(key)
-            if req is not None and req[0] == DEMAND:
-                return
-            if req is not None:
-                req[5] = False  # upgraded: the demand below replaces it
-            self._push(DEMAND, (0, 0), key, INF)
+            self.queue.demand(key)
+            self._cond.notify()
 
     def prefetch(self, key: Key, priority: float, when: int) -> bool:
         """Queue a prefetch of key, used at step `when`; False if queued or cached already."""
         with self._cond:
-            if key in self._queued or key in self.cache.entries:
+            if key in self.cache.entries or not self.queue.prefetch(key, when, priority):
                 return False
-            self._push(PREFETCH, (when, priority), key, when)
             self.cache.stats.prefetch_issued += 1
+            self._cond.notify()
             return True
 
     def cancel_stale(self, now: int) -> None:
         """Drop queued prefetches for steps that have started (their use is now or past)."""
         with self._cond:
-            for req in self._heap:
-                if req[5] and req[0] == PREFETCH and req[4] <= now:
-                    req[5] = False
-                    self._queued.pop(req[3], None)
-                    self.cache.stats.prefetch_cancelled += 1
+            self.cache.stats.prefetch_cancelled += self.queue.cancel_stale(now)
 
     def close(self) -> None:
         with self._cond:
@@ -90,36 +76,26 @@ class Loader:
         for t in self._threads:
             t.join()
 
-    def _push(self, kind: int, priority: tuple, key: Key, when: float) -> None:
-        self._seq += 1
-        req = [kind, priority, self._seq, key, when, True]
-        heapq.heappush(self._heap, req)
-        self._queued[key] = req
-        self._cond.notify()
-
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._heap:
+                while not self._closed and not self.queue:
                     self._cond.wait()
                 if self._closed:
                     return
-                kind, _, _, key, when, alive = heapq.heappop(self._heap)
-                if not alive:
-                    continue
-                self._queued.pop(key, None)
-            demand = kind == DEMAND
-            if not demand and self.store.backlog_s() > self.max_backlog_s:
+                req = self.queue.pop()
+            demand = req.kind == DEMAND
+            if not demand and self.queue.drops(req, self.store.backlog_s()):
                 self.cache.stats.prefetch_dropped += 1  # the link is busy: demand loads come first
                 continue
             try:
-                slot = self.cache.start_load(key, demand=demand, block=demand, when=when)
+                slot = self.cache.start_load(req.key, demand=demand, block=demand, when=req.when)
                 if slot is None:
                     continue
-                nbytes = self._read(key, slot)
-                self.cache.finish_load(key, nbytes)
+                nbytes = self._read(req.key, slot)
+                self.cache.finish_load(req.key, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, re-raised there
-                self.cache.fail_load(key, e)
+                self.cache.fail_load(req.key, e)
 
     def _read(self, key: Key, slot: int) -> int:
         m, e = key
@@ -137,5 +113,5 @@ class Loader:
             slot_flat.copy_(staging, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()  # READY means the bytes are in the slot; staging is free again
+        done.synchronize()  # ready means the bytes are in the slot; staging is free again
         return nbytes

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from tensorbend.offload.cache import CacheStats
+from tensorbend.cache.slots import CacheStats
 from tensorbend.offload.generation import Generation
 
 

@@ -22,9 +22,9 @@ from typing import Literal
 
 import torch
 
+from tensorbend.cache.transfers import check_link
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model
-from tensorbend.offload.link import check_link
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.cache.transfers import Link, parse_link
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
 from tensorbend.models import RoutingSpec, describe_model, moe_block
@@ -37,7 +38,6 @@ from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
-from tensorbend.offload.link import Link, parse_link
 from tensorbend.offload.oracle import RecordedRouting
 from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult, compare, phase_numbers

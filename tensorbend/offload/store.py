@@ -12,8 +12,9 @@ so loading an expert is one `os.preadv` straight into a cache slot. The file is 
 safetensors file (`safe_open` reads it); its metadata carries `format_version`, the model
 fingerprint and the part layout. Reads release the GIL, so I/O threads overlap compute.
 
-A `link.Link` caps the transfer: reads are serialised on one emulated wire of `bandwidth_Bps`
-with a fixed `latency_s`, so a CPU machine reproduces the transfer/compute ratio of a real
+A `cache.transfers.Link` caps the transfer: every read is booked on one `Wire` (the one the
+simulator books in event time; here with the wall clock, serialised over all I/O threads) and
+returns when the booking ends, so a CPU machine reproduces the transfer/compute ratio of a real
 system. `io` chooses how to read past the page cache: `buffered` (plain reads),
 `fadvise` (drop the pages after each read) or `direct` (O_DIRECT through an aligned buffer).
 """
@@ -33,8 +34,8 @@ from typing import BinaryIO, Literal, get_args
 import torch
 
 from tensorbend.atomic import atomic_write
+from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
-from tensorbend.offload.link import Link
 
 FORMAT_VERSION = "1"
 IOMode = Literal["buffered", "fadvise", "direct"]
@@ -155,8 +156,8 @@ class ExpertStore:
                 f"expert store {self.path}: cannot open ({e}); for io=direct the "
                 f"filesystem must support O_DIRECT (try --io fadvise)"
             ) from e
-        self._wire = threading.Lock()
-        self._wire_free_at = 0.0
+        self._wire_lock = threading.Lock()
+        self._wire = Wire(link)
         self._local = threading.local()
 
     @classmethod
@@ -232,19 +233,14 @@ class ExpertStore:
 
     def backlog_s(self) -> float:
         """Seconds until the emulated wire is free (0 when uncapped or idle)."""
-        return max(0.0, self._wire_free_at - time.perf_counter())
+        return self._wire.backlog(time.perf_counter())
 
     def _reserve_wire(self, nbytes: int) -> float:
         """Book the emulated wire for nbytes; returns when the transfer completes."""
-        link = self.link
-        if link.bandwidth_Bps is None and link.latency_s == 0:
+        if not self.link.capped:
             return 0.0
-        with self._wire:
-            start = max(time.perf_counter(), self._wire_free_at)
-            self._wire_free_at = start + (
-                nbytes / link.bandwidth_Bps if link.bandwidth_Bps else 0.0
-            )
-            return self._wire_free_at + link.latency_s
+        with self._wire_lock:
+            return self._wire.book(time.perf_counter(), nbytes)
 
     def _read_direct(self, buf: memoryview, offset: int, nbytes: int) -> int:
         lo = offset - offset % _ALIGN

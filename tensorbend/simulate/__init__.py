@@ -6,8 +6,9 @@ True
 
 Modules: hardware.py and geometry.py (profiles, every number cited), mapping.py (trace ->
 geometry), costs.py (seconds per action; calibration), the forwards from trace.forwards,
-predictions.py (predictors run offline), plan.py (work per forward and layer), link.py and
-events.py (the discrete-event run on the runtime's cache mechanism and policies), ep.py
+predictions.py (predictors run offline), plan.py (work per forward and layer), events.py (the
+discrete-event run: compute and I/O threads in event time over the runtime's own slot table,
+request queue and wire, cache/slots.py and cache/transfers.py, and its policies), ep.py
 (expert-parallel pre-staging), simulator.py (`simulate`), plots.py. See docs/simulate.md.
 """
 

@@ -1,11 +1,12 @@
-"""The discrete-event run: a compute thread and a link, sharing the runtime's cache mechanism.
+"""The discrete-event run: a compute thread and I/O threads in event time, over the runtime's
+slot table, request queue and wire.
 
 Usage (simulator.py builds the work and the resident set; one `EventRun` per simulated run):
+    >>> from tensorbend.cache.transfers import Link
     >>> from tensorbend.offload.policies import LRU
     >>> from tensorbend.offload.resident import ResidentSet
-    >>> from tensorbend.simulate.link import Link
     >>> work = [ForwardWork(phase=1, tokens=1, layers=[LayerWork(demand=[(0, 1), (1, 1)])])]
-    >>> run = EventRun(ResidentSet(0, 1, LRU()), Link(2.0, 0.0, 1, float("inf")),
+    >>> run = EventRun(ResidentSet(0, 1, LRU()), IOThreads(Link(5.0), 1, float("inf")),
     ...                times=Times(attn_s=lambda n: 1.0, expert_s=lambda n: 0.5,
     ...                            forward_s=lambda n: 0.0), scratch=2, unit_bytes=10)
     >>> run.run(work)
@@ -13,25 +14,34 @@ Usage (simulator.py builds the work and the resident set; one `EventRun` per sim
     (2, 3.5, 20, 5.5)
 
 Per forward: `forward_s` (dense layers, head), then per MoE layer g (step = forward * L + g):
-predictions issued before attention (pre_attn), `attn_s`, the router (claims: hit if READY,
-late if still loading, miss -> demand load, `miss_s` each; stale prefetches cancelled), predictions issued at
-the router (dN, same_layer; `predict_s` each), then each expert computed (`expert_s` for the
-tokens routed to it) as soon as it is READY; waiting for one is the stall. Claims, slots, pins,
-bypass (staging `scratch` slots), victims and admission follow `offload.cache.ExpertCache`
-with the same `offload.resident.ResidentSet` and policies, so the simulator and the runtime
-pick the same victims; loads follow `offload.loader.Loader` over the link (link.py).
-Counters are `offload.cache.CacheStats`, per phase (0 prefill, 1 decode).
+predictions issued before attention (pre_attn), `attn_s`, the router (claims: hit if ready,
+late if still loading, miss -> demand load, `miss_s` each; stale prefetches cancelled),
+predictions issued at the router (dN, same_layer; `predict_s` each), then each expert computed
+(`expert_s` for the tokens routed to it) as soon as it is ready; waiting for one is the stall.
+
+Shared with the runtime, not copied: claims, slots, pins, bypass (staging `scratch` slots),
+victims, waste and counters are `cache.slots.SlotTable` (the table `offload.cache.ExpertCache`
+drives under its lock) over the same `offload.resident.ResidentSet` and policies; the request
+queue and the wire are `cache.transfers` (as `offload.loader.Loader` and
+`offload.store.ExpertStore` use them), served by simulated I/O threads (`IOThreads`, the
+loader's threads in event time). An entry is
+ready at the time its booked transfer arrives; the completion (its counters) is applied at that
+time, after any request a thread starts at the same instant (so an entry evicted at the very
+instant it lands is not counted as read: the simulator has always done so, and
+tests/test_cache_model.py keeps its numbers). Counters are `CacheStats`, per phase (0 prefill,
+1 decode).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tensorbend.offload.cache import CacheStats
-from tensorbend.offload.policies import Key
+from tensorbend.cache.slots import CacheStats, SlotTable
+from tensorbend.cache.transfers import DEMAND, Link, Request, RequestQueue, Wire
+from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.resident import ResidentSet
-from tensorbend.simulate.link import DEMAND, PREFETCH, Link, Request
 
 
 @dataclass
@@ -61,35 +71,29 @@ class Times:
     miss_s: float = 0.0  # compute-thread overhead of a demand miss
 
 
-@dataclass
-class _Entry:
-    ready_at: float
-    resident: bool
-    pins: int = 0
-    prefetched: bool = False
-    used: bool = False
-
-
 class EventRun:
+    """One simulated run: the compute thread's work over a `SlotTable`, loads by `io`."""
+
     def __init__(
-        self, resident: ResidentSet, link: Link, times: Times, scratch: int, unit_bytes: int
+        self, resident: ResidentSet, io: IOThreads, times: Times, scratch: int, unit_bytes: int
     ):
-        self.rs, self.link, self.times = resident, link, times
-        self.scratch_free, self.nbytes = scratch, unit_bytes
-        self.entries: dict[Key, _Entry] = {}
-        self.wanted: dict[Key, int] = {}
-        self.done: list[tuple[float, Key]] = []  # loads in flight: (completion, key)
-        self.total = CacheStats()
+        self.rs, self.io, self.times = resident, io, times
+        self.slots = SlotTable(resident, scratch, unit_bytes)
+        self.nbytes = unit_bytes
+        self.done: list[tuple[float, Key]] = []  # heap of loads in flight: (completion, key)
         self.stats = {0: CacheStats(), 1: CacheStats()}
         self.seconds = {0: 0.0, 1: 0.0}
         self.tokens = {0: 0, 1: 0}
-        self.t, self.now = 0.0, 0
+        self.t = 0.0
+
+    @property
+    def total(self) -> CacheStats:
+        """The whole run's counters."""
+        return self.slots.stats
 
     def preload(self, keys: list[Key]) -> None:
-        """Start with these experts resident and READY (policy resident: every expert)."""
-        for key in keys:
-            assert self.rs.place(key, 0).outcome == "admitted", "preload beyond capacity"
-            self.entries[key] = _Entry(ready_at=0.0, resident=True)
+        """Start with these experts resident and ready (policy resident: every expert)."""
+        self.slots.preload(keys, at=0.0)
 
     def run(self, work: list[ForwardWork]) -> None:
         L = self.L = len(work[0].layers) if work else 1
@@ -102,10 +106,7 @@ class EventRun:
             self.seconds[fw.phase] += self.t - t0
             self.tokens[fw.phase] += fw.tokens
         self._advance(self.t)
-        for e in self.entries.values():  # end of the run: prefetched, never used
-            if e.prefetched and not e.used and e.ready_at <= self.t:
-                self.total.prefetch_wasted += 1
-                self.total.prefetch_wasted_bytes += self.nbytes
+        self.slots.finalize(self.t)
 
     # ------------------------------------------------------------ compute thread
 
@@ -113,141 +114,141 @@ class EventRun:
         self._predict(lw.at_start)
         self.t += self.times.attn_s(tokens)
         self._advance(self.t)
-        self.now = step
+        self.slots.now = step
         for e, _ in lw.demand:
-            self._claim((step - base, e))
-        self.total.prefetch_cancelled += self.link.cancel_stale(step)
+            if self.slots.claim((step - base, e), self.t) == "absent":
+                self.t += self.times.miss_s
+                self.io.queue.demand((step - base, e), self.t)
+        self.total.prefetch_cancelled += self.io.queue.cancel_stale(step)
         if lw.forecast is not None:  # a cross-token forecast, as the runtime's last-layer hook
             self.rs.set_forecast(*lw.forecast)
             self._predict(lw.ahead, hint=False)
         self._predict(lw.at_router)
         pending = {(step - base, e): n for e, n in lw.demand}
+        entries = self.slots.entries
         while pending:
             self._advance(self.t)
-            ready = [k for k in pending if k in self.entries and self.entries[k].ready_at <= self.t]
+            ready = [k for k in pending if self.slots.ready(k, self.t)]
             if not ready:
-                nxt = min(
-                    [self.entries[k].ready_at for k in pending if k in self.entries]
-                    + [self._next_io()]
-                )
-                assert nxt > self.t and nxt < float("inf"), "simulated run is stuck"
+                landing = [entries[k].ready_at for k in pending if k in entries]
+                nxt = min(landing + [self._next_io()])
+                assert nxt > self.t and nxt < INF, "simulated run is stuck"
                 self.total.stall_s += nxt - self.t
                 self.t = nxt
                 continue
             for k in ready:
                 self.t += self.times.expert_s(pending.pop(k))
                 self._advance(self.t)
-                self._release(k)
+                self.slots.release(k)
+                self.io.retry_blocked(self.t, self._start)
 
     def _predict(self, preds: list[tuple[int, list[int]]], hint: bool = True) -> None:
         """Hint each predicted (layer, expert) for its step and queue its prefetch, in rank order."""
+        entries, queue = self.slots.entries, self.io.queue
         for when, ids in preds:
             self.t += self.times.predict_s
             for rank, e in enumerate(ids):
                 key = (when % self.L, e)
                 if hint:
                     self.rs.hint(key, when)
-                if key not in self.link.queued and key not in self.entries:
-                    self.link.push(PREFETCH, (when, rank), key, when, self.t)
+                if key not in entries and queue.prefetch(key, when, rank, self.t):
                     self.total.prefetch_issued += 1
-
-    def _claim(self, key: Key) -> None:
-        self.rs.use(key, self.now)
-        entry = self.entries.get(key)
-        if entry is None:
-            self.t += self.times.miss_s
-            self.total.misses += 1
-            self.wanted[key] = self.wanted.get(key, 0) + 1
-            self.link.demand(key, self.t)
-            return
-        entry.pins += 1
-        if entry.prefetched and not entry.used:
-            self.total.prefetch_used += 1
-        entry.used = True
-        if entry.ready_at <= self.t:
-            self.total.hits += 1
-        else:
-            self.total.late += 1
-
-    def _release(self, key: Key) -> None:
-        entry = self.entries[key]
-        entry.pins -= 1
-        if entry.pins == 0 and not entry.resident:
-            del self.entries[key]
-            self.scratch_free += 1
-        self.link.retry_blocked(self.t, self._start)
 
     # ------------------------------------------------------------ I/O side
 
     def _advance(self, t: float) -> None:
-        """Run the link up to time t, applying load completions in time order."""
+        """Run the I/O threads up to time t, applying load completions in time order (a
+        transfer booked later never completes earlier: the wire is serialised)."""
         while True:
-            first = min(self.done) if self.done else None
-            c = first[0] if first else float("inf")
-            if self.link.queued:
-                self.link.advance(min(t, c), self._start)
+            first = self.done[0] if self.done else None
+            c = first[0] if first else INF
+            if self.io.queue:
+                self.io.advance(min(t, c), self._start)
             if c > t:
                 return
-            self.done.remove(first)
-            self._finish(first[1], c)
+            if self.done[0] is first:
+                heapq.heappop(self.done)
+            else:  # a start at c completed at c too (no wire time) and sorts first
+                self.done.remove(first)
+                heapq.heapify(self.done)
+            if self.slots.finish(first[1], self.nbytes):
+                self.io.retry_blocked(c, self._start)
 
     def _next_io(self) -> float:
-        return min([self.link.next_free()] + [at for at, _ in self.done])
+        return min(self.io.next_free(), self.done[0][0] if self.done else INF)
 
     def _start(self, req: Request, s: float) -> float | None:
+        """What a free I/O thread does with `req` at time s; returns when it is free again
+        (None: a demand blocked until a slot frees up)."""
         demand = req.kind == DEMAND
-        if not demand and self.link.backlog(s) > self.link.max_backlog_s:
+        if self.io.queue.drops(req, self.io.wire.backlog(s)):
             self.total.prefetch_dropped += 1
             return s
-        if req.key in self.entries:
+        if req.key in self.slots.entries:
             return s
-        resident = self._reserve(req.key, demand, req.when, s)
-        if resident is None:
-            if demand:
-                return None  # waits for a slot: retried at the next release or completion
-            self.total.prefetch_dropped += 1
-            return s
-        pins = self.wanted.pop(req.key, 0)
-        assert pins > 0 or not demand, f"demand load of unclaimed expert {req.key}"
-        done = self.link.transfer(s)
-        self.entries[req.key] = _Entry(done, resident, pins, prefetched=not demand, used=pins > 0)
-        if pins and not demand:
-            self.total.prefetch_used += 1
-        self.total.peak_entries = max(self.total.peak_entries, len(self.rs))
-        self.done.append((done, req.key))
+        entry = self.slots.reserve(req.key, demand, req.when, s)
+        if entry is None:  # a prefetch is dropped (counted); a demand waits for a slot
+            return None if demand else s
+        entry.ready_at = done = self.io.wire.book(s, self.nbytes)
+        heapq.heappush(self.done, (done, req.key))
         return done
 
-    def _reserve(self, key: Key, demand: bool, when: float, s: float) -> bool | None:
-        """True: a resident slot; False: a staging slot (bypass); None: no slot."""
-        p = self.rs.place(key, self.now, None if demand else when, lambda k: self._evictable(k, s))
-        if p.outcome == "admitted":
-            if p.victim is not None:
-                self._evict(p.victim)
-            return True
-        if p.outcome == "refused" and demand and self.scratch_free:
-            self.total.bypassed += 1
-            self.scratch_free -= 1
-            return False
-        return None
 
-    def _evictable(self, key: Key, s: float) -> bool:
-        e = self.entries[key]
-        return e.ready_at <= s and e.pins == 0
+Start = Callable[[Request, float], float | None]  # (request, start time) -> thread free at
 
-    def _evict(self, key: Key) -> None:
-        entry = self.entries.pop(key)
-        self.total.evictions += 1
-        if entry.prefetched and not entry.used:
-            self.total.prefetch_wasted += 1
-            self.total.prefetch_wasted_bytes += self.nbytes
 
-    def _finish(self, key: Key, at: float) -> None:
-        entry = self.entries.get(key)
-        if entry is None:
-            return
-        self.total.bytes_read += self.nbytes
-        if entry.prefetched:
-            self.total.prefetch_loaded += 1
-        else:
-            self.total.demand_loads += 1
-        self.link.retry_blocked(at, self._start)
+class IOThreads:
+    """The I/O threads in event time: `threads` readers serving the shared request queue and
+    wire. Each takes the best request queued by the time it is free (`RequestQueue.pop`) and
+    stays busy until `start` says (a read keeps its thread until the bytes arrived, as
+    `ExpertStore.read_into` sleeps until its booking ends); a demand that finds no cache slot
+    blocks its thread (`start` returns None) until `retry_blocked`. Time only moves forward:
+    the caller advances the threads to the compute thread's time before it queues anything.
+
+        >>> io = IOThreads(Link(bandwidth_Bps=5.0, latency_s=0.5), 2, max_backlog_s=float("inf"))
+        >>> io.queue.demand((0, 1), at=0.0)
+        >>> io.queue.prefetch((1, 4), when=7, rank=0, at=0.0)
+        True
+        >>> started = []
+        >>> io.advance(10.0, lambda req, s: started.append((req.key, s)) or io.wire.book(s, 10))
+        >>> started, io.wire.free_at           # 10 bytes at 5 B/s: 2 s each, back to back
+        ([((0, 1), 0.0), ((1, 4), 0.0)], 4.0)
+    """
+
+    def __init__(self, link: Link, threads: int, max_backlog_s: float):
+        self.link = link
+        self.wire = Wire(link)
+        self.queue = RequestQueue(max_backlog_s)
+        self.free_at = [0.0] * threads  # when each thread can start its next request
+        self.blocked: list[tuple[int, Request]] = []  # demands waiting for a cache slot
+
+    def advance(self, t: float, start: Start) -> None:
+        """Start every request a free thread takes by time t."""
+        while self.queue:
+            i = min(range(len(self.free_at)), key=self.free_at.__getitem__)
+            s = max(self.free_at[i], self.queue.next_arrival())
+            if s > t:
+                return
+            req = self.queue.pop(s)
+            free = start(req, s)
+            if free is None:
+                self.blocked.append((i, req))
+                self.free_at[i] = INF
+            else:
+                self.free_at[i] = free
+
+    def retry_blocked(self, t: float, start: Start) -> None:
+        """A slot may have freed up at time t: blocked demands try again (oldest first)."""
+        waiting, self.blocked = self.blocked, []
+        for i, req in waiting:
+            free = start(req, t)
+            if free is None:
+                self.blocked.append((i, req))
+            else:
+                self.free_at[i] = free
+
+    def next_free(self) -> float:
+        """Earliest time a thread could start a queued request (INF when nothing can)."""
+        if not self.queue:
+            return INF
+        return max(min(self.free_at), self.queue.next_arrival())

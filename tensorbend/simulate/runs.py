@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 
+from tensorbend.cache.transfers import Link
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse, make_admission
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
-from tensorbend.simulate.events import EventRun, Times
+from tensorbend.simulate.events import EventRun, IOThreads, Times
 from tensorbend.simulate.geometry import Geometry
-from tensorbend.simulate.link import Link
 from tensorbend.simulate.predictions import Ranked
 
 NO_PREDICTION = ("lru", "lfu", "lfru")
@@ -75,7 +75,7 @@ def run_one(
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
-    link = Link(costs.wire_s(), costs.link_latency, costs.io_slots, backlog)
+    link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
     run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
     if policy == "resident":
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
