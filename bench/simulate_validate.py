@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
 
 from tensorbend.atomic import atomic_write_text  # noqa: E402
+from tensorbend.cache.config import PolicyConfig  # noqa: E402
 from tensorbend.collect import CollectConfig, collect  # noqa: E402
 from tensorbend.engines.prefetcher import Prefetcher  # noqa: E402
 from tensorbend.hf import DecodeConfig, load_model  # noqa: E402
 from tensorbend.offload.layer import OffloadedExperts  # noqa: E402
 from tensorbend.offload.link import Link  # noqa: E402
-from tensorbend.offload.plan import PolicyConfig  # noqa: E402
 from tensorbend.offload.runner import build_predictor  # noqa: E402
 from tensorbend.offload.session import OffloadSession, SessionConfig  # noqa: E402
 from tensorbend.prompts import load_prompts  # noqa: E402

@@ -159,8 +159,8 @@ def _eval(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict, report: Path) ->
 
 
 def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
+    from tensorbend.cache.config import PolicyConfig
     from tensorbend.hf import DecodeConfig, load_model
-    from tensorbend.offload.plan import PolicyConfig
     from tensorbend.offload.runner import build_predictor
     from tensorbend.offload.session import OffloadSession, SessionConfig
     from tensorbend.prompts import load_prompts

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cli import main
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
@@ -14,7 +15,6 @@ from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.link import Link
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS

@@ -18,9 +18,9 @@ import pytest
 import torch
 from test_offload_runtime import _session
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.offload.link import Link as StoreLink
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.simulate.events import EventRun, ForwardWork, LayerWork, Times

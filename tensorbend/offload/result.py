@@ -37,7 +37,9 @@ class RunResult:
     demand_hit_rate}, counters {CacheStats fields, whole run}, horizon (the cross-token
     predictor's checkpoint driving eviction and next-forward prefetches, or null),
     token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null),
-    batch (sequences decoded together in lockstep; per-token numbers count every sequence's).
+    batch (sequences decoded together in lockstep; per-token numbers count every sequence's),
+    oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
+    names a row.
     """
 
     model: str
@@ -73,6 +75,7 @@ class RunResult:
     horizon: str | None = None
     token_ahead_layers: int | None = None
     batch: int = 1
+    oracle_beyond: str | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

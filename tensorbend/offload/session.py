@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
 from tensorbend.models import RoutingSpec, describe_model, moe_block
+from tensorbend.offload.build import build_cache
 from tensorbend.offload.cache import ExpertCache
 from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
@@ -39,7 +41,6 @@ from tensorbend.offload.layer import OffloadedExperts, check_supported
 from tensorbend.offload.link import Link, parse_link
 from tensorbend.offload.loader import Loader
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.plan import PolicyConfig, build_cache
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
@@ -143,7 +144,7 @@ class OffloadSession:
             )
         if pc.policy != "prefetch":
             horizon = None
-        if pc.policy == "oracle":
+        if POLICIES[pc.policy].recorded_routing:
             la = get_lookahead(pc.lookahead)
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
         elif pc.policy != "prefetch":
@@ -238,7 +239,8 @@ class OffloadSession:
             lookahead=la.name if la is not None else None,
             pool=pc.pool,
             admission=pc.admission,
-            foresight=pc.foresight if pc.policy == "oracle" else None,
+            foresight=pc.foresight if POLICIES[pc.policy].recorded_routing else None,
+            oracle_beyond=pc.oracle_beyond if POLICIES[pc.policy].recorded_routing else None,
             link=link.to_dict(),
             io=self.cfg.io,
             decode=self.cfg.decode.decode,
