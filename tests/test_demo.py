@@ -16,8 +16,13 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert set(summary["recall_d1"]) >= {"tensorbend", "seed_mlp", "spec_gate", "transition"}
     assert all(r["output_matches_resident"] for r in summary["runs"])  # prediction never
     runs = {r["label"]: r for r in summary["runs"]}  # labels say what ran
-    assert set(runs) == {"lru", "lfru/adm=frequency", "prefetch:none",
-                         "horizon+d1:tensorbend/adm=predicted", "oracle@h=all/adm=predicted"}
+    assert set(runs) == {
+        "lru",
+        "lfru/adm=frequency",
+        "prefetch:none",
+        "horizon+d1:tensorbend/adm=predicted",
+        "oracle@h=all/adm=predicted",
+    }
     best = max(runs[k]["decode_tok_s"] for k in ("lru", "lfru/adm=frequency", "prefetch:none"))
     for r in runs.values():  # the ratio over the best of the three caches without prediction
         assert r["vs_best_cache"] == r["decode_tok_s"] / best
