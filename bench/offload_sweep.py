@@ -149,11 +149,19 @@ def markdown(report: dict) -> str:
         f"the resident model's: {report['all_outputs_match_resident']}. Timing needs a quiet "
         "machine; bytes and hit rates are the steadier columns.",
     ]
+    runs = [r for e in report["links"] for r in e["runs"]]
+    if any(r["policy"] == "oracle" and r["foresight"] is not None and "oracle_beyond" not in r
+           for r in runs):  # fmt: skip
+        lines += ["", "The bounded oracles (`oracle@h`) of this JSON predate `--oracle-beyond`: "
+                  "past their sight they rank by recency in one global pool, so they are no "
+                  "ceiling over the best cache without prediction (docs/foresight_*.md has the "
+                  "replay with a ceiling)."]  # fmt: skip
     for entry in report["links"]:
         link = entry["link"]
         lines += ["", f"## Link {link['name']} x{entry['speedup']:g}: {link['bandwidth_MBps']} "
                   f"MB/s, {link['latency_us']} us ({link['note']})"]  # fmt: skip
-        for frac, summ in entry["by_frac"].items():
+        for frac in entry["by_frac"]:  # recomputed: labels and the best cache from the rows
+            summ = summarize(entry["runs"], float(frac))
             if not summ:
                 continue
             lines += ["", f"### Cache {float(frac):.3f} of the routed experts", "",
@@ -166,9 +174,9 @@ def markdown(report: dict) -> str:
             for r in entry["runs"]:
                 if r["policy"] == "resident" or abs(r["cache_frac"] - float(frac)) > 0.01:
                     continue
-                row = summ["runs"].get(r["label"], {})
+                row = summ["runs"].get(run_label(r), {})
                 lines.append(
-                    f"| {r['label']} | {r['decode_tok_s'] or 0:.1f} | "
+                    f"| {run_label(r)} | {r['decode_tok_s'] or 0:.1f} | "
                     f"{row.get('vs_best_cache', 0):.2f}x | {r['stall_s_per_token'] * 1e3:.2f} | "
                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {_fmt_pct(row.get('gap_closed_bytes'))} | "
                     f"{_fmt_pct(row.get('gap_closed_seconds'))} | {r['demand_hit_rate']:.3f} | "
