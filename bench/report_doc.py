@@ -165,9 +165,13 @@ def _validation(root: Path) -> str:
         f"The simulator replays the runtime's own policies; against `tensorbend run` on the "
         f"same {rep['prompts']} prompts and link, its largest relative error on decode tok/s, "
         f"stall and bytes per token over {len(rep['rows'])} policies is "
-        f"{rep['max_error']:.1%} (worst: {worst['policy']} {worst['predictor'] or ''}; bar "
+        f"{rep['max_error']:.1%} (worst: {worst.get('label') or _name(worst)}; bar "
         "15%; docs/simulate_validation.md). Projected on large models and real hardware:\n"
     )
+
+
+def _name(row: dict) -> str:
+    return f"{row['policy']} {row['predictor'] or ''}".strip()
 
 
 _INTRO = """# tensorbend: predicting MoE routing early enough to matter
