@@ -289,6 +289,15 @@ def test_oracle_without_foresight_is_lru_and_with_it_prefetches_across_tokens(mo
         blind = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=0)))
         assert {k: blind["counters"][k] for k in counts} == {k: lru[k] for k in counts}
         assert lru["prefetch_issued"] == 0
+        differ = []
+        for rule in ("lfu", "lfru"):  # --oracle-beyond: what it cannot see ranks by that rule
+            cache = _check(sess.run_policy(PolicyConfig(rule, cache_frac=0.5)))["counters"]
+            differ.append(cache["misses"] != lru["misses"])
+            pc = PolicyConfig("oracle", cache_frac=0.5, foresight=0, oracle_beyond=rule)
+            seen = _check(sess.run_policy(pc))
+            assert {k: seen["counters"][k] for k in counts} == {k: cache[k] for k in counts}
+            assert seen["oracle_beyond"] == rule
+        assert any(differ)  # the rule beyond its sight made a difference here
 
         asked = []
         real = RecordedRouting.ahead
