@@ -38,7 +38,7 @@ import torch
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
-from tensorbend.cache.report import best_no_prediction, compare, run_label
+from tensorbend.cache.report import best_rule, compare, run_label
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
             for frac in _floats(a.fracs):
                 for pc, p, hz in _plan(a, frac, predictors, sess.spec.num_experts, horizon):
                     if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
-                        pc = dataclasses.replace(pc, oracle_beyond=_beyond(runs, frac))
+                        at = [r for r in runs[1:] if abs(r["cache_frac"] - frac) < 0.01]
+                        pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
                     r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
                     runs.append(r)
                     print(_row(r), file=sys.stderr)
@@ -200,15 +201,6 @@ def _fmt_pct(x) -> str:
 def summarize(runs: list[dict], frac: float) -> dict:
     """`cache.report.compare` of the runs at one cache fraction ({} when none ran there)."""
     return next((c for f, c in compare(runs).items() if abs(f - frac) < 0.01), {})
-
-
-def _beyond(runs: list[dict], frac: float) -> str:
-    """The eviction rule of the no-prediction cache with the fewest bytes so far at `frac`."""
-    at = [r for r in runs if POLICIES[r["policy"]].bounded and abs(r["cache_frac"] - frac) < 0.01]
-    best = best_no_prediction(at, "bytes_read_per_token")
-    if best is None:
-        return "lru"
-    return "predicted" if POLICIES[best["policy"]].uses_prediction else best["policy"]
 
 
 def format_table(runs: list[dict], frac: float) -> str:

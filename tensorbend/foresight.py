@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
-from tensorbend.cache.report import best_no_prediction, gap_closed, run_label
+from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
 from tensorbend.offload.policies import NextUse, make_admission
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
@@ -93,7 +93,7 @@ def evaluate_foresight(
                "pool": "global", "admission": adm}  # fmt: skip
         run(row, fc)
         ours.append(run_label(row))
-    beyond = "predicted" if POLICIES[best["policy"]].uses_prediction else best["policy"]
+    beyond = best_rule([best], "experts_per_token")
     for hz in ORACLE_FORESIGHTS:  # beyond its sight: the best cache's rule, pool and admission
         options = {(best["pool"], best["admission"]), (best["pool"], "predicted")}
         if hz is None:  # the full oracle: classic Belady's MIN too

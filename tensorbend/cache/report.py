@@ -102,6 +102,15 @@ def best_no_prediction(rows: list[dict], metric: str = "decode_tok_s") -> dict |
     return max(peers, key=lambda r: sign * r[metric])
 
 
+def best_rule(rows: list[dict], metric: str = "bytes_read_per_token") -> str:
+    """The eviction rule (`--oracle-beyond`) of the best no-prediction cache on `metric`: the
+    rule the bounded oracle ranks by beyond its sight (lru when there is none)."""
+    best = best_no_prediction(rows, metric)
+    if best is None:
+        return "lru"
+    return "predicted" if POLICIES[best["policy"]].uses_prediction else best["policy"]
+
+
 def full_oracle(rows: list[dict]) -> dict | None:
     """The oracle knowing every future routing that read the fewest bytes."""
     full = [

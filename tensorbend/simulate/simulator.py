@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
-from tensorbend.cache.report import best_no_prediction
+from tensorbend.cache.report import best_rule
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.policies import AdmissionName
 from tensorbend.offload.resident import PoolName
@@ -211,7 +211,8 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
     results = []
     for p, r, f, fc in bar:
-        beyond = _beyond(cfg, [x for x in results if x["cache_frac"] == f])
+        at = [x for x in results if x["cache_frac"] == f]
+        beyond = best_rule(at) if cfg.oracle_beyond == "best" else cfg.oracle_beyond
         results.append(run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo, fc, beyond))
     relative(results)
     res = SimulateResult(
@@ -326,17 +327,6 @@ def _rows(cfg, tr: Trace):
     if cfg.max_prompts is not None:
         rows = select_rows(rows, RowSelection(max_prompts=cfg.max_prompts))
     return rows
-
-
-def _beyond(cfg: SimulateConfig, rows: list[dict]) -> str:
-    """The bounded oracle's rule past its sight: as asked, or the eviction rule of the
-    no-prediction cache with the fewest bytes so far at this size (lru without one)."""
-    if cfg.oracle_beyond != "best":
-        return cfg.oracle_beyond
-    best = best_no_prediction(rows, "bytes_read_per_token")
-    if best is None:
-        return "lru"
-    return "predicted" if POLICY_TABLE[best["policy"]].uses_prediction else best["policy"]
 
 
 def _notes(cfg, cal) -> list[str]:
