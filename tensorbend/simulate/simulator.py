@@ -75,7 +75,8 @@ class SimulateConfig:
         default=("transition",), metadata={"flags": ("--predictor",)}
     )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
-    prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
+    prev_token, spec_gate, random, oracle); none (no predictions: the eviction alone, a cache
+    without prediction) always runs beside them."""
     horizon: Path | None = None
     """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
     simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
@@ -198,6 +199,8 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     demand = plan.demand_lists(rows, fwds)
     train = Trace.open(cfg.train_trace) if cfg.train_trace else None
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
+    auto = "prefetch" in cfg.policies and "none" not in specs  # Predicted eviction fed
+    specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
     rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
@@ -233,7 +236,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     )
     if cfg.ep_degree is not None:
         epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
-        res.ep = ep_report(rankeds, rows, fwds, tr.spec.num_experts, epc)
+        res.ep = ep_report(rankeds[auto:], rows, fwds, tr.spec.num_experts, epc)
     if cfg.plots is not None:
         from tensorbend.simulate.plots import plot_results
 
