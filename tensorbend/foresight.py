@@ -77,7 +77,8 @@ def evaluate_foresight(
     def run(row: dict, fc=None, fallback=None) -> None:
         ev = make_eviction(row["policy"], L, steps, row.get("foresight"), fc is not None,
                            row.get("oracle_beyond") or "lru")  # fmt: skip
-        out = _replay(*args, ev, row["pool"], row["admission"], fc, NextUse(steps, L), fallback)
+        judge = None if POLICIES[row["policy"]].recorded_routing else NextUse(steps, L)
+        out = _replay(*args, ev, row["pool"], row["admission"], fc, judge, fallback)
         replays[run_label(row)] = {**out, **row}
 
     for policy in (*no_prediction(), "prefetch"):  # prefetch with none: Predicted alone
