@@ -8,9 +8,9 @@ Usage:
         --json docs/projections.json --doc docs/projections.md
 
 For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on the test split:
-every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x pool global /
-per_layer x admission all / frequency), prefetch with transition / ours (each also driven by
-the horizon's forecasts; admission all and predicted, Belady's bypass), and the oracle; the
+every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x admission all /
+frequency, x pool global, or also per_layer with `--pools global,per_layer`), prefetch with
+transition / ours (each also driven by the horizon's forecasts; admission all and predicted, Belady's bypass), and the oracle; the
 cache is the largest that fits beside the resident weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
 run's speed over the best no-prediction cache of the same pair (`cache.report.compare`: every
 cache that reads no predictor, `prefetch:none` included). Every number is a projection, and
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     t0 = time.perf_counter()
     out = {"trace": a.trace, "command": "python bench/projections.py "
-           + " ".join(argv if argv is not None else sys.argv[1:]), "pairs": []}  # fmt: skip
+           + " ".join(argv if argv is not None else sys.argv[1:]), "pairs": [],
+           "pools": _names(a.pools)}  # fmt: skip
     for pair in a.pairs.split(","):
         hardware, geometry = pair.split(":")
         base = SimulateConfig(
@@ -54,10 +55,10 @@ def main(argv=None) -> int:
         passes = [  # (pool, admission, what runs): every cache without prediction (prefetch:none
             ("global", "all", {}),  # included) x pool x admission; ours and the oracle with
             ("global", "frequency", caches),  # predicted admission (bypass a miss predicted
-            ("per_layer", "all", caches),  # back later than its victim)
-            ("per_layer", "frequency", caches),
-            ("global", "predicted", dict(policies=("prefetch", "oracle"))),
+            ("global", "predicted", dict(policies=("prefetch", "oracle"))),  # back later)
         ]
+        passes += [(pool, adm, caches) for pool in _names(a.pools) if pool != "global"
+                   for adm in ("all", "frequency")]  # fmt: skip
         rows = []
         for pool, adm, what in passes:
             res = simulate(replace(base, pool=pool, admission=adm, **what)).to_json()
@@ -74,6 +75,10 @@ def main(argv=None) -> int:
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(out))
     return emit(out, a.json)
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
 
 
 def _full(rows: list[dict]) -> str:
@@ -96,7 +101,9 @@ def markdown(out: dict) -> str:
         "(about 120x zoo:default's on Kimi-K2.5). Labels say what ran (cache/report.py): "
         "`d1:KIND` a within-token predictor at d1, `horizon` eviction by the cross-token "
         "forecast with the next forward's first layer prefetched, `prefetch:none` the "
-        "Predicted eviction fed no predictions (a cache without prediction).",
+        "Predicted eviction fed no predictions (a cache without prediction). The best "
+        "cache without prediction is the fastest of lru, lfu, lfru and prefetch:none x "
+        f"admission all / frequency, pool {' / '.join(out.get('pools', ['global']))}.",
     ]
     for p in out["pairs"]:
         res = p["results"]
@@ -130,6 +137,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", action="append", default=[], help="within-token checkpoint")
     p.add_argument("--horizon", default=None, help="cross-token checkpoint")
     p.add_argument("--pairs", default="dgx-spark:kimi-k2.5,h100-pcie5:deepseek-v3")
+    p.add_argument(
+        "--pools",
+        default="global",
+        help="cache pools of the no-prediction "
+        "caches: global, or global,per_layer (per_layer: about 12 more minutes "
+        "per pair on this machine)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p
