@@ -10,8 +10,9 @@ Usage:
 For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on the test split:
 every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x admission all /
 frequency, x pool global, or also per_layer with `--pools global,per_layer`), prefetch with
-transition / ours (each also driven by the horizon's forecasts; admission all and predicted, Belady's bypass), and the oracle; the
-cache is the largest that fits beside the resident weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
+transition / ours (each also driven by the horizon's forecasts; admission all and predicted,
+Belady's bypass), and the oracle; the cache is the largest that fits beside the resident
+weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
 run's speed over the best no-prediction cache of the same pair (`cache.report.compare`: every
 cache that reads no predictor, `prefetch:none` included). Every number is a projection, and
 prediction is charged zero seconds (the hardware profiles carry no predictor cost; a horizon
