@@ -22,6 +22,7 @@ predictor's work grows with MoE layers x experts, about 120x zoo:default's on Ki
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -32,7 +33,7 @@ from report import emit  # noqa: E402
 
 from tensorbend.atomic import atomic_write_text  # noqa: E402
 from tensorbend.cache.config import no_prediction  # noqa: E402
-from tensorbend.cache.report import compare, vs_best_cache  # noqa: E402
+from tensorbend.cache.report import compare, run_label, vs_best_cache  # noqa: E402
 from tensorbend.simulate import SimulateConfig, simulate  # noqa: E402
 
 NO_PREDICTION = no_prediction()
@@ -52,19 +53,28 @@ def main(argv=None) -> int:
             predictors=("none", "transition", *a.predictor), lookahead="d1",
             horizon=Path(a.horizon) if a.horizon else None,
         )  # fmt: skip
-        caches = dict(policies=(*NO_PREDICTION, "prefetch"), predictors=("none",), horizon=None)
+        caches = dict(policies=NO_PREDICTION)
+        blind = dict(policies=("prefetch",), predictors=("none",), horizon=None)  # prefetch:none
         passes = [  # (pool, admission, what runs): every cache without prediction (prefetch:none
             ("global", "all", {}),  # included) x pool x admission; ours and the oracle with
             ("global", "frequency", caches),  # predicted admission (bypass a miss predicted
-            ("global", "predicted", dict(policies=("prefetch", "oracle"))),  # back later)
+            ("global", "frequency", blind),  # back later than its victim)
+            ("global", "predicted", dict(policies=("prefetch", "oracle"))),
         ]
-        passes += [(pool, adm, caches) for pool in _names(a.pools) if pool != "global"
-                   for adm in ("all", "frequency")]  # fmt: skip
-        rows = []
+        passes += [(pool, adm, what) for pool in _names(a.pools) if pool != "global"
+                   for adm in ("all", "frequency") for what in (caches, blind)]  # fmt: skip
+        old = _previous(a, hardware, geometry)
+        rows, head = [], old and {k: old[k] for k in _HEAD}
         for pool, adm, what in passes:
-            res = simulate(replace(base, pool=pool, admission=adm, **what)).to_json()
+            cfg = replace(base, pool=pool, admission=adm, **what)
+            kept = [r for r in (old or {}).get("results", []) if r["pool"] == pool
+                    and r["admission"] == adm and r["policy"] in cfg.policies]  # fmt: skip
+            if {r["policy"] for r in kept} == set(cfg.policies):
+                rows += kept  # the same simulation, already in --reuse's JSON
+                continue
+            res = simulate(cfg).to_json()
             rows += res["results"]
-            head = {k: res[k] for k in ("hardware", "geometry", "mapping", "batch", "tokens")}
+            head = {k: res[k] for k in _HEAD}
         (c,) = compare(rows).values()  # one cache size per pair
         best = next(r for r in rows if r["label"] == c["best_no_prediction_cache"])
         for r in rows:
@@ -76,6 +86,30 @@ def main(argv=None) -> int:
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(out))
     return emit(out, a.json)
+
+
+_HEAD = ("hardware", "geometry", "mapping", "batch", "tokens")
+
+
+def _previous(a, hardware: str, geometry: str) -> dict | None:
+    """The pair's results in `--reuse JSON` (the same trace, predictors and horizon), its rows
+    in today's keys (the simulator is deterministic: a pass simulated there is not redone)."""
+    if not a.reuse:
+        return None
+    prev = json.loads(Path(a.reuse).read_text())
+    was = _parser().parse_args(prev["command"].split()[2:])
+    if (was.trace, was.predictor, was.horizon) != (a.trace, a.predictor, a.horizon):
+        raise SystemExit(f"--reuse {a.reuse}: another trace, predictor or horizon")
+    pair = next(
+        (p for p in prev["pairs"] if (p["hardware"], p["geometry"]) == (hardware, geometry)), None
+    )
+    for r in (pair or {}).get("results", []):
+        if r["predictor"] and r["predictor"].endswith("+horizon"):  # before labels said what ran
+            r["predictor"] = r["predictor"].removesuffix("+horizon")
+        r.setdefault("token_ahead_layers", 1 if r.get("horizon") else None)
+        r.setdefault("oracle_beyond", "lru" if r["policy"] == "oracle" else None)
+        r["label"] = run_label(r)
+    return pair
 
 
 def _names(text: str) -> list[str]:
@@ -144,6 +178,12 @@ def _parser() -> argparse.ArgumentParser:
         help="cache pools of the no-prediction "
         "caches: global, or global,per_layer (per_layer: about 12 more minutes "
         "per pair on this machine)",
+    )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        help="a previous JSON of the same trace, "
+        "predictors and horizon: passes it holds are not simulated again",
     )
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
