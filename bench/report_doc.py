@@ -226,7 +226,7 @@ def _foresight_reading(root: Path) -> str:
     said = []
     for name in ("default", "qwen"):
         rep = _load(root, f"docs/foresight_{name}.json")
-        if rep is None:
+        if rep is None or summary.stale(rep):
             continue
         r = next(r for r in rep["runs"] if r["cache_frac"] == 0.25)
         rp = r["replay"]
