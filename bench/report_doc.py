@@ -233,7 +233,7 @@ def _foresight_reading(root: Path) -> str:
         best = rp[r["best_no_prediction"]]["experts_per_token"]
         save = {h: 1 - rp[r["oracle_ceiling"][h]]["experts_per_token"] / best for h in ("2", "8")}
         said.append(f"{rep['model']}: {save['2']:.0%} fewer experts per token than the best "
-                    f"cache knowing the next token, {save['8']:.0%} knowing the next 7")  # fmt: skip
+                    f"cache knowing the next token, {save['8']:.0%} knowing the next 7 tokens")  # fmt: skip
     return (" At 25% cache, " + "; ".join(said) + ":\n") if said else ":\n"
 
 

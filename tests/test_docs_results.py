@@ -142,7 +142,7 @@ def _no_prediction(r: dict) -> bool:
     """Written out here, apart from cache/report.py: a cache that read no predictor."""
     if r["policy"] in ("lru", "lfu", "lfru"):
         return True
-    return r["policy"] == "prefetch" and r["predictor"] in (None, "none") and not r.get("horizon")
+    return r["policy"] == "prefetch" and r.get("predictor") in (None, "none") and not r.get("horizon")
 
 
 @pytest.mark.parametrize("name", ["default", "qwen"])
