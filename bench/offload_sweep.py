@@ -13,7 +13,8 @@ alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its
 driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
 on top; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
-whole run). All runs share one resident reference, the same prompts and
+whole run), run after the caches: past its sight it ranks like the no-prediction cache with
+the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
 fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
 `vs_best_cache` (decode tok/s / the best no-prediction cache's), `gap_closed_bytes` = (best
