@@ -7,18 +7,22 @@ Usage:
         --horizon runs/bench/default/horizon_routing_hidden.safetensors \\
         --json docs/projections.json --doc docs/projections.md
 
-For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on the test split
-with admission all, frequency (the TinyLFU-style no-prediction admission, for the caches) and
-predicted (Belady's bypass, for prefetch and the oracle), with every
-no-prediction cache, prefetch with no predictor / transition / ours (each also driven by the
-horizon's forecasts), and the oracle; the cache is the largest that fits beside the resident
+For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on the test split:
+every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x admission all /
+frequency, x pool global, or also per_layer with `--pools global,per_layer`), prefetch with
+transition / ours (each also driven by the horizon's forecasts; admission all and predicted,
+Belady's bypass), and the oracle; the cache is the largest that fits beside the resident
 weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
-run's speed over the best no-prediction cache of the same pair. Every number is a projection.
+run's speed over the best no-prediction cache of the same pair (`cache.report.compare`: every
+cache that reads no predictor, `prefetch:none` included). Every number is a projection, and
+prediction is charged zero seconds (the hardware profiles carry no predictor cost; a horizon
+predictor's work grows with MoE layers x experts, about 120x zoo:default's on Kimi-K2.5).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -28,16 +32,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
 
 from tensorbend.atomic import atomic_write_text  # noqa: E402
+from tensorbend.cache.config import no_prediction  # noqa: E402
+from tensorbend.cache.report import compare, run_label, vs_best_cache  # noqa: E402
 from tensorbend.simulate import SimulateConfig, simulate  # noqa: E402
 
-NO_PREDICTION = ("lru", "lfu", "lfru")
+NO_PREDICTION = no_prediction()
 
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     t0 = time.perf_counter()
     out = {"trace": a.trace, "command": "python bench/projections.py "
-           + " ".join(argv if argv is not None else sys.argv[1:]), "pairs": []}  # fmt: skip
+           + " ".join(argv if argv is not None else sys.argv[1:]), "pairs": [],
+           "pools": _names(a.pools)}  # fmt: skip
     for pair in a.pairs.split(","):
         hardware, geometry = pair.split(":")
         base = SimulateConfig(
@@ -46,18 +53,34 @@ def main(argv=None) -> int:
             predictors=("none", "transition", *a.predictor), lookahead="d1",
             horizon=Path(a.horizon) if a.horizon else None,
         )  # fmt: skip
-        rows = []
-        for adm in ("all", "frequency", "predicted"):
-            policies = {  # frequency: the TinyLFU-style admission of the caches; predicted:
-                "all": base.policies,  # bypass a miss predicted back later than its victim
-                "frequency": NO_PREDICTION,
-                "predicted": ("prefetch", "oracle"),
-            }[adm]
-            cfg = replace(base, admission=adm, policies=policies)
+        caches = dict(policies=NO_PREDICTION)
+        blind = dict(policies=("prefetch",), predictors=("none",), horizon=None)  # prefetch:none
+        passes = [  # (pool, admission, what runs): every cache without prediction (prefetch:none
+            ("global", "all", {}),  # included) x pool x admission; ours and the oracle with
+            ("global", "frequency", caches),  # predicted admission (bypass a miss predicted
+            ("global", "frequency", blind),  # back later than its victim)
+            ("global", "predicted", dict(policies=("prefetch", "oracle"))),
+        ]
+        passes += [(pool, adm, what) for pool in _names(a.pools) if pool != "global"
+                   for adm in ("all", "frequency") for what in (caches, blind)]  # fmt: skip
+        old = _previous(a, hardware, geometry)
+        rows, head = [], old and {k: old[k] for k in _HEAD}
+        for pool, adm, what in passes:
+            cfg = replace(base, pool=pool, admission=adm, **what)
+            kept = [r for r in (old or {}).get("results", []) if r["pool"] == pool
+                    and r["admission"] == adm and r["policy"] in cfg.policies]  # fmt: skip
+            if {r["policy"] for r in kept} == set(cfg.policies):
+                rows += kept  # the same simulation, already in --reuse's JSON
+                continue
             res = simulate(cfg).to_json()
             rows += res["results"]
-            head = {k: res[k] for k in ("hardware", "geometry", "mapping", "batch", "tokens")}
-        out["pairs"].append({**head, "results": _relative(rows)})
+            head = {k: res[k] for k in _HEAD}
+        (c,) = compare(rows).values()  # one cache size per pair
+        best = next(r for r in rows if r["label"] == c["best_no_prediction_cache"])
+        for r in rows:
+            r["vs_best_cache"] = vs_best_cache(r, best)
+        out["pairs"].append({**head, "results": rows, "best_no_prediction":
+                             c["best_no_prediction_cache"], "full_oracle": _full(rows)})  # fmt: skip
         print(f"{pair}: done", file=sys.stderr)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if a.doc:
@@ -65,21 +88,39 @@ def main(argv=None) -> int:
     return emit(out, a.json)
 
 
-def _relative(rows: list[dict]) -> list[dict]:
-    for r in rows:
-        r["label"] = _label(r)
-    best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
-    for r in rows:
-        r["vs_best_no_prediction"] = r["decode_tok_s"] / best["decode_tok_s"]
-        r["best_no_prediction"] = best["label"]
-    return rows
+_HEAD = ("hardware", "geometry", "mapping", "batch", "tokens")
 
 
-def _label(r: dict) -> str:
-    name = r["policy"] if r["policy"] != "prefetch" else f"prefetch:{r['predictor']}"
-    if r["admission"] != "all":
-        name += f"/adm={r['admission']}"
-    return name
+def _previous(a, hardware: str, geometry: str) -> dict | None:
+    """The pair's results in `--reuse JSON` (the same trace, predictors and horizon), its rows
+    in today's keys (the simulator is deterministic: a pass simulated there is not redone)."""
+    if not a.reuse:
+        return None
+    prev = json.loads(Path(a.reuse).read_text())
+    was = _parser().parse_args(prev["command"].split()[2:])
+    if (was.trace, was.predictor, was.horizon) != (a.trace, a.predictor, a.horizon):
+        raise SystemExit(f"--reuse {a.reuse}: another trace, predictor or horizon")
+    pair = next(
+        (p for p in prev["pairs"] if (p["hardware"], p["geometry"]) == (hardware, geometry)), None
+    )
+    for r in (pair or {}).get("results", []):
+        if r["predictor"] and r["predictor"].endswith("+horizon"):  # before labels said what ran
+            r["predictor"] = r["predictor"].removesuffix("+horizon")
+        r.setdefault("token_ahead_layers", 1 if r.get("horizon") else None)
+        r.setdefault("oracle_beyond", "lru" if r["policy"] == "oracle" else None)
+        r["label"] = run_label(r)
+    return pair
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _full(rows: list[dict]) -> str:
+    """The fastest full-foresight oracle's label."""
+    return max((r for r in rows if r["policy"] == "oracle"), key=lambda r: r["decode_tok_s"])[
+        "label"
+    ]
 
 
 def markdown(out: dict) -> str:
@@ -90,8 +131,14 @@ def markdown(out: dict) -> str:
         "hardware and geometry profiles (docs/simulate.md lists each number and its source), "
         "replaying a zoo model's held-out routing on the geometry by the printed mapping: what "
         "a model that routes like the zoo model would get on that hardware, not a measurement "
-        "of the named model. Lookahead d1 for within-token predictors; `+horizon`: eviction by "
-        "the cross-token forecast and the next forward's first layer prefetched.",
+        "of the named model. Prediction is charged zero seconds: the profiles carry no "
+        "predictor cost, while a horizon predictor's work grows with MoE layers x experts "
+        "(about 120x zoo:default's on Kimi-K2.5). Labels say what ran (cache/report.py): "
+        "`d1:KIND` a within-token predictor at d1, `horizon` eviction by the cross-token "
+        "forecast with the next forward's first layer prefetched, `prefetch:none` the "
+        "Predicted eviction fed no predictions (a cache without prediction). The best "
+        "cache without prediction is the fastest of lru, lfu, lfru and prefetch:none x "
+        f"admission all / frequency, pool {' / '.join(out.get('pools', ['global']))}.",
     ]
     for p in out["pairs"]:
         res = p["results"]
@@ -110,12 +157,12 @@ def markdown(out: dict) -> str:
         ]
         for r in res:
             lines.append(
-                f"| {r['label']} | {r['decode_tok_s']:.2f} | {r['vs_best_no_prediction']:.2f}x | "
+                f"| {r['label']} | {r['decode_tok_s']:.2f} | {r['vs_best_cache']:.2f}x | "
                 f"{r['stall_s_per_token'] * 1e3:.1f} | {r['bytes_read_per_token'] / 1e9:.2f} | "
                 f"{r['demand_hit_rate']:.3f} |"
             )
         lines.append("")
-        lines.append(f"Best no-prediction cache: {res[0]['best_no_prediction']}.")
+        lines.append(f"Best no-prediction cache: {p['best_no_prediction']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -125,6 +172,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", action="append", default=[], help="within-token checkpoint")
     p.add_argument("--horizon", default=None, help="cross-token checkpoint")
     p.add_argument("--pairs", default="dgx-spark:kimi-k2.5,h100-pcie5:deepseek-v3")
+    p.add_argument(
+        "--pools",
+        default="global",
+        help="cache pools of the no-prediction "
+        "caches: global, or global,per_layer (per_layer: about 12 more minutes "
+        "per pair on this machine)",
+    )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        help="a previous JSON of the same trace, "
+        "predictors and horizon: passes it holds are not simulated again",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p

@@ -35,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
 
 from tensorbend.atomic import atomic_write_text  # noqa: E402
+from tensorbend.cache.config import POLICIES as POLICY_TABLE  # noqa: E402
+from tensorbend.cache.config import PolicyConfig  # noqa: E402
+from tensorbend.cache.report import run_label  # noqa: E402
 from tensorbend.cache.transfers import Link  # noqa: E402
 from tensorbend.collect import CollectConfig, collect  # noqa: E402
 from tensorbend.engines.prefetcher import Prefetcher  # noqa: E402
 from tensorbend.hf import DecodeConfig, load_model  # noqa: E402
 from tensorbend.offload.layer import OffloadedExperts  # noqa: E402
-from tensorbend.offload.plan import PolicyConfig  # noqa: E402
 from tensorbend.offload.runner import build_predictor  # noqa: E402
 from tensorbend.offload.session import OffloadSession, SessionConfig  # noqa: E402
 from tensorbend.prompts import load_prompts  # noqa: E402
@@ -48,7 +50,7 @@ from tensorbend.simulate import SimulateConfig, simulate  # noqa: E402
 from tensorbend.simulate.costs import Calibration  # noqa: E402
 from tensorbend.trace import Trace  # noqa: E402
 
-POLICIES = ("on_demand", "lru", "lfu", "lfru", "prefetch", "oracle")  # the runtime's, but resident
+POLICIES = tuple(n for n, p in POLICY_TABLE.items() if p.bounded)  # the runtime's, but resident
 METRICS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token")
 
 
@@ -197,12 +199,10 @@ def _runtime_runs(sess, preds, link, a, horizon=None) -> list[dict]:
         for p, hz in variants if policy == "prefetch" else [(None, None)]:
             pc = PolicyConfig(policy, cache_frac=a.cache_frac, lookahead=a.lookahead)
             r = sess.run_policy(pc, p, link, hz).to_json()
-            if hz is not None:
-                r["predictor"] = f"{r['predictor']}+horizon"
             assert r["output_matches_resident"], r
             runs.append(r)
             print(
-                f"runtime {policy:<10} {r['predictor'] or '-':<12} {r['decode_tok_s']:.2f} tok/s",
+                f"runtime {run_label(r):<24} {r['decode_tok_s']:.2f} tok/s",
                 file=sys.stderr,
             )
     return runs
@@ -244,13 +244,8 @@ def _trace_of(sess, prompts, a, work: Path) -> Path:
 def _compare(runs: list[dict], sims: list[dict]) -> list[dict]:
     rows = []
     for r in runs:
-        s = next(
-            x
-            for x in sims
-            if x["policy"] == r["policy"]
-            and (x["predictor"] == r["predictor"] or r["policy"] == "oracle")
-        )
-        row = {"policy": r["policy"], "predictor": r["predictor"]}
+        s = next(x for x in sims if run_label(x) == run_label(r))  # the same run, by what ran
+        row = {"policy": r["policy"], "predictor": r["predictor"], "label": run_label(r)}
         for k in METRICS:
             row[f"runtime_{k}"], row[f"simulated_{k}"] = r[k], s[k]
             row[f"error_{k}"] = abs(s[k] - r[k]) / r[k] if r[k] else None

@@ -46,7 +46,7 @@ _EXPORTS = {
     "build_baseline": "tensorbend.predictors",
     "RunConfig": "tensorbend.offload.runner",
     "RunResult": "tensorbend.offload.result",
-    "PolicyConfig": "tensorbend.offload.plan",
+    "PolicyConfig": "tensorbend.cache.config",
     "SimulateConfig": "tensorbend.simulate.simulator",
     "SimulateResult": "tensorbend.simulate.simulator",
     "ImportConfig": "tensorbend.engines.importer",

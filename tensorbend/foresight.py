@@ -3,7 +3,7 @@ what that buys a cache, against the strongest caches without prediction and boun
 
 Usage:
     report = evaluate_foresight(pred, rows, cache_frac=0.25)   # rows: Trace.load, test split
-    report["replay"]["reuse/global/predicted"]["experts_per_token"], report["gap_closed"]
+    report["replay"]["horizon(evict only)/adm=predicted"]["experts_per_token"], report["gap_closed"]
 
 Shape legend: F forwards, L MoE layers, E experts, K top-k.
 
@@ -15,16 +15,22 @@ decode forwards of held-out requests:
                         forwards f+1..f+h of the request, n = |S| (R-precision)
   replay                the requests replayed one after another, demand loads only (no
                         prefetch, no timing: what a policy must read), through the runtime's own
-                        resident set and policies: experts read per decode token for lru, lfu,
-                        lfru x pool global/per_layer x admission all/frequency (no prediction),
-                        `reuse` driven by the predictor (global pool, admission all/predicted),
-                        and Belady knowing h = 1, 2, 4, 8 forwards (the current one counts) or
-                        the whole future, admitting every miss or bypassing one used later
+                        ResidentSet and policy table, named by `cache.report.run_label`: experts
+                        read per decode token of every cache without prediction (lru, lfu, lfru
+                        and `prefetch:none`, the Predicted eviction fed no predictions, x pool
+                        global/per_layer x admission all/frequency), the forecast-driven
+                        `horizon(evict only)` (Reuse; global pool, admission all/predicted), and
+                        the oracle knowing h = 0, 1, 2, 4, 8 forwards (the current one counts)
+                        or the whole future: Belady within its sight, the best no-prediction
+                        cache's rule, pool and admission beyond it (`oracle_beyond`; h = 0 is
+                        that cache exactly), admitting as that cache or bypassing a miss it sees
+                        used later
+  oracle_ceiling        per h >= 1, the oracle run knowing at most h forwards that read the
+                        fewest experts (`oracle_at`): a ceiling, never above the best cache
   best_no_prediction    the no-prediction cache that reads the fewest experts per token
-  gap_closed            (best no-prediction - best reuse) / (best no-prediction - full oracle),
-                        the full oracle being the better of whole-future Belady with and
-                        without bypass
-  good_decisions        share of reuse evictions whose victim is next used no sooner than the
+  gap_closed            (best no-prediction - best horizon) / (best no-prediction - full
+                        oracle), the full oracle being the best whole-future Belady
+  good_decisions        share of horizon evictions whose victim is next used no sooner than the
                         candidate Belady would have evicted (ties count as good)
 """
 
@@ -34,13 +40,15 @@ import heapq
 
 import torch
 
+from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
+from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
 from tensorbend.cache.victim_heap import IndexedResidentSet
-from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Reuse, make_admission
+from tensorbend.offload.policies import NextUse, make_admission
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
 
-ORACLE_FORESIGHTS = (1, 2, 4, 8, None)  # None: all of the future
+ORACLE_FORESIGHTS = (0, 1, 2, 4, 8, None)  # None: all of the future; 0: the best cache itself
 ADMISSION_WINDOW = 8  # forwards, the runtime's default
-NO_PREDICTION = {"lru": LRU, "lfu": LFU, "lfru": LFRU}
+POOLS = ("global", "per_layer")
 
 
 def evaluate_foresight(
@@ -66,41 +74,70 @@ def evaluate_foresight(
         return recalls
     slots = round(cache_frac * L * E)
     steps = _steps_by_key(used_FLE)
-    replays, replay_args = {}, (phases, used_FLE, slots, L)
-    for name, cls in NO_PREDICTION.items():
-        for pool in ("global", "per_layer"):
+    replays, args = {}, (phases, used_FLE, slots, L)
+
+    def run(row: dict, fc=None, fallback=None) -> None:
+        ev = make_eviction(row["policy"], L, steps, row.get("foresight"), fc is not None,
+                           row.get("oracle_beyond") or "lru")  # fmt: skip
+        judge = None if POLICIES[row["policy"]].recorded_routing else NextUse(steps, L)
+        out = _replay(*args, ev, row["pool"], row["admission"], fc, judge, fallback)
+        replays[run_label(row)] = {**out, **row}
+
+    for policy in (*no_prediction(), "prefetch"):  # prefetch with none: Predicted alone
+        for pool in POOLS:
             for adm in ("all", "frequency"):
-                oracle = NextUse(steps, L)
-                replays[f"{name}/{pool}/{adm}"] = _replay(
-                    *replay_args, cls(), pool, adm, None, oracle
-                )
-    best_name = min(replays, key=lambda n: replays[n]["experts_per_token"])
+                pred = "none" if POLICIES[policy].uses_prediction else None
+                run({"policy": policy, "predictor": pred, "pool": pool, "admission": adm})
+    best = best_no_prediction(list(replays.values()), "experts_per_token")
+    best_name = run_label(best)
+    ours = []
     for adm in ("all", "predicted"):
-        replays[f"reuse/global/{adm}"] = _replay(
-            *replay_args, Reuse(L), "global", adm, fc, NextUse(steps, L)
-        )
-    for hz in ORACLE_FORESIGHTS:
-        for adm in ("all", "predicted"):  # predicted: Belady's bypass of a miss used later
-            label = f"belady/h={'all' if hz is None else hz}/{adm}"
-            replays[label] = _replay(*replay_args, NextUse(steps, L, hz), "global", adm)
-    best = replays[best_name]["experts_per_token"]
-    ours_name = min(("reuse/global/all", "reuse/global/predicted"),
-                    key=lambda n: replays[n]["experts_per_token"])  # fmt: skip
-    full_name = min(("belady/h=all/all", "belady/h=all/predicted"),
-                    key=lambda n: replays[n]["experts_per_token"])  # fmt: skip
-    ours, full = replays[ours_name]["experts_per_token"], replays[full_name]["experts_per_token"]
-    return {
+        row = {"policy": "prefetch", "horizon": "forecast", "token_ahead_layers": 0,
+               "pool": "global", "admission": adm}  # fmt: skip
+        run(row, fc)
+        ours.append(run_label(row))
+    beyond = best_rule([best], "experts_per_token")
+    for hz in ORACLE_FORESIGHTS:  # beyond its sight: the best cache's rule, pool and admission
+        options = {(best["pool"], best["admission"]), (best["pool"], "predicted")}
+        if hz is None:  # the full oracle: classic Belady's MIN too
+            options |= {("global", "all"), ("global", "predicted")}
+        for pool, adm in sorted(options):
+            row = {"policy": "oracle", "foresight": hz, "oracle_beyond": beyond, "pool": pool,
+                   "admission": adm}  # fmt: skip
+            run(row, fallback=best["admission"] if adm == "predicted" else None)
+    epf = lambda n: replays[n]["experts_per_token"]  # noqa: E731
+    ours_name = min(ours, key=epf)
+    full_name = min((n for n, r in replays.items()
+                     if r["policy"] == "oracle" and r["foresight"] is None), key=epf)  # fmt: skip
+    out = {
         **recalls,
         "cache_frac": cache_frac,
         "cache_slots": slots,
         "replay": replays,
         "best_no_prediction": best_name,
+        "oracle_beyond": beyond,
         "best_reuse": ours_name,
         "full_oracle": full_name,
-        "gap_closed": (best - ours) / (best - full) if best > full else None,
+        "gap_closed": gap_closed(epf(best_name), epf(ours_name), epf(full_name)),
+        "oracle_ceiling": {},
         "good_decisions": replays[ours_name]["good_decisions"],
         "good_decisions_best_no_prediction": replays[best_name]["good_decisions"],
     }
+    for hz in ORACLE_FORESIGHTS[1:]:
+        out["oracle_ceiling"]["all" if hz is None else str(hz)] = oracle_at(out, hz)
+    return out
+
+
+def oracle_at(report: dict, h: int | None) -> str:
+    """The ceiling knowing h forwards: the oracle run with foresight <= h that read the fewest
+    experts per token (what it knows, it may ignore; h = 0 is the best cache itself). Belady
+    within a short sight and a rule beyond it is no ceiling by itself: protecting an expert
+    seen used later in the window can evict one the rule would keep (e.g. 5.63 against the
+    best cache's 5.55 at h = 1 on tests/planted.py's router_trace at 25% cache)."""
+    rp, top = report["replay"], float("inf") if h is None else h
+    at = [n for n, r in rp.items() if r["policy"] == "oracle"
+          and (float("inf") if r["foresight"] is None else r["foresight"]) <= top]  # fmt: skip
+    return min(at, key=lambda n: rp[n]["experts_per_token"])
 
 
 def dataset_recalls(pred: HorizonPredictor, ds: dict, chunk: int = 256) -> dict:
@@ -155,7 +192,7 @@ def format_foresight(f: dict) -> str:
         "per decode token:",
     ]
     for name, r in sorted(f["replay"].items(), key=lambda kv: kv[1]["experts_per_token"]):
-        lines.append(f"  {name:<26} {r['experts_per_token']:7.3f}")
+        lines.append(f"  {name:<48} {r['experts_per_token']:7.3f}")
     gap = f["gap_closed"]
     lines.append(
         f"best no-prediction cache: {f['best_no_prediction']}; gap to full Belady closed by "
@@ -238,10 +275,13 @@ def _steps_by_key(used_FLE: torch.Tensor) -> dict:
     return {k: sorted(v) for k, v in steps.items()}
 
 
-def _replay(phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle=None):
+def _replay(
+    phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle=None, fallback=None
+):
     """Demand-only replay: experts read per decode token; with `oracle`, the good-decision rate
-    of the evictions (see the module docstring)."""
-    adm = make_admission(admission, L, ADMISSION_WINDOW)
+    of the evictions (see the module docstring); `fallback`: admission predicted's rule when
+    both next uses are unknown."""
+    adm = make_admission(admission, L, ADMISSION_WINDOW, fallback)
     rs = IndexedResidentSet(slots, L, policy, pool=pool, admission=adm)
     farthest = None if oracle is None else _Farthest(rs, oracle)
     reads = decode = good = evictions = 0

@@ -33,11 +33,11 @@ from typing import Literal
 
 import torch
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import (
     build_without_experts,

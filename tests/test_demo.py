@@ -20,6 +20,17 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     summary = json.loads((out / "report" / "summary.json").read_text())
     _check_numbers(summary, text, Trace.open(out / "trace").spec)
     assert all(r["output_matches_resident"] for r in summary["runs"])  # prediction never
+    runs = {r["label"]: r for r in summary["runs"]}  # labels say what ran
+    assert set(runs) == {
+        "lru",
+        "lfru/adm=frequency",
+        "prefetch:none",
+        "horizon+d1:tensorbend/adm=predicted",
+        "oracle@h=all/adm=predicted",
+    }
+    best = max(runs[k]["decode_tok_s"] for k in ("lru", "lfru/adm=frequency", "prefetch:none"))
+    for r in runs.values():  # the ratio over the best of the three caches without prediction
+        assert r["vs_best_cache"] == r["decode_tok_s"] / best
     assert (out / "report" / "plots" / "recall_by_layer.png").is_file()  # changes output
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json")}
     assert main(["demo", "--quick", "--out", str(out)]) == 0  # a re-run reuses every step

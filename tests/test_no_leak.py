@@ -291,10 +291,10 @@ def test_the_runtime_predicts_nothing_before_a_forward_from_its_future(monkeypat
     forwards 0..CUT are identical; forward CUT + 1 sees another token and forecasts otherwise."""
     from tiny_models import build, char_tokenizer
 
+    from tensorbend.cache.config import PolicyConfig
     from tensorbend.hf import DecodeConfig
     from tensorbend.models import describe_model
     from tensorbend.offload import hooks as hooks_mod
-    from tensorbend.offload.plan import PolicyConfig
     from tensorbend.offload.session import OffloadSession, SessionConfig
     from tensorbend.predictors.baselines import build_baseline
     from tensorbend.prompts import Prompt

@@ -8,10 +8,10 @@ import torch
 from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
 import tensorbend.hf
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cli import main
 from tensorbend.hf import DecodeConfig
 from tensorbend.offload import runner
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.prompts import Prompt

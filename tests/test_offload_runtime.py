@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import Link
 from tensorbend.cli import main
 from tensorbend.errors import StoreError, UnsupportedModelError
@@ -14,7 +15,6 @@ from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
@@ -289,6 +289,15 @@ def test_oracle_without_foresight_is_lru_and_with_it_prefetches_across_tokens(mo
         blind = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=0.5, foresight=0)))
         assert {k: blind["counters"][k] for k in counts} == {k: lru[k] for k in counts}
         assert lru["prefetch_issued"] == 0
+        differ = []
+        for rule in ("lfu", "lfru"):  # --oracle-beyond: what it cannot see ranks by that rule
+            cache = _check(sess.run_policy(PolicyConfig(rule, cache_frac=0.5)))["counters"]
+            differ.append(cache["misses"] != lru["misses"])
+            pc = PolicyConfig("oracle", cache_frac=0.5, foresight=0, oracle_beyond=rule)
+            seen = _check(sess.run_policy(pc))
+            assert {k: seen["counters"][k] for k in counts} == {k: cache[k] for k in counts}
+            assert seen["oracle_beyond"] == rule
+        assert any(differ)  # the rule beyond its sight made a difference here
 
         asked = []
         real = RecordedRouting.ahead

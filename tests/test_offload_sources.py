@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_models import save_checkpoint, write_prompts
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.hf import DecodeConfig, load_model
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import LOOKAHEADS, sources_from_rows
 from tensorbend.prompts import load_prompts

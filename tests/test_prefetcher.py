@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny_models import build, char_tokenizer
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.engines.prefetcher import Prediction, Prefetcher
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload import hooks as hooks_mod
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.baselines import build_baseline
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor

@@ -167,8 +167,8 @@ def test_layout_and_dtype_refused(tmp_path):
     lm, spec, layout = build_without_experts(ckpt, torch.float32)
     plan = ExpertPlan.of(Checkpoint.open(ckpt), lm, spec, layout)
     path = build_store(plan, tmp_path / "bf16.safetensors", {}, torch.bfloat16, progress=False)
+    from tensorbend.cache.config import PolicyConfig
     from tensorbend.offload.handle import OffloadHandle
-    from tensorbend.offload.plan import PolicyConfig
 
     with pytest.raises(tensorbend.TensorbendError, match="another dtype"):
         OffloadHandle(lm, spec, layout, path, PolicyConfig("lru", cache_frac=0.5))
@@ -252,8 +252,8 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
     """`tensorbend run` (resident reference, then the handle per policy) and load_offloaded +
     transformers' generate() read exactly the same expert bytes on the same prompts (greedy:
     the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards)."""
+    from tensorbend.cache.config import PolicyConfig
     from tensorbend.hf import DecodeConfig
-    from tensorbend.offload.plan import PolicyConfig
     from tensorbend.offload.runner import RunConfig, run
     from tensorbend.offload.session import SessionConfig
     from tensorbend.prompts import load_prompts

@@ -2,7 +2,7 @@
 
 Usage:
     >>> from tensorbend.offload.runner import RunConfig, run
-    >>> from tensorbend.offload.plan import PolicyConfig
+    >>> from tensorbend.cache.config import PolicyConfig
     >>> result = run(RunConfig(model="zoo:default", offload=PolicyConfig("lru")))  # doctest: +SKIP
     >>> result.to_json()["output_matches_resident"]                                       # doctest: +SKIP
     True
@@ -17,14 +17,9 @@ See docs/offload.md. Modules, in the order a run uses them:
   oracle    RecordedRouting: the resident run's routing as predictions, with bounded foresight
   layer     OffloadedExperts: the experts forward on weights from the cache
   generation  the prompts through hf.decode_prompt, timed and counted per phase
-  plan      PolicyConfig (policy, cache size, pool, admission, foresight) -> the ExpertCache
+  build     PolicyConfig (cache/config.py: policy table, cache size, pool, admission,
+            foresight) -> the ExpertCache
   session   OffloadSession: resident reference, store, one run per policy
   result    RunResult: the `run --json` keys, output comparison
   runner    RunConfig + run(): what `tensorbend run` calls
 """
-
-from typing import Literal, get_args
-
-PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
-POLICIES: tuple[str, ...] = get_args(PolicyName)
-NO_PREDICTION_CACHES = ("lru", "lfu", "lfru")

@@ -29,15 +29,16 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import OffloadedExperts, check_supported
 from tensorbend.offload.loader import Loader
-from tensorbend.offload.plan import PolicyConfig, build_cache
 from tensorbend.offload.result import phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 

@@ -9,8 +9,8 @@ Usage:
     [((0, 1), 2), ((0, 4), 2)]
     >>> RecordedRouting(ids, LOOKAHEADS["d1"], foresight=1).ahead(1)   # forward 1 is beyond its sight
     []
-    >>> oracle.eviction_policy().next_use((1, 3), 1)
-    3
+    >>> oracle.steps_by_key[(1, 3)]   # what its eviction (policies.NextUse) reads
+    [1, 3]
 
 Shape legend: T tokens of a forward, L MoE layers, K top-k.
 
@@ -20,14 +20,15 @@ routing of steps < (now // L + h) * L: the rest of the current forward and the n
 forwards (None: the whole run). It prefetches (`ahead`, called by the hooks at its lookahead's
 source points: the router of layer s for dN, the input of layer m for pre_attn) the exact
 experts of step now + N, when that step is within sight, also across the forward boundary;
-and it evicts by Belady's MIN over what it sees (`policies.NextUse`, recency beyond).
+and it evicts by Belady's MIN over what it sees (`policies.NextUse` over `steps_by_key`, built
+by the policy table, cache/config.py; past its sight, its `--oracle-beyond` rule).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tensorbend.offload.policies import INF, Key, NextUse
+from tensorbend.offload.policies import INF, Key
 from tensorbend.predictors.base import Lookahead
 
 
@@ -63,9 +64,6 @@ class RecordedRouting:
         if target >= self.horizon(now) or target >= len(self.experts_by_step):
             return []
         return [((target % self.L, e), target) for e in self.experts_by_step[target]]
-
-    def eviction_policy(self) -> NextUse:
-        return NextUse(self.steps_by_key, self.L, self.foresight)
 
     def num_params(self) -> int:
         return 0

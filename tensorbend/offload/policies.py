@@ -25,7 +25,8 @@ since the last use), Predicted (farthest estimated next use from predictions + u
 Reuse (Belady on a cross-token predictor's forecast of each next use) and
 NextUse (Belady's MIN from a recorded routing; with `foresight` h it knows only the routing of
 steps < (now // L + h) * L: the rest of the current forward and the next h - 1; keys not used
-within that window rank by recency, so h = 0 is LRU and h >= the run's forwards is full MIN).
+within that window rank by its `beyond` rule (default recency), so h = 0 is that rule and
+h >= the run's forwards is full MIN).
 Ties go to the least recent entry; `Predicted` and `Reuse` rank (next use, tie, -recency),
 where tie is -inf for a predicted or forecast use (ties: least recent, as everywhere) and
 -log(decayed count) for an estimate from use rates, so that of two equal estimates (only
@@ -135,7 +136,10 @@ class NextUse(LRU):
     """Belady's MIN over a recorded routing, optionally knowing only `foresight` forwards ahead.
 
     steps_by_key: sorted steps at which each key is used. foresight: None = the whole run;
-    h = every use at a step < (now // num_layers + h) * num_layers.
+    h = every use at a step < (now // num_layers + h) * num_layers. beyond: how keys not seen
+    used within that window rank among themselves (a rule without prediction; default LRU),
+    so that the bounded oracle is a ceiling over that rule. With full foresight such a key is
+    never used again and any order is as good: recency.
     """
 
     name = "next_use"
@@ -143,10 +147,18 @@ class NextUse(LRU):
     use_lowers_rank: ClassVar[bool] = False  # a use moves the next use later
 
     def __init__(
-        self, steps_by_key: dict[Key, list[int]], num_layers: int, foresight: int | None = None
+        self,
+        steps_by_key: dict[Key, list[int]],
+        num_layers: int,
+        foresight: int | None = None,
+        beyond: LRU | None = None,
     ):
         assert foresight is None or foresight >= 0
         self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
+        self.beyond = beyond if beyond is not None and foresight is not None else LRU()
+
+    def touch(self, key: Key, now: int) -> None:
+        self.beyond.touch(key, now)
 
     def next_use(self, key: Key, now: int) -> float:
         step = self._next_step(key, now)
@@ -157,16 +169,21 @@ class NextUse(LRU):
         return INF if self.foresight is None else (now // self.L + self.foresight) * self.L
 
     def rank(self, key: Key, recency: int, now: int) -> tuple:
-        return (self.next_use(key, now), -recency)
+        return (self.next_use(key, now), *self.beyond.rank(key, recency, now))
 
     def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
         """(until, group, value) for `cache/victim_heap.py`: key's rank is `value` (group None)
         for every step < until. NextUse keys form no group: the next use s moves on at step
-        s; an unseen s comes into sight at the first forward f with f + foresight > s // L."""
+        s; an unseen s comes into sight at the first forward f with f + foresight > s // L.
+        A `beyond` rule other than recency can change its order at any step: then the rank
+        holds for this step only (the index asks again at the next)."""
         step = self._next_step(key, now)
+        tail = self.beyond.rank(key, recency, now)
+        steady = type(self.beyond) is LRU  # (0, -recency): constant between uses
         if step == INF or step < self.horizon(now):
-            return step, None, (step, -recency)
-        return min(step, (step // self.L - self.foresight + 1) * self.L), None, (INF, -recency)
+            return (step if steady else min(step, now + 1)), None, (step, *tail)
+        until = min(step, (step // self.L - self.foresight + 1) * self.L)
+        return (until if steady else min(until, now + 1)), None, (INF, *tail)
 
     def _next_step(self, key: Key, now: int) -> float:
         steps = self.steps_by_key.get(key)
@@ -350,22 +367,37 @@ class AdmitFrequent(AdmitAll):
 
 
 class AdmitPredicted(AdmitAll):
-    """Bypass a miss whose estimated next use comes after the victim's (ties admit)."""
+    """Bypass a miss whose estimated next use comes after the victim's (ties admit). With a
+    `fallback` rule, a tie of two unknown (INF) next uses is decided by that rule instead (the
+    bounded oracle beyond its sight admits as the no-prediction cache it must beat)."""
 
     name = "predicted"
+
+    def __init__(self, fallback: AdmitAll | None = None):
+        self.fallback = fallback
+
+    def touch(self, key: Key, now: int) -> None:
+        if self.fallback is not None:
+            self.fallback.touch(key, now)
 
     def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
         mine, theirs = policy.next_use(key, now), policy.next_use(victim, now)
         assert mine is not None and theirs is not None, f"{policy.name} has no next_use"
+        if mine == theirs == INF and self.fallback is not None:
+            return self.fallback.admit(key, victim, policy, now)
         return mine <= theirs
 
 
-def make_admission(name: AdmissionName, num_layers: int, window: int) -> AdmitAll:
-    """Admission rule by name; `window` is in forwards (AdmitFrequent)."""
+def make_admission(
+    name: AdmissionName, num_layers: int, window: int, fallback: AdmissionName | None = None
+) -> AdmitAll:
+    """Admission rule by name; `window` is in forwards (AdmitFrequent); `fallback`: the rule
+    AdmitPredicted defers to when both next uses are unknown."""
     if name == "frequency":
         return AdmitFrequent(window * num_layers)
     if name == "predicted":
-        return AdmitPredicted()
+        fb = None if fallback is None else make_admission(fallback, num_layers, window)
+        return AdmitPredicted(fb)
     assert name == "all", name
     return AdmitAll()
 

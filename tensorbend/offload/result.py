@@ -39,7 +39,9 @@ class RunResult:
     token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null),
     batch (sequences decoded together in lockstep; per-token numbers count every sequence's),
     predict_s_per_token (seconds inside the prediction hooks per decode token, measured in
-    the runtime: Prefetcher, predictor, queueing and hints; null for the resident row).
+    the runtime: Prefetcher, predictor, queueing and hints; null for the resident row);
+    oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
+    names a row.
     """
 
     model: str
@@ -76,6 +78,7 @@ class RunResult:
     token_ahead_layers: int | None = None
     batch: int = 1
     predict_s_per_token: float | None = None
+    oracle_beyond: str | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -1,7 +1,7 @@
 """`tensorbend run`: load a model, build the predictor, run one policy against the resident model.
 
 Usage:
-    >>> from tensorbend.offload.plan import PolicyConfig
+    >>> from tensorbend.cache.config import PolicyConfig
     >>> cfg = RunConfig(model="zoo:default", offload=PolicyConfig("prefetch"), baseline="spec_gate")
     >>> result = run(cfg)                                                    # doctest: +SKIP
     >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
@@ -22,10 +22,10 @@ from typing import Literal
 
 import torch
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import check_link
 from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.checkpoint import check_held_out, read_metadata

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.cache.transfers import Link, parse_link
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
@@ -39,7 +40,6 @@ from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
 from tensorbend.offload.oracle import RecordedRouting
-from tensorbend.offload.plan import PolicyConfig
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
@@ -152,7 +152,7 @@ class OffloadSession:
             )
         if pc.policy != "prefetch":
             horizon = None
-        if pc.policy == "oracle":
+        if POLICIES[pc.policy].recorded_routing:
             la = get_lookahead(pc.lookahead)
             predictor = RecordedRouting(self.reference.ids, la, pc.foresight)
         elif pc.policy != "prefetch":
@@ -227,7 +227,8 @@ class OffloadSession:
             lookahead=la.name if la is not None else None,
             pool=pc.pool,
             admission=pc.admission,
-            foresight=pc.foresight if pc.policy == "oracle" else None,
+            foresight=pc.foresight if POLICIES[pc.policy].recorded_routing else None,
+            oracle_beyond=pc.oracle_beyond if POLICIES[pc.policy].recorded_routing else None,
             link=link.to_dict(),
             io=self.cfg.io,
             decode=self.cfg.decode.decode,

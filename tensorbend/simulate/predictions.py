@@ -137,7 +137,7 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
     la = pred.lookahead
     out = torch.full((T, L, width), -1, dtype=torch.long)
     valid = torch.zeros(L, dtype=torch.bool)
-    if pred.kind == "oracle":
+    if pred.needs_truth:
         pred.set_truth(ids_TLK)
     with torch.no_grad():
         for m in la.targets(L):
@@ -147,7 +147,7 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
                 top.values > -torch.inf, top.indices, -1
             )
             valid[m] = True
-    if pred.kind == "oracle":  # exact sets, in router order
+    if pred.needs_truth:  # the oracle: exact sets, in router order
         out[:, :, :K] = torch.where(valid[None, :, None], ids_TLK, -1)
         out[:, :, K:] = -1
     return Ranked(pred.kind, la.name, la.distance, out, valid)

@@ -4,28 +4,29 @@ Usage:
     row = run_one(cfg, "lru", None, 0.25, fwds, demand, rows, mapping, costs, hw, geo)
     row["decode_tok_s"], row["stall_s_per_token"]     # the keys of `run --json`
 
-`make_resident_set` maps a policy name to the runtime's policy objects (offload/policies.py)
-in a resident set with the asked pool and admission (`cache.victim_heap.IndexedResidentSet`:
-the runtime's victims, found through an index). Cache size: `cache_frac` of each layer's (trace) experts,
-at least top-k slots; its bytes are reported for the geometry's own experts.
+`make_resident_set` builds the policy table's eviction rule (cache/config.py) in a resident
+set with the asked pool and admission (`cache.victim_heap.IndexedResidentSet`: the runtime's
+victims, found through an index). Cache size: `cache_frac` of each layer's (trace) experts,
+at least top-k slots; its bytes are reported for the geometry's own experts. Rows carry
+`cache.report.ROW_KEYS`.
 """
 
 from __future__ import annotations
 
 import math
 
+from tensorbend.cache.config import POLICIES, make_eviction
+from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.transfers import Link
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse, make_admission
+from tensorbend.offload.policies import make_admission
 from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, IOThreads, Times
 from tensorbend.simulate.geometry import Geometry
 from tensorbend.simulate.predictions import Ranked
-
-NO_PREDICTION = ("lru", "lfu", "lfru")
 
 
 def make_resident_set(
@@ -38,52 +39,49 @@ def make_resident_set(
     steps=None,
     foresight: int | None = None,
     horizon: bool = False,
+    beyond: str = "lru",
 ) -> ResidentSet:
-    """The runtime's cache of each policy name (as `offload.plan.build_cache` makes it): lru and
-    on_demand LRU (on_demand: capacity 0), lfu LFU, lfru LFRU, prefetch Predicted, oracle NextUse
-    over the run's routing within `foresight`; pool and admission for every policy."""
-    if policy == "prefetch":
-        ev = Reuse(num_layers) if horizon else Predicted(num_layers)
-    elif policy == "oracle":
-        ev = NextUse(steps, num_layers, foresight)
-    else:
-        ev = {"lfu": LFU, "lfru": LFRU}.get(policy, LRU)()
-    cap = 0 if policy == "on_demand" else capacity
+    """The runtime's cache of each policy name (as `offload.build.build_cache` makes it): the
+    table's eviction rule (the oracle's over the run's routing `steps` within `foresight`,
+    `beyond` past it), capacity 0 for a policy that keeps nothing; pool and admission."""
+    ev = make_eviction(policy, num_layers, steps, foresight, horizon, beyond)
+    cap = capacity if POLICIES[policy].keeps_experts else 0
     adm = make_admission(admission, num_layers, admission_window)
     return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=adm)
 
 
 def run_one(
-    cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo, forecasts=None
+    cfg, policy, ranked, frac, fwds, demand, mapping, costs, hw, geo, forecasts=None, beyond="lru"
 ) -> dict:
     """One policy (x predictor, x cross-token forecasts) at one cache fraction; its result row."""
     L, K = mapping.geometry_layers, mapping.trace_top_k
-    units = L * mapping.trace_experts if policy == "resident" else cache_units(cfg, frac, mapping)
+    bounded = POLICIES[policy].bounded
+    units = cache_units(cfg, frac, mapping) if bounded else L * mapping.trace_experts
     extra = cfg.prefetch_extra
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
     if forecasts is not None:
         plan.add_horizon(work, mapping, forecasts, cfg.token_ahead_layers, K)
     steps = None
-    if policy == "oracle":
+    if POLICIES[policy].recorded_routing:
         la = get_lookahead(cfg.lookahead)
         plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
     rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, horizon=forecasts is not None)  # fmt: skip
+                           steps, cfg.foresight, forecasts is not None, beyond)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
     link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
     run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
-    if policy == "resident":
+    if not bounded:
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
     run.run(work)
     row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
     row["horizon"] = str(cfg.horizon) if forecasts is not None else None
-    if forecasts is not None:
-        row["predictor"] = f"{row['predictor']}+horizon" if row["predictor"] else "horizon"
+    row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
+    row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
     return row
 
 
@@ -106,12 +104,13 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
     dec, pre = run.stats[1], run.stats[0]
     nd, npf = max(1, run.tokens[1]), max(1, run.tokens[0])
     expert_total = geo.num_moe_layers * geo.num_experts * geo.expert_bytes(cfg.dtype)
-    cache_bytes = expert_total if policy == "resident" else frac * expert_total
+    bounded = POLICIES[policy].bounded
+    cache_bytes = frac * expert_total if bounded else expert_total
     return {
         "policy": policy,
         "predictor": None if ranked is None else ranked.kind,
         "lookahead": None if ranked is None else ranked.lookahead,
-        "cache_frac": 1.0 if policy == "resident" else frac,
+        "cache_frac": frac if bounded else 1.0,
         "decode_tok_s": run.tokens[1] / run.seconds[1] if run.seconds[1] else None,
         "prefill_tok_s": run.tokens[0] / run.seconds[0] if run.seconds[0] else None,
         "stall_s_per_token": dec.stall_s / nd,
@@ -124,7 +123,7 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
         or cache_bytes + resident_bytes(geo) <= hw.mem_capacity.value,
         "pool": cfg.pool,
         "admission": cfg.admission,
-        "foresight": cfg.foresight if policy == "oracle" else None,
+        "foresight": cfg.foresight if POLICIES[policy].recorded_routing else None,
         "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
         "prefill": {
             "stall_s_per_token": pre.stall_s / npf,
@@ -136,18 +135,13 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
 
 
 def relative(results: list[dict]) -> None:
-    """vs_best_cache: decode tok/s over the best no-prediction cache at the same size."""
+    """Each row's label and `vs_best_cache` (decode tok/s over the best no-prediction cache at
+    the same size, `cache.report.compare`)."""
+    by_frac = compare(results)
     for r in results:
-        peers = [
-            x["decode_tok_s"]
-            for x in results
-            if x["policy"] in NO_PREDICTION
-            and x["cache_frac"] == r["cache_frac"]
-            and x["decode_tok_s"]
-        ]
-        r["vs_best_cache"] = (
-            round(r["decode_tok_s"] / max(peers), 4) if peers and r["decode_tok_s"] else None
-        )
+        r["label"] = run_label(r)
+        c = by_frac.get(r["cache_frac"])
+        r["vs_best_cache"] = c and c["runs"][r["label"]]["vs_best_cache"]
 
 
 def resident_bytes(geo: Geometry) -> float:

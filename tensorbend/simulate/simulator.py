@@ -27,10 +27,11 @@ from typing import Literal
 
 from tqdm import tqdm
 
+from tensorbend.cache.config import POLICIES as POLICY_TABLE
+from tensorbend.cache.config import PolicyConfig, PolicyName
+from tensorbend.cache.report import best_rule
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import (
-    AdmissionName,
-)
+from tensorbend.offload.policies import AdmissionName
 from tensorbend.offload.resident import PoolName
 from tensorbend.predictors import get_lookahead
 from tensorbend.rows import RowSelection, forwards, select_rows
@@ -49,11 +50,11 @@ from tensorbend.simulate.predictions import (
     rank_all,
     routing_rows,
 )
-from tensorbend.simulate.runs import NO_PREDICTION, fitting_frac, relative, run_one
+from tensorbend.simulate.runs import fitting_frac, relative, run_one
 from tensorbend.trace import Trace
 
-PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
-POLICIES: tuple[str, ...] = PolicyName.__args__
+POLICIES: tuple[str, ...] = tuple(POLICY_TABLE)
+_RUN = PolicyConfig()  # the cache options' defaults live in PolicyConfig (cache/config.py)
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,14 @@ class SimulateConfig:
         default=("transition",), metadata={"flags": ("--predictor",)}
     )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
-    prev_token, spec_gate, random, oracle), or none (no predictions: the eviction alone)."""
+    prev_token, spec_gate, random, oracle); none (no predictions: the eviction alone, a cache
+    without prediction) always runs beside them."""
     horizon: Path | None = None
     """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
     simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
-    token_ahead_layers: int = 1
+    token_ahead_layers: int = _RUN.token_ahead_layers
     """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
-    lookahead: str = "d1"
+    lookahead: str = _RUN.lookahead
     """Lookahead of named peers and of the oracle's prefetches."""
     train_trace: Path | None = None
     """Trace whose train split fits the table peers (frequency, prev_token, transition);
@@ -96,18 +98,21 @@ class SimulateConfig:
     """Replay at most this many prompts of the split (row order)."""
     dtype: ExpertDtype = "native"
     """Storage of the geometry's routed experts (native: as released)."""
-    pool: PoolName = "global"
+    pool: PoolName = _RUN.pool
     """Cache slots shared by all layers (global) or split evenly per layer."""
-    admission: AdmissionName = "all"
+    admission: AdmissionName = _RUN.admission
     """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
-    admission_window: int = 8
+    admission_window: int = _RUN.admission_window
     """Forwards of use counts for --admission frequency."""
-    foresight: int | None = None
+    foresight: int | None = _RUN.foresight
     """Oracle: forwards (tokens at decode) of exact routing it knows, counting the current one
     (0: nothing, LRU); default: the whole run."""
-    prefetch_extra: int = 0
+    oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
+    """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
+    no-prediction cache that read the fewest bytes at the same cache size in this run)."""
+    prefetch_extra: int = _RUN.prefetch_extra
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
-    prefetch_backlog: float = 0.5
+    prefetch_backlog: float = _RUN.prefetch_backlog
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
@@ -148,12 +153,11 @@ class SimulateConfig:
                 "expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0, "
                 "--admission-window >= 1, --prefetch-backlog >= 0"
             )
-        if self.admission == "predicted" and any(
-            p in ("on_demand", *NO_PREDICTION) for p in self.policies
-        ):
+        blind = [p for p in self.policies if not POLICY_TABLE[p].uses_prediction]
+        if self.admission == "predicted" and [p for p in blind if p != "resident"]:
             raise TensorbendError(
                 "--admission predicted needs a policy that predicts (prefetch, oracle): drop "
-                f"{[p for p in self.policies if p in ('on_demand', *NO_PREDICTION)]} from --policies"
+                f"{[p for p in blind if p != 'resident']} from --policies"
             )
         if self.geometry == "from-trace" and self.calibration is None:
             raise TensorbendError(
@@ -210,6 +214,8 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     demand = plan.demand_lists(rows, fwds)
     train = Trace.open(cfg.train_trace) if cfg.train_trace else None
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
+    auto = "prefetch" in cfg.policies and "none" not in specs  # Predicted eviction fed
+    specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
     rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
@@ -217,13 +223,15 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     jobs = [
         (p, r, f, fc)
         for f in fracs
-        for p in cfg.policies
+        for p in sorted(cfg.policies, key=lambda p: POLICY_TABLE[p].recorded_routing)
         for r, fc in (variants if p == "prefetch" else [(None, None)])
-    ]
+    ]  # the oracle after the caches it must beat (oracle_beyond best)
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
-    results = [
-        run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo, fc) for p, r, f, fc in bar
-    ]
+    results = []
+    for p, r, f, fc in bar:
+        at = [x for x in results if x["cache_frac"] == f]
+        beyond = best_rule(at) if cfg.oracle_beyond == "best" else cfg.oracle_beyond
+        results.append(run_one(cfg, p, r, f, fwds, demand, mapping, costs, hw, geo, fc, beyond))
     relative(results)
     res = SimulateResult(
         hardware=cfg.hardware,
@@ -243,7 +251,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     )
     if cfg.ep_degree is not None:
         epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
-        res.ep = ep_report(rankeds, rows, fwds, tr.spec.num_experts, epc)
+        res.ep = ep_report(rankeds[auto:], rows, fwds, tr.spec.num_experts, epc)
     if cfg.plots is not None:
         from tensorbend.simulate.plots import plot_results
 
@@ -296,12 +304,12 @@ def format_table(res: SimulateResult) -> str:
         f"batch {res.batch}, {res.tokens['decode']} decode + {res.tokens['prefill']} prefill tokens)"
     ]
     lines += [f"mapping: {x}" for x in res.mapping["notes"]]
-    head = f"{'policy':<10} {'predictor':<20} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
+    head = f"{'policy':<10} {'run':<20} {'cache':>6} {'tok/s':>9} {'stall ms/tok':>12} {'MB/tok':>9} {'hit':>6} {'wasted MB':>10}"
     lines += [head, "-" * len(head)]
     for r in res.results:
         tok_s = "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.2f}"
         lines.append(
-            f"{r['policy']:<10} {str(r['predictor'] or '-'):<20} {r['cache_frac']:>6.3f} {tok_s:>9} "
+            f"{r['policy']:<10} {r['label']:<20} {r['cache_frac']:>6.3f} {tok_s:>9} "
             f"{r['stall_s_per_token'] * 1e3:>12.3f} {r['bytes_read_per_token'] / 1e6:>9.2f} "
             f"{r['demand_hit_rate']:>6.3f} {r['wasted_prefetch_bytes'] / 1e6:>10.1f}"
         )
@@ -351,6 +359,11 @@ def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
 
 def _notes(cfg, cal) -> list[str]:
     notes = []
+    if cal is None:
+        notes.append(
+            "prediction is charged zero seconds: the hardware profiles carry no predictor "
+            "cost (a horizon predictor's work grows with MoE layers x experts)"
+        )
     if cal is not None:
         notes.append(
             f"costs from calibration {cfg.calibration} ({cal.source}); hardware profile unused"

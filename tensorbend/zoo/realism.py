@@ -4,8 +4,8 @@ a real MoE, computed from a trace, beside reference figures of a real model.
 Usage:
     >>> import numpy as np
     >>> used = [np.array([[[0, 1]], [[0, 2]], [[3, 1]]])]   # 1 request, 3 tokens, L=1, K=2
-    >>> recurrence(used, num_experts=4, windows=(1, 2))      # of 2 uses at t=0: 0 and 1 recur
-    {1: 0.5, 2: 1.0}
+    >>> recurrence(used, num_experts=4, windows=(1, 2))  # j=1: 1 of 4 uses (t=0,1); j=2: 2 of 2
+    {1: 0.25, 2: 1.0}
 
     stats = routing_card(Trace.open("runs/bench/default/trace"))
     print(format_card({"zoo:default": stats}))

@@ -1,42 +1,114 @@
-"""One offloaded run's plan: the policy and cache options, and the ExpertCache they build.
+"""The cache's options and its one policy table: every default once, every policy's properties once.
 
 Usage:
-    >>> from tensorbend.offload.plan import PolicyConfig
+    >>> from tensorbend.cache.config import POLICIES, PolicyConfig, make_eviction, no_prediction
     >>> pc = PolicyConfig("oracle", cache_frac=0.25, foresight=2, pool="per_layer")
     >>> PolicyConfig("lru", foresight=2)
     Traceback (most recent call last):
     ...
     tensorbend.errors.TensorbendError: --foresight 2 with --policy lru: expected a count >= 0 with --policy oracle; drop --foresight otherwise
+    >>> POLICIES["lfru"].uses_prediction, POLICIES["on_demand"].keeps_experts
+    (False, False)
+    >>> no_prediction()                  # the caches that never read a predictor
+    ('lru', 'lfu', 'lfru')
+    >>> type(make_eviction("prefetch", num_layers=4)).__name__   # fed no predictions: no_prediction too
+    'Predicted'
 
-    cache = build_cache(pc, spec, layout, predictor, device="cpu")     # session.run_policy does this
-
-Policy -> eviction rule (policies.py): lru and on_demand LRU (on_demand keeps nothing: a
-resident set of capacity 0, every miss read into a staging slot), lfu LFU, lfru LFRU, prefetch
-Predicted (the predictor's hints), oracle NextUse over the recorded routing within its
-foresight. Pool and admission apply to every policy that keeps experts.
+`POLICIES` maps a policy name (`--policy`) to a `PolicySpec`: the eviction rule it builds
+(policies.py) and its declared properties, which every driver reads instead of testing names:
+  uses_prediction  its decisions read a predictor when one is given (prefetch: a within-token
+                   and/or horizon predictor, none = `Predicted` eviction alone; oracle: the
+                   recorded routing). A run with prediction-reading policy but no predictor
+                   uses none: `report.uses_prediction(row)` decides per run.
+  keeps_experts    it holds experts in slots (on_demand keeps nothing: capacity 0)
+  bounded          its capacity is the configured cache (resident holds every expert)
+  recorded_routing its rule reads the resident run's routing (the oracle's steps_by_key)
+Pool and admission apply to every policy that keeps experts. `PolicyConfig` (the `run` flags)
+is the one home of the policy and cache-option defaults; `tensorbend simulate` takes its
+defaults from it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
-from tensorbend.offload import NO_PREDICTION_CACHES, PolicyName
-from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.offload.policies import (
     LFRU,
     LFU,
     LRU,
     AdmissionName,
+    NextUse,
     Predicted,
     Reuse,
-    make_admission,
 )
 from tensorbend.offload.resident import PoolName
-from tensorbend.offload.store import ExpertLayout
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
+
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
+BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
+"""What the bounded oracle ranks by beyond its sight: a rule that reads no prediction."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One policy of the table (see the module docstring for the properties)."""
+
+    name: str
+    eviction: Callable[..., LRU]  # (num_layers, steps, foresight, horizon, beyond) -> rule
+    uses_prediction: bool
+    keeps_experts: bool = True
+    bounded: bool = True
+    recorded_routing: bool = False  # its rule reads the resident run's routing (steps_by_key)
+
+
+_BEYOND: dict[str, Callable[[int], LRU]] = {
+    "lru": lambda L: LRU(),
+    "lfu": lambda L: LFU(),
+    "lfru": lambda L: LFRU(),
+    "predicted": Predicted,  # fed no predictions: a layer-cycle-aware LFU
+}
+
+
+def _oracle(L, steps, foresight, horizon, beyond) -> NextUse:
+    assert steps is not None, "the oracle's eviction needs the recorded routing (steps_by_key)"
+    return NextUse(steps, L, foresight, beyond=_BEYOND[beyond](L))
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "resident": PolicySpec("resident", lambda L, *_: LRU(), False, bounded=False),
+    "on_demand": PolicySpec("on_demand", lambda L, *_: LRU(), False, keeps_experts=False),
+    "lru": PolicySpec("lru", lambda L, *_: LRU(), False),
+    "lfu": PolicySpec("lfu", lambda L, *_: LFU(), False),
+    "lfru": PolicySpec("lfru", lambda L, *_: LFRU(), False),
+    "prefetch": PolicySpec(
+        "prefetch", lambda L, s, f, horizon, b: Reuse(L) if horizon else Predicted(L), True
+    ),
+    "oracle": PolicySpec("oracle", _oracle, True, recorded_routing=True),
+}
+assert tuple(POLICIES) == get_args(PolicyName)
+
+
+def make_eviction(
+    name: str,
+    num_layers: int,
+    steps: dict | None = None,
+    foresight: int | None = None,
+    horizon: bool = False,
+    beyond: BeyondName = "lru",
+) -> LRU:
+    """The eviction rule of policy `name` (steps: the oracle's recorded routing, steps_by_key;
+    horizon: a cross-token forecast drives `prefetch`; beyond: the oracle's rule past its sight)."""
+    return POLICIES[name].eviction(num_layers, steps, foresight, horizon, beyond)
+
+
+def no_prediction() -> tuple[str, ...]:
+    """Bounded caches that never read a predictor (prefetch with none is one too, per run)."""
+    return tuple(n for n, p in POLICIES.items() if p.bounded and p.keeps_experts
+                 and not p.uses_prediction)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,6 +132,9 @@ class PolicyConfig:
     foresight: int | None = None
     """Oracle only: forwards (tokens at decode) of exact routing it knows, counting the
     current one (0: nothing, LRU); default: the whole run."""
+    oracle_beyond: BeyondName = "lru"
+    """Oracle only: how it ranks the experts it cannot see used within --foresight (a rule
+    without prediction; predicted: Predicted eviction fed no predictions)."""
     lookahead: str = field(default="d1", metadata={"choices": tuple(LOOKAHEADS)})
     """Source point of a --baseline predictor and of the oracle's prefetches (a checkpoint
     brings its own)."""
@@ -78,7 +153,7 @@ class PolicyConfig:
     def slots(self, spec: RoutingSpec, expert_bytes: int) -> int:
         """Cache slots for this model; raises when too few to be meaningful."""
         n_routed = spec.num_moe_layers * spec.num_experts
-        if self.policy == "resident":
+        if not POLICIES[self.policy].bounded:
             return n_routed
         if self.cache_bytes is not None:
             slots = min(self.cache_bytes // expert_bytes, n_routed)
@@ -87,37 +162,13 @@ class PolicyConfig:
             slots = round(self.cache_frac * n_routed)
             what = f"--cache-frac {self.cache_frac} of {n_routed} experts"
         need = max(spec.top_k, spec.num_moe_layers if self.pool == "per_layer" else 1)
-        if slots < need and self.policy != "on_demand":
+        if slots < need and POLICIES[self.policy].keeps_experts:
             raise TensorbendError(
                 f"{what} gives {slots} cache slots: expected at least {need} (top_k"
                 f"{' and one per MoE layer for --pool per_layer' if self.pool == 'per_layer' else ''}"
                 f"); raise the cache size"
             )
         return slots
-
-
-def build_cache(
-    pc: PolicyConfig,
-    spec: RoutingSpec,
-    layout: ExpertLayout,
-    predictor,
-    device: str,
-    horizon=None,
-) -> ExpertCache:
-    """A fresh ExpertCache for one run of `pc` (the oracle's predictor brings its eviction; a
-    cross-token `horizon` predictor's forecasts drive `Reuse`)."""
-    L = spec.num_moe_layers
-    slots = 0 if pc.policy == "on_demand" else pc.slots(spec, layout.nbytes)
-    if pc.policy == "oracle":
-        policy = predictor.eviction_policy()
-    elif pc.policy == "prefetch":
-        policy = Reuse(L) if horizon is not None else Predicted(L)
-    else:
-        policy = {"lfu": LFU, "lfru": LFRU}.get(pc.policy, LRU)()
-    admission = make_admission(pc.admission, L, pc.admission_window)
-    rs = IndexedResidentSet(slots, L, policy, pool=pc.pool, admission=admission)
-    cfg = CacheConfig(scratch=spec.top_k, device=device)
-    return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.nbytes)
 
 
 def _check_policy(pc: PolicyConfig) -> None:
@@ -135,11 +186,15 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"--foresight {pc.foresight} with --policy {pc.policy}: expected a count >= 0 "
             f"with --policy oracle; drop --foresight otherwise"
         )
-    if pc.admission == "predicted" and pc.policy not in ("prefetch", "oracle"):
+    if pc.oracle_beyond not in _BEYOND:
+        raise TensorbendError(
+            f"--oracle-beyond {pc.oracle_beyond}: expected one of {', '.join(_BEYOND)}"
+        )
+    if pc.admission == "predicted" and not POLICIES[pc.policy].uses_prediction:
         raise TensorbendError(
             f"--admission predicted with --policy {pc.policy}: expected --policy prefetch or "
             f"oracle (a policy that predicts); use --admission frequency for "
-            f"{', '.join(NO_PREDICTION_CACHES)}"
+            f"{', '.join(no_prediction())}"
         )
     for name in ("admission_window", "prefetch_extra", "prefetch_backlog", "token_ahead_layers"):
         low = 1 if name == "admission_window" else 0

@@ -1,0 +1,184 @@
+"""One result row, one run label, one headline comparison: what every run, replay and bench reports.
+
+Usage:
+    >>> rows = [
+    ...     {"policy": "lru", "pool": "global", "admission": "all", "cache_frac": 0.25,
+    ...      "decode_tok_s": 40.0, "bytes_read_per_token": 10.0},
+    ...     {"policy": "prefetch", "predictor": "none", "lookahead": "d1", "pool": "global",
+    ...      "admission": "all", "cache_frac": 0.25, "decode_tok_s": 42.0, "bytes_read_per_token": 9.0},
+    ...     {"policy": "prefetch", "predictor": "tensorbend", "lookahead": "d1", "horizon": "h.st",
+    ...      "token_ahead_layers": 1, "pool": "global", "admission": "predicted", "cache_frac": 0.25,
+    ...      "decode_tok_s": 46.2, "bytes_read_per_token": 7.0, "counters": {"prefetch_loaded": 5}},
+    ...     {"policy": "oracle", "foresight": None, "pool": "global", "admission": "all",
+    ...      "cache_frac": 0.25, "decode_tok_s": 60.0, "bytes_read_per_token": 5.0},
+    ... ]
+    >>> [run_label(r) for r in rows]
+    ['lru', 'prefetch:none', 'horizon+d1:tensorbend/adm=predicted', 'oracle@h=all']
+    >>> best_no_prediction(rows)["policy"]          # Predicted eviction fed no predictions counts
+    'prefetch'
+    >>> c = compare(rows)[0.25]
+    >>> round(c["runs"]["horizon+d1:tensorbend/adm=predicted"]["vs_best_cache"], 3), c["runs"][
+    ...     "horizon+d1:tensorbend/adm=predicted"]["gap_closed_bytes"]
+    (1.1, 0.5)
+
+A row is a dict with the keys of `run --json` (offload/result.py); `tensorbend simulate` writes
+the same keys for the same things (ROW_KEYS; tests/test_report.py checks both). Labels say what
+ran, from the row's own fields, never from a field of an empty predictor:
+  lru, lfu/per_layer, lfru/adm=frequency   caches without prediction (pool, admission)
+  prefetch:none                            `Predicted` eviction fed no predictions
+  d1:tensorbend                            a within-token predictor (lookahead:kind)
+  horizon, horizon(evict only)             the cross-token forecast (with / without prefetches
+                                           of the next forward's first layers)
+  horizon+d1:tensorbend                    both
+  oracle@h=2, oracle@h=2/beyond=lfru       the bounded-foresight oracle (its rule past its sight)
+  ... [0 prefetches loaded]                a predictor ran whose prefetches were all dropped
+The comparison, per cache fraction: the best no-prediction cache (every bounded policy that
+reads no predictor, `prefetch` with none included) by decode tok/s and by bytes, the full
+oracle (every future routing, fewest bytes), and per run `vs_best_cache` (tok/s over the best
+cache's) and `gap_closed_bytes` / `gap_closed_seconds` ((best - run) / (best - full oracle),
+bytes or decode seconds per token).
+"""
+
+from __future__ import annotations
+
+from tensorbend.cache.config import POLICIES
+
+ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
+            "admission", "foresight", "oracle_beyond", "cache_frac", "decode_tok_s",
+            "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
+            "wasted_prefetch_bytes", "counters")  # fmt: skip
+"""Keys every result row carries, from the runtime (`run --json`) and the simulator alike."""
+
+HIGHER_IS_BETTER = ("decode_tok_s", "prefill_tok_s")
+
+
+def uses_prediction(row: dict) -> bool:
+    """Whether the run read any predictor (prefetch with predictor none and no horizon: no)."""
+    spec = POLICIES[row["policy"]]
+    if not spec.uses_prediction:
+        return False
+    return spec.recorded_routing or _within(row) or bool(row.get("horizon"))
+
+
+def is_no_prediction_cache(row: dict) -> bool:
+    """A bounded cache that kept experts and read no predictor."""
+    spec = POLICIES[row["policy"]]
+    return spec.bounded and spec.keeps_experts and not uses_prediction(row)
+
+
+def run_label(row: dict) -> str:
+    """The run's name in every table and plot (see the module docstring)."""
+    policy, spec = row["policy"], POLICIES[row["policy"]]
+    if spec.recorded_routing:
+        h = row.get("foresight")
+        name = f"oracle@h={'all' if h is None else h}"
+        beyond = row.get("oracle_beyond")
+        if beyond not in (None, "lru") and h is not None:
+            name += f"/beyond={beyond}"
+    elif spec.uses_prediction:
+        parts = []
+        if row.get("horizon"):
+            parts.append("horizon" if row.get("token_ahead_layers", 1) else "horizon(evict only)")
+        if _within(row):
+            la = row.get("lookahead")
+            parts.append(f"{la}:{row['predictor']}" if la else row["predictor"])
+        name = "+".join(parts) or f"{policy}:none"
+    else:
+        name = policy
+    if spec.bounded and spec.keeps_experts:
+        name += "/per_layer" if row.get("pool") == "per_layer" else ""
+        name += f"/adm={row['admission']}" if row.get("admission", "all") != "all" else ""
+    if _prefetching(row) and row.get("counters", {}).get("prefetch_loaded", 1) == 0:
+        name += " [0 prefetches loaded]"
+    return name
+
+
+def best_no_prediction(rows: list[dict], metric: str = "decode_tok_s") -> dict | None:
+    """The no-prediction cache best on `metric` (highest tok/s, fewest of anything else)."""
+    peers = [r for r in rows if is_no_prediction_cache(r) and r.get(metric) is not None]
+    if not peers:
+        return None
+    sign = 1 if metric in HIGHER_IS_BETTER else -1
+    return max(peers, key=lambda r: sign * r[metric])
+
+
+def best_rule(rows: list[dict], metric: str = "bytes_read_per_token") -> str:
+    """The eviction rule (`--oracle-beyond`) of the best no-prediction cache on `metric`: the
+    rule the bounded oracle ranks by beyond its sight (lru when there is none)."""
+    best = best_no_prediction(rows, metric)
+    if best is None:
+        return "lru"
+    return "predicted" if POLICIES[best["policy"]].uses_prediction else best["policy"]
+
+
+def full_oracle(rows: list[dict]) -> dict | None:
+    """The oracle knowing every future routing that read the fewest bytes."""
+    full = [
+        r for r in rows if POLICIES[r["policy"]].recorded_routing and r.get("foresight") is None
+    ]
+    return min(full, key=lambda r: r["bytes_read_per_token"]) if full else None
+
+
+def vs_best_cache(row: dict, best: dict | None) -> float | None:
+    """Decode tok/s of `row` over the best no-prediction cache's."""
+    if best is None or not best.get("decode_tok_s") or row.get("decode_tok_s") is None:
+        return None
+    return row["decode_tok_s"] / best["decode_tok_s"]
+
+
+def gap_closed(best: float, x: float, ceiling: float) -> float | None:
+    """Share of the distance from the best no-prediction cache to the ceiling that x covers
+    (lower is better for all three: bytes or seconds per token)."""
+    return (best - x) / (best - ceiling) if best != ceiling else None
+
+
+def compare(rows: list[dict]) -> dict[float, dict]:
+    """The headline comparison per cache fraction (bounded runs only; see the docstring)."""
+    out = {}
+    for frac in sorted({r["cache_frac"] for r in rows if POLICIES[r["policy"]].bounded}):
+        at = [
+            r for r in rows if POLICIES[r["policy"]].bounded and abs(r["cache_frac"] - frac) < 1e-3
+        ]
+        fast, lean = best_no_prediction(at), best_no_prediction(at, "bytes_read_per_token")
+        if fast is None:
+            continue
+        oracle = full_oracle(at)
+        best_s = min(_s_per_token(r) for r in at if is_no_prediction_cache(r))
+        runs = {}
+        for r in at:
+            one = {"vs_best_cache": vs_best_cache(r, fast)}
+            if oracle is not None:
+                one["gap_closed_bytes"] = gap_closed(
+                    lean["bytes_read_per_token"], r["bytes_read_per_token"],
+                    oracle["bytes_read_per_token"],
+                )  # fmt: skip
+                one["gap_closed_seconds"] = gap_closed(
+                    best_s, _s_per_token(r), _s_per_token(oracle)
+                )
+            runs[run_label(r)] = one
+        out[frac] = {
+            "best_no_prediction_cache": run_label(fast),
+            "best_no_prediction_decode_tok_s": fast["decode_tok_s"],
+            "best_no_prediction_by_bytes": run_label(lean),
+            "best_no_prediction_bytes_per_token": lean["bytes_read_per_token"],
+            "full_oracle": oracle
+            and {k: oracle[k] for k in ("decode_tok_s", "bytes_read_per_token")},
+            "runs": runs,
+        }
+    return out
+
+
+def _within(row: dict) -> bool:
+    return row.get("predictor") not in (None, "none", "oracle")
+
+
+def _prefetching(row: dict) -> bool:
+    """A predictor ran that was meant to prefetch (a within-token one, or the horizon with
+    next-forward prefetches)."""
+    if POLICIES[row["policy"]].recorded_routing or not POLICIES[row["policy"]].uses_prediction:
+        return False
+    return _within(row) or (bool(row.get("horizon")) and row.get("token_ahead_layers", 1) > 0)
+
+
+def _s_per_token(r: dict) -> float:
+    return 1.0 / r["decode_tok_s"] if r.get("decode_tok_s") else float("inf")
