@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -92,6 +92,25 @@ bench-timing: bench-traces
 		--json ../docs/bench/predictor_cost.json > /dev/null
 	cd bench && ../$(PY) capture_overhead.py --json ../docs/bench/capture_overhead.json > /dev/null
 	cd bench && ../$(PY) trace_io.py --json ../docs/bench/trace_io.json > /dev/null
+
+# The headline end-to-end comparison: 25% cache, every no-prediction cache and ours (fixed
+# configurations), 3 interleaved repeats, both links (run alone on the machine).
+bench-headline: bench-traces
+	for m in default qwen; do \
+		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
+		$(PY) bench/offload_sweep.py --model $$model --trace $(BENCH)/$$m/trace \
+			--predictor $(BENCH)/$$m/ours_d1.safetensors \
+			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors --baselines "" \
+			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
+			--out docs/bench/headline_$$m --doc docs/headline_$$m.md > /dev/null; \
+	done
+
+# A 3.5 GB checkpoint served under a 1 GB budget (bench/serve_memory.py; run alone).
+bench-serve: bench-traces
+	$(PY) bench/serve_memory.py --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
+		--max-new-tokens 24 --predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--json docs/bench/serve_memory.json --doc docs/serve_memory.md > /dev/null
 
 clean:
 	rm -rf $(VENV) runs

@@ -39,7 +39,7 @@ import torch
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
-from tensorbend.cache.report import best_rule, compare, run_label
+from tensorbend.cache.report import best_rule, compare, format_ratio, median_row, run_label
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
@@ -75,19 +75,26 @@ def main(argv=None) -> int:
     links = []
     try:
         resident = _tag(sess.resident_result().to_json(), 1.0)
-        for speedup in _floats(a.link_speedups):
-            link = sess.link(a.link, speedup)
-            print(f"link: {link.to_dict()}", file=sys.stderr)
-            runs = [resident]
-            for frac in _floats(a.fracs):
-                for pc, p, hz in _plan(a, frac, predictors, sess.spec.num_experts, horizon):
-                    if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
-                        at = [r for r in runs[1:] if abs(r["cache_frac"] - frac) < 0.01]
-                        pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
-                    r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
-                    runs.append(r)
-                    print(_row(r), file=sys.stderr)
-            links.append({"speedup": speedup, "link": link.to_dict(), "runs": runs})
+        speedups = _floats(a.link_speedups)
+        link_of = {sp: sess.link(a.link, sp) for sp in speedups}
+        reps: dict[tuple, list[dict]] = {}  # (speedup, frac, label) -> one row per repeat
+        for rep in range(a.repeats):  # interleaved: every configuration once per repeat
+            for speedup in speedups:
+                link = link_of[speedup]
+                print(f"repeat {rep}, link: {link.to_dict()}", file=sys.stderr)
+                done = []
+                for frac in _floats(a.fracs):
+                    for pc, p, hz in _plan(a, frac, predictors, sess.spec.num_experts, horizon):
+                        if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
+                            at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
+                            pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
+                        r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
+                        done.append(r)
+                        reps.setdefault((speedup, frac, r["label"]), []).append(r)
+                        print(_row(r), file=sys.stderr)
+        for speedup in speedups:
+            runs = [resident] + [median_row(rs) for (sp, _, _), rs in reps.items() if sp == speedup]
+            links.append({"speedup": speedup, "link": link_of[speedup].to_dict(), "runs": runs})
     finally:
         sess.close()
     for entry in links:
@@ -152,8 +159,15 @@ def markdown(report: dict) -> str:
         + _batch_note(report.get("batch", 1))
         + "resident decode "
         f"{report['resident_layer_ms']:.3f} ms per MoE layer. Every run's tokens and logits equal "
-        f"the resident model's: {report['all_outputs_match_resident']}. Timing needs a quiet "
-        "machine; bytes and hit rates are the steadier columns.",
+        f"the resident model's: {report['all_outputs_match_resident']}. "
+        + (
+            f"Every run ran {report['repeats']} times, interleaved (every configuration once per "
+            "repeat): tok/s columns are medians, `vs best cache` the median of per-repeat ratios "
+            "[range]; a range that holds 1.00 is no gain. "
+            if report.get("repeats", 1) > 1
+            else "Every run ran once. "
+        )
+        + "Timing needs a quiet machine; bytes and hit rates are the steadier columns.",
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(r["policy"] == "oracle" and r["foresight"] is not None and "oracle_beyond" not in r
@@ -183,7 +197,7 @@ def markdown(report: dict) -> str:
                 row = summ["runs"].get(run_label(r), {})
                 lines.append(
                     f"| {run_label(r)} | {r['decode_tok_s'] or 0:.1f} | "
-                    f"{row.get('vs_best_cache', 0):.2f}x | {r['stall_s_per_token'] * 1e3:.2f} | "
+                    f"{format_ratio(row)} | {r['stall_s_per_token'] * 1e3:.2f} | "
                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {_fmt_pct(row.get('gap_closed_bytes'))} | "
                     f"{_fmt_pct(row.get('gap_closed_seconds'))} | {r['demand_hit_rate']:.3f} | "
                     f"{r['wasted_prefetch_bytes'] / 1e3:.0f} |"
@@ -268,6 +282,7 @@ def _report(a, model, sess, prompts, links, seconds: float) -> dict:
         "prompts": len(prompts),
         "split": a.split,
         "max_new_tokens": a.max_new_tokens,
+        "repeats": a.repeats,
         "decode": a.decode,
         "batch": a.batch,
         "lookahead": a.lookahead,
@@ -413,6 +428,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the bounded oracle's rule past its "
         "sight: best (the fewest-bytes no-prediction cache's), lru, lfu, lfru, predicted",
     )
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved repeats of every run (tok/s: median and range)")  # fmt: skip
     p.add_argument("--link", default="h100-pcie5-kimi")
     p.add_argument("--link-speedups", default="1,4", help="the link, and N times faster")
     p.add_argument("--io", default="buffered")

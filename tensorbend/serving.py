@@ -64,7 +64,7 @@ class ServeConfig:
     cache + staging + --reserve. The natural way to size the cache; overrides --cache-frac."""
     reserve: str = "auto"
     """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
-    cache of 2048 tokens at batch 1 from config.json, + 8 MB)."""
+    cache of 2048 tokens at batch 1 from config.json, + 32 MB)."""
     device: str = "cpu"
     """Where the model and the expert cache live: cpu or cuda[:N] (experts are read into pinned
     host staging and copied on their own stream)."""
@@ -164,17 +164,20 @@ def memory_plan(
     cfg: ServeConfig, non_expert_bytes: int, spec: RoutingSpec, expert_bytes: int, kv_bytes: int
 ):
     """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
-    kv_bytes: the KV cache per token (what --reserve auto sizes)."""
+    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
+    bypassed miss is computed from, plus, for `--io direct` on CPU, each I/O thread's aligned
+    bounce buffer (one expert each)."""
     budget = parse_bytes(cfg.max_memory)
-    auto = 2048 * kv_bytes + 8 * 10**6
+    auto = 2048 * kv_bytes + 32 * 10**6
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
-    staging = spec.top_k * expert_bytes
+    bounce = cfg.io_threads if cfg.io == "direct" and cfg.device == "cpu" else 0
+    staging = (spec.top_k + bounce) * expert_bytes
     need_slots = max(spec.top_k, spec.num_moe_layers if cfg.offload.pool == "per_layer" else 1)
     minimum = non_expert_bytes + staging + reserve + need_slots * expert_bytes
     if budget < minimum:
         raise TensorbendError(
             f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = non-expert "
-            f"weights {_mb(non_expert_bytes)} + top-k staging {_mb(staging)} + --reserve "
+            f"weights {_mb(non_expert_bytes)} + staging {_mb(staging)} + --reserve "
             f"{_mb(reserve)} + {need_slots} cached experts of {_mb(expert_bytes)}; raise it"
         )
     slots = (budget - non_expert_bytes - staging - reserve) // expert_bytes

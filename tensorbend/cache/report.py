@@ -41,6 +41,8 @@ bytes or decode seconds per token).
 
 from __future__ import annotations
 
+import statistics
+
 from tensorbend.cache.config import POLICIES
 
 ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
@@ -147,6 +149,9 @@ def compare(rows: list[dict]) -> dict[float, dict]:
         runs = {}
         for r in at:
             one = {"vs_best_cache": vs_best_cache(r, fast)}
+            ratios = repeat_ratios(r, fast)
+            if ratios is not None:
+                one["vs_best_cache_repeats"] = ratios
             if oracle is not None:
                 one["gap_closed_bytes"] = gap_closed(
                     lean["bytes_read_per_token"], r["bytes_read_per_token"],
@@ -182,3 +187,36 @@ def _prefetching(row: dict) -> bool:
 
 def _s_per_token(r: dict) -> float:
     return 1.0 / r["decode_tok_s"] if r.get("decode_tok_s") else float("inf")
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One configuration from its interleaved repeats: the first repeat's row with every timing
+    the median of the repeats, and the repeats kept (`decode_tok_s_repeats`)."""
+    out = dict(rows[0])
+    if len(rows) == 1:
+        return out
+    for key in ("decode_tok_s", "prefill_tok_s", "stall_s_per_token", "predict_s_per_token",
+                "bytes_read_per_token", "demand_hit_rate"):  # fmt: skip
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        if xs:
+            out[key] = statistics.median(xs)
+    out["decode_tok_s_repeats"] = [r["decode_tok_s"] for r in rows]
+    out["output_matches_resident"] = all(r.get("output_matches_resident") for r in rows)
+    return out
+
+
+def repeat_ratios(row: dict, best: dict) -> list[float] | None:
+    """Sorted per-repeat ratios of row's decode tok/s to the best cache's in the same repeat
+    (None without repeats): a ratio is claimed only as their median with this range."""
+    xs, bs = row.get("decode_tok_s_repeats"), best.get("decode_tok_s_repeats")
+    if not xs or not bs or len(xs) != len(bs):
+        return None
+    return sorted(x / b for x, b in zip(xs, bs, strict=True))
+
+
+def format_ratio(one: dict) -> str:
+    """`vs_best_cache` as printed: median [range] with repeats, a single ratio without."""
+    xs = one.get("vs_best_cache_repeats")
+    if not xs:
+        return f"{one.get('vs_best_cache') or 0:.2f}x"
+    return f"{statistics.median(xs):.2f}x [{xs[0]:.2f}, {xs[-1]:.2f}]"
