@@ -241,10 +241,15 @@ def _trace_of(sess, prompts, a, work: Path) -> Path:
     return out
 
 
+def _what_ran(row: dict) -> str:
+    return run_label(row).split(" [")[0]
+
+
 def _compare(runs: list[dict], sims: list[dict]) -> list[dict]:
     rows = []
     for r in runs:
-        s = next(x for x in sims if run_label(x) == run_label(r))  # the same run, by what ran
+        # the same run, by what ran (a timing-dependent " [0 prefetches loaded]" aside)
+        s = next(x for x in sims if _what_ran(x) == _what_ran(r))
         row = {"policy": r["policy"], "predictor": r["predictor"], "label": run_label(r)}
         for k in METRICS:
             row[f"runtime_{k}"], row[f"simulated_{k}"] = r[k], s[k]
