@@ -36,8 +36,9 @@ import torch
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
-from tensorbend.offload.checkpoint import Checkpoint, ExpertPlan, build_store
+from tensorbend.offload.checkpoint import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
+from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import (
     build_without_experts,

@@ -1,8 +1,8 @@
-"""A transformers checkpoint read tensor by tensor: where each routed expert's bytes are, and
-the expert store built from them without ever holding the model in memory.
+"""Where each routed expert's bytes are in a transformers checkpoint, and the expert store
+built from them without ever holding the model in memory.
 
 Usage:
-    ckpt = Checkpoint.open(Path("my-moe"))                 # config.json + *.safetensors shards
+    ckpt = Checkpoint.open(Path("my-moe"))                 # offload/shards.py
     plan = ExpertPlan.of(ckpt, model, spec, layout)        # model: built with experts on meta
     plan.other                                             # model key -> TensorRef (non-experts)
     build_store(plan, Path("store/experts.safetensors"), meta, dtype=torch.float32)
@@ -19,8 +19,9 @@ renamings and converters `from_pretrained` applies, e.g. Mixtral's `block_sparse
   Concatenate; any other converter op is refused, not guessed);
 - fused (GPT-OSS, Granite-MoE, checkpoints saved fused): `...experts.gate_up_proj` [E, ...],
   whose row e is one contiguous byte range, read alone.
-Every read is a positional `os.pread` of exactly the bytes needed (no memory map), so building
-the store keeps at most one expert in memory whatever the model's size. The store is written
+Every read is a positional read of exactly the bytes needed, straight into one reused expert
+buffer (`shards.Checkpoint.read_into`), so building the store keeps one expert in memory
+whatever the model's size. The store is written
 in place into `NAME.partial` (header first, then layer by layer, fsync'd) with a progress
 file; an interrupted build resumes at the first unfinished layer and the finished file is
 renamed into place, so nothing already written is lost and no half store is ever read.
@@ -32,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,112 +42,8 @@ from tqdm import tqdm
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload.shards import Checkpoint, TensorRef
 from tensorbend.offload.store import ExpertLayout, store_header
-
-ST_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """One tensor of one shard: absolute byte offset, dtype and shape."""
-
-    shard: Path
-    key: str
-    dtype: str  # safetensors dtype string (F32, BF16, ...)
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
-
-
-class Checkpoint:
-    """The safetensors shards of a local HF checkpoint directory, indexed by key."""
-
-    def __init__(self, directory: Path, refs: dict[str, TensorRef]):
-        self.directory, self.refs = directory, refs
-
-    @classmethod
-    def open(cls, directory: Path) -> Checkpoint:
-        directory = Path(directory)
-        if not (directory / "config.json").is_file():
-            raise StoreError(
-                f"{directory}: expected a transformers checkpoint directory (config.json and "
-                f"*.safetensors), found no config.json"
-            )
-        shards = sorted(directory.glob("*.safetensors"))
-        if not shards:
-            raise StoreError(
-                f"{directory}: expected *.safetensors weight shards, found none (.bin "
-                f"checkpoints are not read: convert them with save_pretrained)"
-            )
-        refs: dict[str, TensorRef] = {}
-        for shard in shards:
-            refs.update(_read_header(shard))
-        return cls(directory, refs)
-
-    def identity(self) -> str:
-        """sha256 (16 hex) of every shard's header and 16 sampled 4 KiB windows of its data:
-        changes when any tensor's name, shape, dtype or (almost surely) its bytes change."""
-        h = hashlib.sha256()
-        for shard in sorted({r.shard for r in self.refs.values()}):
-            size = shard.stat().st_size
-            with open(shard, "rb", buffering=0) as f:
-                (hlen,) = struct.unpack("<Q", f.read(8))
-                h.update(f.read(hlen))
-                for i in range(16):
-                    f.seek(8 + hlen + (size - 8 - hlen) * i // 16)
-                    h.update(f.read(4096))
-        return h.hexdigest()[:16]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.refs.values())
-
-    def read(self, ref: TensorRef, row: int | None = None) -> torch.Tensor:
-        """The tensor (a fresh CPU tensor in its own dtype), or only row `row` of its leading dim."""
-        shape = ref.shape if row is None else ref.shape[1:]
-        out = torch.empty(shape, dtype=_dtype(ref))
-        self.read_into(ref, out.reshape(-1), row)
-        return out
-
-    def read_into(
-        self, ref: TensorRef, out: torch.Tensor, row: int | None = None, staging=None
-    ) -> None:
-        """Read the tensor (or row `row`) into the contiguous 1-D CPU tensor `out`, converting
-        to out's dtype through `staging` (a uint8 buffer, grown as needed) when they differ."""
-        start, nbytes = ref.start, ref.nbytes
-        if row is not None:
-            nbytes //= ref.shape[0]
-            start += row * nbytes
-        dtype = _dtype(ref)
-        assert out.is_contiguous() and out.numel() * dtype.itemsize == nbytes, (ref.key, out.shape)
-        if nbytes == 0:
-            return
-        if dtype == out.dtype:
-            dst = out.view(torch.uint8)
-        else:
-            if staging is None or staging.numel() < nbytes:
-                staging = torch.empty(nbytes, dtype=torch.uint8)
-            dst = staging[:nbytes]
-        with open(ref.shard, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [memoryview(dst.numpy())], start)
-        if got != nbytes:
-            raise StoreError(
-                f"{ref.shard}: short read of {ref.key} (expected {nbytes} bytes, got {got}): "
-                f"the shard is truncated; download or save the checkpoint again"
-            )
-        if dst.data_ptr() != out.data_ptr():
-            out.copy_(dst.view(dtype))
 
 
 @dataclass
@@ -296,32 +192,6 @@ def build_store(
 # ------------------------------------------------------------ helpers
 
 
-def _read_header(shard: Path) -> dict[str, TensorRef]:
-    try:
-        size = shard.stat().st_size
-        with open(shard, "rb") as f:
-            (hlen,) = struct.unpack("<Q", f.read(8))
-            if hlen > size - 8:
-                raise ValueError(f"header of {hlen} bytes in a file of {size}")
-            header = json.loads(f.read(hlen))
-    except (OSError, ValueError, struct.error) as e:
-        raise StoreError(
-            f"{shard}: expected a safetensors file, cannot read its header ({e}); the shard "
-            f"is truncated or not safetensors"
-        ) from e
-    header.pop("__metadata__", None)
-    refs = {}
-    for key, v in header.items():
-        a, b = v["data_offsets"]
-        if 8 + hlen + b > size:
-            raise StoreError(
-                f"{shard} is truncated: tensor {key} ends at byte {8 + hlen + b}, the file "
-                f"has {size}; download or save the checkpoint again"
-            )
-        refs[key] = TensorRef(shard, key, v["dtype"], tuple(v["shape"]), 8 + hlen + a, b - a)
-    return refs
-
-
 def _conversions(model) -> tuple[list, list]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -351,16 +221,6 @@ def _piece(key: str, src: str, converters) -> tuple[int, int]:
     match = re.search(r"experts\.(\d+)\.", key)
     assert match is not None, f"converter {src} matched {key} without an expert index"
     return conv.source_patterns.index(src), int(match.group(1))
-
-
-def _dtype(ref: TensorRef) -> torch.dtype:
-    dtype = ST_DTYPES.get(ref.dtype)
-    if dtype is None:
-        raise UnsupportedModelError(
-            f"{ref.shard.name}: tensor {ref.key} has dtype {ref.dtype}: expected one of "
-            f"{', '.join(ST_DTYPES)} (quantized checkpoints are not supported)"
-        )
-    return dtype
 
 
 def _numel(shape) -> int:
