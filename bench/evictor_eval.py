@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
-from tensorbend.cache.evictor import GROUPS, Evictor
+from tensorbend.cache.evictor import GROUPS, Evictor, EvictorModel
 from tensorbend.cache.imitation import evaluate_evictor, fit_evictor, load_requests, replay
 
 
@@ -37,15 +37,25 @@ def main(argv=None) -> int:
            + " ".join(argv or []), "train_requests": len(train.starts),
            "test_requests": len(test.starts), "rounds": a.rounds, "fits": {}, "results": []}  # fmt: skip
     models = {}
-    model, log = fit_evictor(train, val, 0.25, rounds=a.rounds)
-    models["evictor"] = model
-    out["fits"]["evictor"] = log
-    ablate = [] if a.no_ablations else list(GROUPS)
+    if a.load_dir:
+        for p in sorted(Path(a.load_dir).glob("evictor*.safetensors")):
+            models[p.stem] = EvictorModel.load(str(p))
+        out["fits"] = {"loaded_from": a.load_dir}
+        model = models["evictor"]
+    else:
+        model, log = fit_evictor(train, val, 0.25, rounds=a.rounds)
+        models["evictor"] = model
+        out["fits"]["evictor"] = log
+    ablate = [] if a.no_ablations or a.load_dir else list(GROUPS)
     for g in ablate:
         groups = tuple(x for x in GROUPS if x != g)
         m, log = fit_evictor(train, val, 0.25, rounds=a.ablation_rounds, groups=groups)
         models[f"evictor-{g}"] = m
         out["fits"][f"evictor-{g}"] = log
+    if a.save_dir:
+        Path(a.save_dir).mkdir(parents=True, exist_ok=True)
+        for name, m in models.items():
+            m.save(str(Path(a.save_dir) / f"{name}.safetensors"))
     for frac in (float(f) for f in a.fracs.split(",")):
         shown = models if frac == 0.25 else {"evictor": model}
         res = evaluate_evictor(shown, test, frac, guard_window=a.guard_window)
@@ -108,7 +118,7 @@ def format_doc(out: dict) -> str:
         lines += [f"## cache {res['cache_frac']:.3f} ({res['cache_slots']} slots)", "",
                   "| policy | experts / token | gap closed | good decisions |",
                   "|---|---|---|---|"]  # fmt: skip
-        best, full = res["best_no_prediction"], res["full_oracle"]
+        best = res["best_no_prediction"]
         order = [best, "horizon reuse", "evictor", "evictor+shadow", "evictor/no-model",
                  *sorted(n for n in rows if n.startswith("evictor-")), "belady/all",
                  "belady/bypass"]  # fmt: skip
@@ -142,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--test-requests", type=int, default=10**9, help="(a smoke run: fewer)")
     p.add_argument("--guard-window", type=int, default=16, help="forwards")
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--save-dir", default=None, help="write each model as NAME.safetensors")
+    p.add_argument("--load-dir", default=None, help="read the models from here, no fitting")
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p

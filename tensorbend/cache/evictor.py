@@ -28,13 +28,18 @@ plus always: 1 for the missed key (the bypass candidate). All of them exist for 
 trace (no hidden state is read), so the same learner serves imported traces.
 
 The shadow guard (`ShadowGuard`) replays a no-prediction cache (LFRU, global pool, TinyLFU
-admission: the best no-prediction cache on both bundled models) on the same demands. After
-each window of `window` forwards in which the learned policy drove the cache and missed more
-than the shadow, the cache ranks and admits by the shadow's rules for the next windows (1, then
-twice as many after each further losing learner window, at most `max_backoff`); a learner
-window that does not lose resets the back-off. The cache can fall behind the shadow only in
-the learner's windows, each lost one costing at most what that window cost, and the back-off
-makes the number of lost windows logarithmic in a run where the learner always loses.
+admission: the best no-prediction cache on both bundled models) on the same demands, as a
+ghost (keys only). After each window of `window` forwards in which the learned policy drove the
+cache and missed more than the ghost, the cache follows the shadow for the next windows (1,
+then twice as many after each further lost learner window, at most `max_backoff`; a learner
+window that does not lose resets the back-off). Following the shadow means mirroring the ghost:
+a miss is kept iff the ghost kept it, and the victim is a resident the ghost does not hold
+(LFRU's choice among those). The bound, per run: misses <= the shadow's + lost windows x
+(window cost + capacity), the window cost being the demands of `window` forwards (window x L
+x K). Learner windows that are not lost miss no more than the ghost did; a lost one misses at
+most its demands more; while mirroring, each miss the ghost does not have takes the slot of a
+resident outside the ghost, so the difference d = |ghost - cache| falls by one, and a miss both
+have never raises d: mirroring costs at most d <= capacity misses over the ghost per switch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import ClassVar
 import numpy as np
 
 from tensorbend.cache.victim_heap import IndexedResidentSet
+from tensorbend.errors import CheckpointError
 from tensorbend.offload.policies import LFRU, AdmitAll, AdmitFrequent, Key, Ranking
 from tensorbend.offload.resident import ResidentSet
 
@@ -150,8 +156,38 @@ class EvictorModel:
         z = (x_CX - self.mean_X) / self.std_X
         return z @ self.w0_X + np.maximum(z @ self.W1_XH + self.b1_H, 0.0) @ self.w2_H
 
-    def to_state(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in ("mean_X", "std_X", "w0_X", "W1_XH", "b1_H", "w2_H")}
+    def save(self, path: str) -> None:
+        """A safetensors file: the weights, the train prior, and what they mean (metadata)."""
+        from safetensors.numpy import save_file
+
+        arrays = {k: np.ascontiguousarray(getattr(self, k)) for k in _WEIGHTS}
+        arrays["prior_K"] = np.asarray(self.meta["prior_K"], dtype=np.float64)
+        meta = {"format_version": str(FORMAT_VERSION), "kind": "evictor",
+                "groups": ",".join(self.groups), "num_layers": str(self.num_layers),
+                **{k: str(v) for k, v in self.meta.items() if k != "prior_K"}}  # fmt: skip
+        save_file(arrays, path, metadata=meta)
+
+    @classmethod
+    def load(cls, path: str) -> EvictorModel:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        with safe_open(path, "np") as f:
+            meta = f.metadata() or {}
+        if meta.get("kind") != "evictor" or meta.get("format_version") != str(FORMAT_VERSION):
+            raise CheckpointError(
+                f"{path}: expected an evictor checkpoint (format {FORMAT_VERSION}), found kind "
+                f"{meta.get('kind')!r} format {meta.get('format_version')!r}; train one with "
+                "bench/evictor_eval.py or cache.imitation.fit_evictor"
+            )
+        arrays = load_file(path)
+        groups = tuple(meta["groups"].split(","))
+        return cls(groups, int(meta["num_layers"]), *(arrays[k] for k in _WEIGHTS),
+                   meta={"prior_K": arrays["prior_K"]})  # fmt: skip
+
+
+_WEIGHTS = ("mean_X", "std_X", "w0_X", "W1_XH", "b1_H", "w2_H")
+FORMAT_VERSION = 1
 
 
 class Evictor(LFRU):
@@ -230,9 +266,14 @@ class ShadowGuard(LFRU):
     def __init__(self, learner: Evictor, capacity: int, num_layers: int, window: int = 16,
                  max_backoff: int = 64, admission_window: int = 8):  # fmt: skip
         super().__init__()
-        self.learner, self.L, self.window, self.max_backoff = learner, num_layers, window, max_backoff
-        self.shadow_admit = AdmitFrequent(admission_window * num_layers)
-        self.shadow = _ghost(capacity, num_layers, admission_window)
+        self.learner, self.L, self.window, self.max_backoff = (
+            learner,
+            num_layers,
+            window,
+            max_backoff,
+        )
+        self.shadow = IndexedResidentSet(capacity, num_layers, LFRU(),
+                                         admission=AdmitFrequent(admission_window * num_layers))  # fmt: skip
         self.rs: ResidentSet | None = None
         self.following_learner = True
         self.backoff, self.left = 1, window  # shadow windows still to go when not following
@@ -253,7 +294,6 @@ class ShadowGuard(LFRU):
             self._end_window(f)
         super().touch(key, now)
         self.learner.touch(key, now)
-        self.shadow_admit.touch(key, now)
         if self.rs is not None and key not in self.rs:
             self.mine += 1
         if not self.shadow.access(key, now):
@@ -262,12 +302,13 @@ class ShadowGuard(LFRU):
     def choose(self, cands: list[Key], now: int) -> Key:
         if self.following_learner:
             return self.learner.choose(cands, now)
-        return max(cands, key=lambda k: self.rank(k, self.rs._recency[k], now))
+        outside = [k for k in cands if k not in self.shadow] or cands  # mirror the ghost
+        return max(outside, key=lambda k: self.rank(k, self.rs._recency[k], now))
 
     def admit(self, key: Key, victim: Key, now: int) -> bool:
         if self.following_learner:
             return self.learner.admit(key, victim, now)
-        return self.shadow_admit.admit(key, victim, self, now)
+        return key in self.shadow  # the ghost (already told of this use) kept it
 
     def next_use(self, key: Key, now: int) -> None:
         return None
@@ -289,9 +330,3 @@ class ShadowGuard(LFRU):
                 self.switches += 1
         self.mine = self.theirs = 0
         self.window_start = f
-
-
-def _ghost(capacity: int, num_layers: int, admission_window: int) -> ResidentSet:
-    """The shadow's own cache: LFRU, global pool, TinyLFU admission (keys only)."""
-    return IndexedResidentSet(capacity, num_layers, LFRU(),
-                              admission=AdmitFrequent(admission_window * num_layers))  # fmt: skip

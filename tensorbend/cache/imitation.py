@@ -105,7 +105,9 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
     Returns experts_per_token, good_decisions (victims next used no sooner than Belady's
     choice among the residents) and, with label, the decisions [(x [C, X], next use [C])]."""
     L, E = req.L, req.E
-    adm = AdmitByPolicy() if admission == "policy" else make_admission(admission, L, ADMISSION_WINDOW)
+    adm = (
+        AdmitByPolicy() if admission == "policy" else make_admission(admission, L, ADMISSION_WINDOW)
+    )
     rs = IndexedResidentSet(slots, L, policy, pool=pool, admission=adm)
     learner = policy.learner if isinstance(policy, ShadowGuard) else policy
     if isinstance(learner, Evictor) and label:
