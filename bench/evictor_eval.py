@@ -8,7 +8,8 @@ Usage:
         --json docs/evictor_default.json --doc docs/evictor_default.md
 
 Fits the learner by DAgger (`cache/imitation.py`) on the trace's train split at 25% cache
-(val: the round kept), and one learner without each feature group (fewer rounds), then
+(val: the round kept), one learner without each feature group (fewer rounds) and one without
+on-policy rounds (`evictor-dagger`: LFRU's states only), then
 replays the test split at each `--fracs` fraction: every no-prediction cache, Belady with and
 without bypass, the learner, the learner under its LFRU shadow guard, and the ablations (at
 25% only). The horizon `reuse` row is taken from the foresight bench's JSON (the same replay)
@@ -20,12 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.evictor import GROUPS, Evictor, EvictorModel
-from tensorbend.cache.imitation import evaluate_evictor, fit_evictor, load_requests, replay
+from tensorbend.cache.imitation import (
+    evaluate_evictor,
+    fit_evictor,
+    load_requests,
+    replay,
+    summarize,
+)
 
 
 def main(argv=None) -> int:
@@ -34,28 +42,26 @@ def main(argv=None) -> int:
     train, val, test = (load_requests(a.trace, s) for s in ("train", "val", "test"))
     train, test = train.subset(a.train_requests), test.subset(a.test_requests)
     out = {"trace": a.trace, "split": "test", "command": "python bench/evictor_eval.py "
-           + " ".join(argv or []), "train_requests": len(train.starts),
+           + " ".join(sys.argv[1:] if argv is None else argv), "train_requests": len(train.starts),
            "test_requests": len(test.starts), "rounds": a.rounds, "fits": {}, "results": []}  # fmt: skip
+    # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger
+    plan = {"evictor": (GROUPS, a.rounds), "evictor-dagger": (GROUPS, 0)}
+    if not a.no_ablations:
+        for g in GROUPS:
+            plan[f"evictor-{g}"] = (tuple(x for x in GROUPS if x != g), a.ablation_rounds)
     models = {}
-    if a.load_dir:
-        for p in sorted(Path(a.load_dir).glob("evictor*.safetensors")):
-            models[p.stem] = EvictorModel.load(str(p))
-        out["fits"] = {"loaded_from": a.load_dir}
-        model = models["evictor"]
-    else:
-        model, log = fit_evictor(train, val, 0.25, rounds=a.rounds)
-        models["evictor"] = model
-        out["fits"]["evictor"] = log
-    ablate = [] if a.no_ablations or a.load_dir else list(GROUPS)
-    for g in ablate:
-        groups = tuple(x for x in GROUPS if x != g)
-        m, log = fit_evictor(train, val, 0.25, rounds=a.ablation_rounds, groups=groups)
-        models[f"evictor-{g}"] = m
-        out["fits"][f"evictor-{g}"] = log
-    if a.save_dir:
-        Path(a.save_dir).mkdir(parents=True, exist_ok=True)
-        for name, m in models.items():
-            m.save(str(Path(a.save_dir) / f"{name}.safetensors"))
+    for name, (groups, rounds) in plan.items():
+        path = Path(a.models) / f"{name}.safetensors" if a.models else None
+        if path is not None and path.exists():
+            models[name] = EvictorModel.load(str(path))
+            out["fits"][name] = f"loaded from {path}"
+            continue
+        models[name], out["fits"][name] = fit_evictor(train, val, 0.25, rounds, groups)
+        _progress(f"{name} fitted: {out['fits'][name]}", t0)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            models[name].save(str(path))
+    model = models["evictor"]
     for frac in (float(f) for f in a.fracs.split(",")):
         shown = models if frac == 0.25 else {"evictor": model}
         res = evaluate_evictor(shown, test, frac, guard_window=a.guard_window)
@@ -64,10 +70,16 @@ def main(argv=None) -> int:
             test, Evictor(test.L, test.E, None, model.meta["prior_K"]),
             round(frac * test.L * test.E), admission="policy")  # fmt: skip
         _add_reuse(res, a.foresight_json)
+        res.update(summarize(res["replay"], frac, res["cache_slots"]))  # gap of the rows added
         out["results"].append(res)
         out["seconds"] = time.perf_counter() - t0
         _write(out, a)
+        _progress(f"cache {frac}: written", t0)
     return 0
+
+
+def _progress(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _add_reuse(res: dict, path: str | None) -> None:
@@ -150,10 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ablation-rounds", type=int, default=1)
     p.add_argument("--train-requests", type=int, default=120)
     p.add_argument("--test-requests", type=int, default=10**9, help="(a smoke run: fewer)")
-    p.add_argument("--guard-window", type=int, default=16, help="forwards")
+    p.add_argument("--guard-window", type=int, default=48, help="forwards")
     p.add_argument("--no-ablations", action="store_true")
-    p.add_argument("--save-dir", default=None, help="write each model as NAME.safetensors")
-    p.add_argument("--load-dir", default=None, help="read the models from here, no fitting")
+    p.add_argument("--models", default=None,
+                   help="folder of NAME.safetensors: a model found there is loaded, not fitted; "
+                   "one fitted is saved there")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p

@@ -3,7 +3,7 @@
 Usage (a trained `EvictorModel` from `cache/imitation.py`, `fit_evictor`):
     policy = Evictor(num_layers=L, num_experts=E, model=model)
     rs = IndexedResidentSet(slots, L, policy, admission=AdmitByPolicy())
-    guarded = ShadowGuard(Evictor(L, E, model), slots, L, window=16)   # never far below LFRU
+    guarded = ShadowGuard(Evictor(L, E, model), slots, L, window=48)   # never far below LFRU
     rs = IndexedResidentSet(slots, L, guarded, admission=AdmitByPolicy())
 
 Shape legend: C candidates of one eviction decision (the evictable residents of the pool, then
@@ -263,7 +263,7 @@ class ShadowGuard(LFRU):
     ranking: ClassVar[Ranking] = "scan"
     use_lowers_rank: ClassVar[bool] = False
 
-    def __init__(self, learner: Evictor, capacity: int, num_layers: int, window: int = 16,
+    def __init__(self, learner: Evictor, capacity: int, num_layers: int, window: int = 48,
                  max_backoff: int = 64, admission_window: int = 8):  # fmt: skip
         super().__init__()
         self.learner, self.L, self.window, self.max_backoff = (

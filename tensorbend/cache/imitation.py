@@ -233,7 +233,7 @@ def fit_evictor(train: Requests, val: Requests, cache_frac: float = 0.25, rounds
     return model, log
 
 
-def evaluate_evictor(models: dict, test: Requests, cache_frac: float, guard_window: int = 16,
+def evaluate_evictor(models: dict, test: Requests, cache_frac: float, guard_window: int = 48,
                      baselines: bool = True) -> dict:  # fmt: skip
     """Experts read per decode token on `test` for the no-prediction caches, Belady, each model
     (with and without the shadow guard for the one named `evictor`); gap closed against the
