@@ -43,7 +43,9 @@ def main(argv=None) -> int:
     train, test = train.subset(a.train_requests), test.subset(a.test_requests)
     out = {"trace": a.trace, "split": "test", "command": "python bench/evictor_eval.py "
            + " ".join(sys.argv[1:] if argv is None else argv), "train_requests": len(train.starts),
-           "test_requests": len(test.starts), "rounds": a.rounds, "fits": {}, "results": []}  # fmt: skip
+           "test_requests": len(test.starts), "rounds": a.rounds,
+           "ablation_rounds": a.ablation_rounds, "guard_window": a.guard_window, "fits": {},
+           "results": []}  # fmt: skip
     # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger
     plan = {"evictor": (GROUPS, a.rounds), "evictor-dagger": (GROUPS, 0)}
     if not a.no_ablations:
@@ -123,6 +125,15 @@ def format_doc(out: dict) -> str:
         "read per decode token (lower is better). Gap closed = (best no-prediction - X) / "
         "(best no-prediction - full Belady). Good decisions: evictions whose victim is next "
         "used no sooner than Belady's choice among the same residents.",
+        "",
+        f"Rows: `evictor` the learner (routing-only features, `cache/evictor.py`); "
+        f"`evictor+shadow` the same under its LFRU shadow guard (window "
+        f"{out.get('guard_window', 16)} forwards); `evictor/no-model` the round-0 rollout "
+        "policy (LFRU's ranking, the learner's bypass rule); `evictor-dagger` the learner fitted "
+        "on round-0 (LFRU) states only; `evictor-GROUP` the learner without one input group, "
+        f"fitted with {out.get('ablation_rounds', 0)} on-policy rounds (compare with "
+        "`evictor-dagger` when that is 0); `horizon reuse` the horizon predictor's forecasts "
+        "(routing + hidden state) as eviction, from the foresight bench's JSON.",
         "",
     ]
     for res in out["results"]:
