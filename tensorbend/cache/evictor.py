@@ -35,9 +35,9 @@ then twice as many after each further lost learner window, at most `max_backoff`
 window that does not lose resets the back-off). Following the shadow means mirroring the ghost:
 a miss is kept iff the ghost kept it, and the victim is a resident the ghost does not hold
 (LFRU's choice among those). The bound, per run: misses <= the shadow's + lost windows x
-(window cost + capacity), the window cost being the demands of `window` forwards (window x L
-x K). Learner windows that are not lost miss no more than the ghost did; a lost one misses at
-most its demands more; while mirroring, each miss the ghost does not have takes the slot of a
+(window cost + capacity) + one window cost (the run's last, unfinished window), the window
+cost being the demands of `window` forwards (window x L x K). Learner windows that are not
+lost miss no more than the ghost did; a lost one misses at most its demands more; while mirroring, each miss the ghost does not have takes the slot of a
 resident outside the ghost, so the difference d = |ghost - cache| falls by one, and a miss both
 have never raises d: mirroring costs at most d <= capacity misses over the ghost per switch.
 """
