@@ -25,6 +25,8 @@ is chosen by the property each policy class declares, `ranking`:
              ties by recency): each group is a heap in its fixed order, and only its head is
              ranked at the miss. The victim is the highest rank among the heap's top and the
              heads: at most one entry per group, L for a global pool, 1 per layer.
+  scan       (cache/evictor.py) the policy chooses among the pool's evictable entries at each
+             miss (`policy.choose(candidates, now)`), scoring only those; nothing is indexed.
   ages       (LFRU) every score count / (age + 1) moves at every step: a kinetic tournament
              (cache/kinetic.py).
 
@@ -285,7 +287,29 @@ class _ScheduledIndex(_StaticIndex):
         return self.rs.pool_of(key), group, item, until
 
 
+class _ScanIndex:
+    """`policy.choose(candidates, now)` over the pool's evictable entries (ranking `scan`)."""
+
+    def __init__(self, rs: ResidentSet):
+        self.rs = rs
+
+    def put(self, key: Key, now: int) -> None:
+        pass
+
+    used = hinted = drop = put
+
+    def rebuild(self, now: int) -> None:
+        pass
+
+    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        per_layer = self.rs.pool == "per_layer"
+        cands = [k for k in self.rs._recency if (not per_layer or k[0] == pool)
+                 and (evictable is None or evictable(k))]  # fmt: skip
+        return self.rs.policy.choose(cands, now) if cands else None
+
+
 _INDEXES = {
+    "scan": _ScanIndex,
     "recency": _RecencyIndex,
     "static": _StaticIndex,
     "scheduled": _ScheduledIndex,

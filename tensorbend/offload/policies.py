@@ -39,6 +39,8 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
   scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
               group of keys (one order among them at every step) it moves with
+  scan        `choose(candidates, now)` picks the victim among the evictable entries at each
+              full miss (a learned policy scoring only its candidates: cache/evictor.py)
 and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
 and ages indexes rely on: they re-rank a used key only when it comes up as a candidate.
 
@@ -66,7 +68,7 @@ Key = tuple[int, int]  # (MoE layer m, expert e)
 INF = float("inf")
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 AdmissionName = Literal["all", "frequency", "predicted"]
-Ranking = Literal["recency", "static", "ages", "scheduled"]
+Ranking = Literal["recency", "static", "ages", "scheduled", "scan"]
 
 
 class LRU:

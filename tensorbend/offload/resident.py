@@ -59,6 +59,8 @@ class ResidentSet:
         assert capacity >= 0 and num_layers >= 1 and pool in ("global", "per_layer"), pool
         self.capacity, self.L, self.pool = capacity, num_layers, pool
         self.policy = policy
+        if policy.ranking == "scan":  # a learned policy (cache/evictor.py) sees its cache
+            policy.bind(self)
         self.admission = admission or AdmitAll()
         self.evictions = 0
         self._recency: dict[Key, int] = {}  # resident key -> sequence number of its last use
@@ -156,6 +158,8 @@ class ResidentSet:
         ]
         if not cands:
             return None
+        if self.policy.ranking == "scan":
+            return self.policy.choose(cands, now)
         return max(cands, key=lambda k: rank(k, self._recency[k], now))
 
     def remove(self, key: Key) -> None:

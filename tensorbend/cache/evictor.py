@@ -1,0 +1,332 @@
+"""A learned eviction policy that imitates Belady, and the shadow guard that watches it.
+
+Usage (a trained `EvictorModel` from `cache/imitation.py`, `fit_evictor`):
+    policy = Evictor(num_layers=L, num_experts=E, model=model)
+    rs = IndexedResidentSet(slots, L, policy, admission=AdmitByPolicy())
+    guarded = ShadowGuard(Evictor(L, E, model), slots, L, window=48)   # never far below LFRU
+    rs = IndexedResidentSet(slots, L, guarded, admission=AdmitByPolicy())
+
+Shape legend: C candidates of one eviction decision (the evictable residents of the pool, then
+the missed key), X features, H hidden width, K = L * E keys (index m * E + e).
+
+At each miss that finds its pool full, the policy scores only the candidates: features of each
+(layer m, expert e) from what the cache has seen (`Features`), a tiny MLP in numpy
+(`EvictorModel.score`), and the highest score leaves; the missed key is scored with them, and
+`AdmitByPolicy` bypasses it when it outscores the victim (Belady's bypass). Its ranking is
+declared `scan`: the victim index asks `choose(candidates, now)` once per full miss (C <= pool
+size + 1; no per-step re-ranking). `next_use` is None: the score is not a step.
+
+Feature groups (`GROUPS`; a model is trained with a subset, the ablation rows drop one each):
+  recency    log(1 + forwards since the last use), capped at 64
+  history    used at the last 4 visits of its layer (the last tokens' routing there)
+  frequency  log(1 + decayed use count) for decays 0.5, 0.8, 0.95 per forward
+  request    log(1 + uses in this request), used in this request at all
+  layer      forwards until its layer comes round again (a global pool cycles through layers),
+             one-hot layer
+  prior      log share of the key's uses on the train split (a per-key constant)
+plus always: 1 for the missed key (the bypass candidate). All of them exist for a routing-only
+trace (no hidden state is read), so the same learner serves imported traces.
+
+The shadow guard (`ShadowGuard`) replays a no-prediction cache (LFRU, global pool, TinyLFU
+admission: the best no-prediction cache on both bundled models) on the same demands, as a
+ghost (keys only). After each window of `window` forwards in which the learned policy drove the
+cache and missed more than the ghost, the cache follows the shadow for the next windows (1,
+then twice as many after each further lost learner window, at most `max_backoff`; a learner
+window that does not lose resets the back-off). Following the shadow means mirroring the ghost:
+a miss is kept iff the ghost kept it, and the victim is a resident the ghost does not hold
+(LFRU's choice among those). The bound, per run: misses <= the shadow's + lost windows x
+(window cost + capacity) + one window cost (the run's last, unfinished window), the window
+cost being the demands of `window` forwards (window x L x K). Learner windows that are not
+lost miss no more than the ghost did; a lost one misses at most its demands more; while mirroring, each miss the ghost does not have takes the slot of a
+resident outside the ghost, so the difference d = |ghost - cache| falls by one, and a miss both
+have never raises d: mirroring costs at most d <= capacity misses over the ghost per switch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from tensorbend.cache.victim_heap import IndexedResidentSet
+from tensorbend.errors import CheckpointError
+from tensorbend.offload.policies import LFRU, AdmitAll, AdmitFrequent, Key, Ranking
+from tensorbend.offload.resident import ResidentSet
+
+GROUPS = ("recency", "history", "frequency", "request", "layer", "prior")
+DECAYS = (0.5, 0.8, 0.95)  # per forward
+HISTORY = 4  # visits of a layer
+AGE_CAP = 64.0  # forwards
+NEVER = -(10**9)
+
+
+def feature_names(groups: tuple[str, ...], num_layers: int) -> list[str]:
+    """Column names of `Features.matrix` for these groups (the order of GROUPS)."""
+    names = {
+        "recency": ["log_age"],
+        "history": [f"used_visit-{j}" for j in range(HISTORY)],
+        "frequency": [f"log_count@{d}" for d in DECAYS],
+        "request": ["log_request_uses", "used_in_request"],
+        "layer": ["visit_in", *[f"layer={m}" for m in range(num_layers)]],
+        "prior": ["log_prior"],
+    }
+    return [n for g in GROUPS if g in groups for n in names[g]] + ["incoming"]
+
+
+class Features:
+    """Per-key history as arrays [K], updated at every demand use; features of any keys now."""
+
+    def __init__(self, num_layers: int, num_experts: int, prior_K: np.ndarray | None = None):
+        self.L, self.E = num_layers, num_experts
+        K = num_layers * num_experts
+        self.last = np.full(K, NEVER, dtype=np.int64)  # step of the last use
+        self.count_DK = np.zeros((len(DECAYS), K))  # decayed counts at `stamp`
+        self.stamp = np.zeros(K, dtype=np.int64)
+        self.request = np.zeros(K)
+        self.visits_KH = np.full((K, HISTORY), NEVER, dtype=np.int64)  # forwards of last uses
+        self.prior = np.zeros(K) if prior_K is None else np.asarray(prior_K, dtype=np.float64)
+        self.layer_K = np.repeat(np.arange(num_layers), num_experts)
+        self.log_decay_D = np.log(np.array(DECAYS))[:, None] / num_layers  # per step
+
+    def index(self, key: Key) -> int:
+        return key[0] * self.E + key[1]
+
+    def touch(self, key: Key, now: int) -> None:
+        k = key[0] * self.E + key[1]
+        dt = now - self.stamp[k]
+        self.count_DK[:, k] = self.count_DK[:, k] * np.exp(self.log_decay_D[:, 0] * dt) + 1.0
+        self.stamp[k] = now
+        self.last[k] = now
+        self.request[k] += 1
+        f = now // self.L
+        row = self.visits_KH[k]
+        if row[0] != f:
+            row[1:] = row[:-1].copy()
+            row[0] = f
+
+    def new_request(self) -> None:
+        self.request[:] = 0.0
+
+    def matrix(self, idx_C: np.ndarray, now: int, groups: tuple[str, ...]) -> np.ndarray:
+        """Features [C, X] of keys idx_C at step now (columns: `feature_names`); the last
+        column (incoming) is 0 here: the caller marks the missed key."""
+        L, cols = self.L, []
+        layer_C = self.layer_K[idx_C]
+        if "recency" in groups:
+            age = np.minimum((now - self.last[idx_C]) / L, AGE_CAP)
+            cols.append(np.log1p(age)[:, None])
+        if "history" in groups:
+            visit_C = now // L - (layer_C > now % L)  # the latest forward that ran layer m
+            j_H = np.arange(HISTORY)
+            cols.append((self.visits_KH[idx_C][:, :, None] == (visit_C[:, None] - j_H)[:, None, :])
+                        .any(1).astype(np.float64))  # fmt: skip
+        if "frequency" in groups:
+            dt = (now - self.stamp[idx_C])[None, :]
+            cols.append(np.log1p(self.count_DK[:, idx_C] * np.exp(self.log_decay_D * dt)).T)
+        if "request" in groups:
+            r = self.request[idx_C]
+            cols.append(np.stack([np.log1p(r), (r > 0).astype(np.float64)], 1))
+        if "layer" in groups:
+            visit_in = ((layer_C - now % L - 1) % L + 1) / L
+            cols.append(np.concatenate([visit_in[:, None], np.eye(L)[layer_C]], 1))
+        if "prior" in groups:
+            cols.append(self.prior[idx_C][:, None])
+        cols.append(np.zeros((len(idx_C), 1)))
+        return np.concatenate(cols, 1)
+
+
+@dataclass
+class EvictorModel:
+    """score(x) = w0 . z + w2 . relu(W1 z + b1), z = (x - mean) / std; higher leaves first.
+
+    groups: the feature groups it reads; num_layers: L its one-hot layer columns assume."""
+
+    groups: tuple[str, ...]
+    num_layers: int
+    mean_X: np.ndarray
+    std_X: np.ndarray
+    w0_X: np.ndarray
+    W1_XH: np.ndarray
+    b1_H: np.ndarray
+    w2_H: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    def score(self, x_CX: np.ndarray) -> np.ndarray:
+        z = (x_CX - self.mean_X) / self.std_X
+        return z @ self.w0_X + np.maximum(z @ self.W1_XH + self.b1_H, 0.0) @ self.w2_H
+
+    def save(self, path: str) -> None:
+        """A safetensors file: the weights, the train prior, and what they mean (metadata)."""
+        from safetensors.numpy import save_file
+
+        arrays = {k: np.ascontiguousarray(getattr(self, k)) for k in _WEIGHTS}
+        arrays["prior_K"] = np.asarray(self.meta["prior_K"], dtype=np.float64)
+        meta = {"format_version": str(FORMAT_VERSION), "kind": "evictor",
+                "groups": ",".join(self.groups), "num_layers": str(self.num_layers),
+                **{k: str(v) for k, v in self.meta.items() if k != "prior_K"}}  # fmt: skip
+        save_file(arrays, path, metadata=meta)
+
+    @classmethod
+    def load(cls, path: str) -> EvictorModel:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        with safe_open(path, "np") as f:
+            meta = f.metadata() or {}
+        if meta.get("kind") != "evictor" or meta.get("format_version") != str(FORMAT_VERSION):
+            raise CheckpointError(
+                f"{path}: expected an evictor checkpoint (format {FORMAT_VERSION}), found kind "
+                f"{meta.get('kind')!r} format {meta.get('format_version')!r}; train one with "
+                "bench/evictor_eval.py or cache.imitation.fit_evictor"
+            )
+        arrays = load_file(path)
+        groups = tuple(meta["groups"].split(","))
+        return cls(groups, int(meta["num_layers"]), *(arrays[k] for k in _WEIGHTS),
+                   meta={"prior_K": arrays["prior_K"]})  # fmt: skip
+
+
+_WEIGHTS = ("mean_X", "std_X", "w0_X", "W1_XH", "b1_H", "w2_H")
+FORMAT_VERSION = 1
+
+
+class Evictor(LFRU):
+    """Evict the candidate the model scores highest (module docstring). model None: rank as
+    LFRU while keeping the features (the round-0 rollouts of training use that).
+
+    `log`, when a list, receives (features [C, X], candidate keys) of every decision, for
+    labelling; `new_request()` resets the request-level history."""
+
+    name = "evictor"
+    ranking: ClassVar[Ranking] = "scan"
+    use_lowers_rank: ClassVar[bool] = False
+
+    def __init__(self, num_layers: int, num_experts: int, model: EvictorModel | None = None,
+                 prior_K: np.ndarray | None = None, groups: tuple[str, ...] = GROUPS):  # fmt: skip
+        super().__init__()
+        self.model = model
+        self.groups = model.groups if model is not None else groups
+        self.features = Features(num_layers, num_experts, prior_K)
+        self.last_key: Key | None = None  # the latest demand: the missed key at a place()
+        self.scores: dict[Key, float] = {}  # of the latest decision
+        self.log: list | None = None
+
+    def touch(self, key: Key, now: int) -> None:
+        super().touch(key, now)
+        self.features.touch(key, now)
+        self.last_key = key
+
+    def bind(self, rs: ResidentSet) -> None:
+        """Called by the resident set that uses it (ranking `scan`); the evictor needs nothing."""
+
+    def new_request(self) -> None:
+        self.features.new_request()
+
+    def choose(self, cands: list[Key], now: int) -> Key:
+        """The victim among the evictable residents `cands`; scores the missed key too."""
+        keys = cands + [self.last_key] if self.last_key not in cands else list(cands)
+        idx_C = np.fromiter((k[0] * self.features.E + k[1] for k in keys), np.int64, len(keys))
+        x_CX = self.features.matrix(idx_C, now, self.groups)
+        x_CX[len(cands) :, -1] = 1.0
+        if self.log is not None:
+            self.log.append((x_CX, keys))
+        if self.model is None:
+            s_C = np.array([-self.score(k, now) for k in keys])
+        else:
+            s_C = self.model.score(x_CX)
+        self.scores = dict(zip(keys, s_C.tolist(), strict=True))
+        return cands[int(np.argmax(s_C[: len(cands)]))]
+
+    def admit(self, key: Key, victim: Key, now: int) -> bool:
+        """Belady's bypass on scores: keep the miss unless it outscores the victim."""
+        s = self.scores
+        return key not in s or victim not in s or s[key] <= s[victim]
+
+    def next_use(self, key: Key, now: int) -> None:
+        return None
+
+
+class AdmitByPolicy(AdmitAll):
+    """Admission asked of the policy (`policy.admit(key, victim, now)`)."""
+
+    name = "policy"
+
+    def admit(self, key: Key, victim: Key, policy, now: int) -> bool:
+        return policy.admit(key, victim, now)
+
+
+class ShadowGuard(LFRU):
+    """The learned policy, followed only while it misses no more than a shadow cache (module
+    docstring). Bound to its resident set (`bind`, by the set) to see which demands miss."""
+
+    name = "guarded"
+    ranking: ClassVar[Ranking] = "scan"
+    use_lowers_rank: ClassVar[bool] = False
+
+    def __init__(self, learner: Evictor, capacity: int, num_layers: int, window: int = 48,
+                 max_backoff: int = 64, admission_window: int = 8):  # fmt: skip
+        super().__init__()
+        self.learner, self.L, self.window, self.max_backoff = (
+            learner,
+            num_layers,
+            window,
+            max_backoff,
+        )
+        self.shadow = IndexedResidentSet(capacity, num_layers, LFRU(),
+                                         admission=AdmitFrequent(admission_window * num_layers))  # fmt: skip
+        self.rs: ResidentSet | None = None
+        self.following_learner = True
+        self.backoff, self.left = 1, window  # shadow windows still to go when not following
+        self.mine = self.theirs = 0  # misses in the current window
+        self.window_start = 0
+        self.switches = 0
+        self.learner_windows = self.lost_windows = 0
+
+    def bind(self, rs: ResidentSet) -> None:
+        self.rs = rs
+
+    def new_request(self) -> None:
+        self.learner.new_request()
+
+    def touch(self, key: Key, now: int) -> None:
+        f = now // self.L
+        if f - self.window_start >= self.window:
+            self._end_window(f)
+        super().touch(key, now)
+        self.learner.touch(key, now)
+        if self.rs is not None and key not in self.rs:
+            self.mine += 1
+        if not self.shadow.access(key, now):
+            self.theirs += 1
+
+    def choose(self, cands: list[Key], now: int) -> Key:
+        if self.following_learner:
+            return self.learner.choose(cands, now)
+        outside = [k for k in cands if k not in self.shadow] or cands  # mirror the ghost
+        return max(outside, key=lambda k: self.rank(k, self.rs._recency[k], now))
+
+    def admit(self, key: Key, victim: Key, now: int) -> bool:
+        if self.following_learner:
+            return self.learner.admit(key, victim, now)
+        return key in self.shadow  # the ghost (already told of this use) kept it
+
+    def next_use(self, key: Key, now: int) -> None:
+        return None
+
+    def _end_window(self, f: int) -> None:
+        if self.following_learner:
+            self.learner_windows += 1
+            if self.mine > self.theirs:
+                self.lost_windows += 1
+                self.following_learner, self.left = False, self.backoff
+                self.backoff = min(2 * self.backoff, self.max_backoff)
+                self.switches += 1
+            else:
+                self.backoff = 1
+        else:
+            self.left -= 1
+            if self.left <= 0:
+                self.following_learner = True
+                self.switches += 1
+        self.mine = self.theirs = 0
+        self.window_start = f
