@@ -41,9 +41,9 @@ import heapq
 import torch
 
 from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
+from tensorbend.cache.policies import NextUse, make_admission
 from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
 from tensorbend.cache.victim_heap import IndexedResidentSet
-from tensorbend.offload.policies import NextUse, make_admission
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
 
 ORACLE_FORESIGHTS = (0, 1, 2, 4, 8, None)  # None: all of the future; 0: the best cache itself

@@ -16,10 +16,10 @@ from tensorbend.cache.evictor import (
     feature_names,
 )
 from tensorbend.cache.imitation import Requests, fit_evictor, replay
+from tensorbend.cache.policies import LFRU, NextUse
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError
-from tensorbend.offload.policies import LFRU, NextUse
-from tensorbend.offload.resident import ResidentSet
 
 
 def _requests(seq: list[int], E: int, per_request: int | None = None) -> Requests:

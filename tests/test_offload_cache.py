@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from tensorbend.cache.policies import LFU, LRU, AdmitFrequent, NextUse, Predicted
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.errors import StoreError
 from tensorbend.offload.cache import CacheConfig, ExpertCache
-from tensorbend.offload.policies import LFU, LRU, AdmitFrequent, NextUse, Predicted
-from tensorbend.offload.resident import ResidentSet
 
 
 def _cache(capacity, policy, num_layers=1, scratch=1, **kw):

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tensorbend.offload.policies import (
+from tensorbend.cache.policies import (
     LFRU,
     LFU,
     LRU,
@@ -18,7 +18,7 @@ from tensorbend.offload.policies import (
     Reuse,
     make_admission,
 )
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.cache.resident import ResidentSet
 
 
 def _replay(rs, keys_by_step):

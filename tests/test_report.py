@@ -6,6 +6,7 @@ import pytest
 from test_simulate import calibration, planted, sim  # noqa: F401  (planted is a fixture)
 
 from tensorbend.cache.config import POLICIES, PolicyConfig, make_eviction, no_prediction
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
 from tensorbend.cache.report import (
     ROW_KEYS,
     best_no_prediction,
@@ -14,7 +15,6 @@ from tensorbend.cache.report import (
     run_label,
 )
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
 from tensorbend.offload.result import RunResult
 
 

@@ -19,9 +19,9 @@ import torch
 from test_offload_runtime import _session
 
 from tensorbend.cache.config import PolicyConfig
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.transfers import Link
 from tensorbend.offload.cache import CacheConfig, ExpertCache
-from tensorbend.offload.resident import ResidentSet
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 from tensorbend.simulate.plan import steps_by_key
 from tensorbend.simulate.runs import make_resident_set

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from tensorbend.cache.policies import LRU
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.slots import SlotTable
-from tensorbend.offload.policies import LRU
-from tensorbend.offload.resident import ResidentSet
 
 A, B, C = (0, 1), (0, 2), (0, 3)
 

@@ -1,6 +1,6 @@
 """The indexed victim search (cache/victim_heap.py) picks the linear scan's victims, ties included.
 
-The reference is `offload.resident.ResidentSet.victim`: the evictable entry of the pool with the
+The reference is `cache.resident.ResidentSet.victim`: the evictable entry of the pool with the
 highest `policy.rank`, ties (equal in every field but the last, -recency) to the least recent.
 Each test replays the same work through both and compares every placement (step, key,
 outcome, victim), and checks that the work had evictions and ties to decide.
@@ -14,9 +14,7 @@ from fractions import Fraction
 import pytest
 
 from tensorbend.cache.kinetic import Tournament
-from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
-from tensorbend.cache.victim_heap import IndexedResidentSet
-from tensorbend.offload.policies import (
+from tensorbend.cache.policies import (
     INF,
     LFRU,
     LFU,
@@ -26,7 +24,9 @@ from tensorbend.offload.policies import (
     Reuse,
     make_admission,
 )
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
+from tensorbend.cache.resident import ResidentSet
+from tensorbend.cache.victim_heap import IndexedResidentSet
 
 
 class TieCountingSet(ResidentSet):

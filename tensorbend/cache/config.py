@@ -34,9 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tensorbend.errors import TensorbendError
-from tensorbend.models import RoutingSpec
-from tensorbend.offload.policies import (
+from tensorbend.cache.policies import (
     LFRU,
     LFU,
     LRU,
@@ -45,7 +43,9 @@ from tensorbend.offload.policies import (
     Predicted,
     Reuse,
 )
-from tensorbend.offload.resident import PoolName
+from tensorbend.cache.resident import PoolName
+from tensorbend.errors import TensorbendError
+from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]

@@ -49,10 +49,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from tensorbend.cache.policies import LFRU, AdmitAll, AdmitFrequent, Key, Ranking
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError
-from tensorbend.offload.policies import LFRU, AdmitAll, AdmitFrequent, Key, Ranking
-from tensorbend.offload.resident import ResidentSet
 
 GROUPS = ("recency", "history", "frequency", "request", "layer", "prior")
 DECAYS = (0.5, 0.8, 0.95)  # per forward

@@ -38,8 +38,8 @@ from tensorbend.cache.evictor import (
     ShadowGuard,
     feature_names,
 )
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, make_admission
 from tensorbend.cache.victim_heap import IndexedResidentSet
-from tensorbend.offload.policies import INF, LFRU, LFU, LRU, NextUse, make_admission
 
 DIST_CAP = 4096.0  # steps: a next use farther (or never) counts as this far in soft targets
 ADMISSION_WINDOW = 8  # forwards (the runtime's and the foresight replay's default)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.resident import ResidentSet
 
 Evictable = Callable[[Key], bool] | None
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from tensorbend.offload.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.resident import ResidentSet
 
 REPLAY_POLICIES = (
     "lru", "lfu", "lfru", "predicted", "prefetch", "reuse", "belady", "belady/h=1", "belady/h=2"

@@ -9,7 +9,7 @@ Usage (what `bench/replay_speed.py` runs; docs/bench/replay_speed.md is its outp
 A layer-step is one MoE layer of one forward: its K demands, the policy's predictions for it,
 and the misses' placements (`cache.replay.replay`). The trace is `cache.replay.planted_trace`
 at the given geometry. "before" replays the first `before_prompts` prompts through
-`offload.resident.ResidentSet` (a rank per pool entry at each miss: the reference, and what
+`cache.resident.ResidentSet` (a rank per pool entry at each miss: the reference, and what
 every replay did before the index); "after" replays the same prefix, then the whole trace,
 through `cache.victim_heap.IndexedResidentSet`; the prefix's victims must be identical.
 Rates are wall-clock (`time.perf_counter`) and process CPU time (`time.process_time`), whose
@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
-from tensorbend.offload.resident import ResidentSet
 
 
 @dataclass(frozen=True)

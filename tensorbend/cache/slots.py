@@ -2,8 +2,8 @@
 
 Usage (one driver per run: the runtime's `offload.cache.ExpertCache` under its lock, or the
 simulator's `simulate.events.EventRun`; times are the driver's clock):
-    >>> from tensorbend.offload.policies import LRU
-    >>> from tensorbend.offload.resident import Placement, ResidentSet
+    >>> from tensorbend.cache.policies import LRU
+    >>> from tensorbend.cache.resident import Placement, ResidentSet
     >>> table = SlotTable(ResidentSet(1, 1, LRU()), scratch=1, nbytes=16)
     >>> table.now = 0                          # logical clock of the policy: step = forward * L + m
     >>> table.claim((0, 5), t=0.0)             # compute: a demand; the expert is not there
@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import Placement, ResidentSet
+from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.resident import Placement, ResidentSet
 
 _LAYER_COUNTERS = ("hits", "late", "misses", "bytes_read")
 

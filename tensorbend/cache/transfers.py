@@ -47,8 +47,8 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
+from tensorbend.cache.policies import INF, Key
 from tensorbend.errors import StoreError
-from tensorbend.offload.policies import INF, Key
 
 DEMAND, PREFETCH = 0, 1
 

@@ -1,13 +1,13 @@
 """Indexed victim search: the resident set's victims without ranking every entry at each miss.
 
 Usage (a drop-in for `ResidentSet`, same arguments, same victims):
-    >>> from tensorbend.offload.policies import LFRU
+    >>> from tensorbend.cache.policies import LFRU
     >>> rs = IndexedResidentSet(capacity=2, num_layers=1, policy=LFRU())
     >>> misses = [step for step, e in enumerate([0, 0, 0, 1, 2, 1, 0]) if not rs.access((0, e), step)]
     >>> misses, sorted(rs)
     ([0, 3, 4, 5], [(0, 0), (0, 1)])
 
-`offload.resident.ResidentSet.victim` is the reference: the evictable entry of the pool with
+`cache.resident.ResidentSet.victim` is the reference: the evictable entry of the pool with
 the highest `policy.rank(key, recency, now)`, a tuple whose last field is -recency, so ties go
 to the least recent entry (recencies are distinct) and the victim is unique. That scan costs
 a rank per entry per miss: minutes per replay for pools of hundreds of experts. Here the index
@@ -42,8 +42,8 @@ from collections import OrderedDict
 from operator import neg
 
 from tensorbend.cache.kinetic import AgesIndex, Evictable
-from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import ResidentSet
+from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.resident import ResidentSet
 
 
 class IndexedResidentSet(ResidentSet):

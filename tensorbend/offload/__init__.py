@@ -9,8 +9,7 @@ Usage:
 
 See docs/offload.md. Modules, in the order a run uses them:
   store     on-disk expert store: one contiguous read per expert, booked on the link's wire
-  policies  eviction and admission rules (pure; shared with the simulator)
-  resident  ResidentSet: which experts hold slots, per pool (pure; shared with the simulator)
+  shards, checkpoint  a HF checkpoint read tensor by tensor; the store streamed from it
   cache     ExpertCache: tensor slots, lock and waiting over cache/slots.py's slot table
   loader    Loader: I/O threads on cache/transfers.py's request queue
   hooks     PredictionHooks: router hooks -> predictor inputs -> prefetches + cache hints
@@ -22,4 +21,7 @@ See docs/offload.md. Modules, in the order a run uses them:
   session   OffloadSession: resident reference, store, one run per policy
   result    RunResult: the `run --json` keys, output comparison
   runner    RunConfig + run(): what `tensorbend run` calls
+  handle    OffloadHandle: store, cache, loader, hooks and counters attached to a model in place
+            (what `tensorbend.load_offloaded` and the session use)
+The pure decisions (policies, resident sets, slot table, queue and wire) live in cache/.
 """

@@ -2,7 +2,7 @@
 
 Usage:
     >>> import torch
-    >>> from tensorbend.offload.policies import LRU
+    >>> from tensorbend.cache.policies import LRU
     >>> cache = ExpertCache(CacheConfig(), ResidentSet(2, 1, LRU()), 4, torch.float32, 16)
     >>> cache.now = 0                               # logical clock: step = forward * L + m
     >>> cache.claim((0, 5))                         # compute thread: "ready" | "loading" | "absent"
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.slots import CacheStats, SlotTable
 from tensorbend.errors import StoreError
-from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import ResidentSet
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import threading
 
 import torch
 
+from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.transfers import DEMAND, RequestQueue
 from tensorbend.offload.cache import ExpertCache
-from tensorbend.offload.policies import INF, Key
 from tensorbend.offload.store import ExpertStore
 
 

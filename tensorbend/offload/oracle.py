@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorbend.offload.policies import INF, Key
+from tensorbend.cache.policies import INF, Key
 from tensorbend.predictors.base import Lookahead
 
 

@@ -25,7 +25,7 @@ offset of the next use (a request that ends first counts as later), on the train
 stopped on val. Linear in monotone recency features, classes still own intervals of age, so a
 routing that cycles across tokens is learned exactly (tested).
 
-How it is used: `offload.policies.Reuse` turns a forecast into the expected step of every
+How it is used: `cache.policies.Reuse` turns a forecast into the expected step of every
 cached expert's next use and evicts the farthest (Belady with predicted distances);
 `AdmitPredicted` bypasses a miss expected back later than the victim; the runtime prefetches
 the first layers' likeliest experts of the next forward during the last layers of this one.

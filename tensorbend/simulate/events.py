@@ -3,8 +3,8 @@ slot table, request queue and wire.
 
 Usage (simulator.py builds the work and the resident set; one `EventRun` per simulated run):
     >>> from tensorbend.cache.transfers import Link
-    >>> from tensorbend.offload.policies import LRU
-    >>> from tensorbend.offload.resident import ResidentSet
+    >>> from tensorbend.cache.policies import LRU
+    >>> from tensorbend.cache.resident import ResidentSet
     >>> work = [ForwardWork(phase=1, tokens=1, layers=[LayerWork(demand=[(0, 1), (1, 1)])])]
     >>> run = EventRun(ResidentSet(0, 1, LRU()), IOThreads(Link(5.0), 1, float("inf")),
     ...                times=Times(attn_s=lambda n: 1.0, expert_s=lambda n: 0.5,
@@ -21,7 +21,7 @@ predictions issued at the router (dN, same_layer; `predict_s` each), then each e
 
 Shared with the runtime, not copied: claims, slots, pins, bypass (staging `scratch` slots),
 victims, waste and counters are `cache.slots.SlotTable` (the table `offload.cache.ExpertCache`
-drives under its lock) over the same `offload.resident.ResidentSet` and policies; the request
+drives under its lock) over the same `cache.resident.ResidentSet` and policies; the request
 queue and the wire are `cache.transfers` (as `offload.loader.Loader` and
 `offload.store.ExpertStore` use them), served by simulated I/O threads (`IOThreads`, the
 loader's threads in event time). An entry is
@@ -38,10 +38,10 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.slots import CacheStats, SlotTable
 from tensorbend.cache.transfers import DEMAND, Link, Request, RequestQueue, Wire
-from tensorbend.offload.policies import INF, Key
-from tensorbend.offload.resident import ResidentSet
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorbend.offload.policies import Key
+from tensorbend.cache.policies import Key
 from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
 from tensorbend.simulate.mapping import Mapping

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 
 from tensorbend.cache.config import POLICIES, make_eviction
+from tensorbend.cache.policies import make_admission
 from tensorbend.cache.report import compare, run_label
+from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.transfers import Link
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import make_admission
-from tensorbend.offload.resident import ResidentSet
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, IOThreads, Times

@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
+from tensorbend.cache.policies import AdmissionName
 from tensorbend.cache.report import best_rule
+from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.policies import AdmissionName
-from tensorbend.offload.resident import PoolName
 from tensorbend.predictors import get_lookahead
 from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan

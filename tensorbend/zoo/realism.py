@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorbend.cache.policies import LRU, NextUse
 from tensorbend.cache.replay import replay, steps_by_key
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TraceError
-from tensorbend.offload.policies import LRU, NextUse
 
 WINDOWS = (1, 2, 4, 8)
 ROUTING_H = (1, 2, 4)

@@ -1,7 +1,7 @@
 """Eviction and admission policies: pure bookkeeping on a logical clock, no threads, no tensors.
 
 Usage (the same objects drive `cache.ExpertCache` and the discrete-event simulator):
-    >>> from tensorbend.offload.resident import ResidentSet
+    >>> from tensorbend.cache.resident import ResidentSet
     >>> rs = ResidentSet(capacity=2, num_layers=1, policy=LFRU())
     >>> misses = [step for step, e in enumerate([0, 0, 0, 1, 2, 1, 0]) if not rs.access((0, e), step)]
     >>> misses, sorted(rs)            # LFRU kept the frequent (0, 0) when (0, 2) arrived

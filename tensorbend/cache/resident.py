@@ -2,7 +2,7 @@
 
 Usage (what the simulator does per demanded expert; `cache.ExpertCache` calls the same methods
 under its lock, passing `evictable` to skip entries that are loading or pinned):
-    >>> from tensorbend.offload.policies import LRU
+    >>> from tensorbend.cache.policies import LRU
     >>> rs = ResidentSet(capacity=2, num_layers=1, policy=LRU())
     >>> [rs.access((0, e), step) for step, e in enumerate([0, 1, 0, 2, 1])]   # hit?
     [False, False, True, False, False]
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from tensorbend.offload.policies import LRU, AdmitAll, Key, prefetch_worth
+from tensorbend.cache.policies import LRU, AdmitAll, Key, prefetch_worth
 
 PoolName = Literal["global", "per_layer"]
 
