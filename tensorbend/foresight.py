@@ -40,8 +40,9 @@ import heapq
 
 import torch
 
+from tensorbend.cache.admission import make_admission
 from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
-from tensorbend.cache.policies import NextUse, make_admission
+from tensorbend.cache.policies import NextUse
 from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tensorbend.cache.policies import LFU, LRU, AdmitFrequent, NextUse, Predicted
+from tensorbend.cache.admission import AdmitFrequent
+from tensorbend.cache.policies import LFU, LRU, NextUse, Predicted
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.errors import StoreError
 from tensorbend.offload.cache import CacheConfig, ExpertCache

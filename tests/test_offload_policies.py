@@ -6,18 +6,8 @@ import random
 import pytest
 import torch
 
-from tensorbend.cache.policies import (
-    LFRU,
-    LFU,
-    LRU,
-    AdmitAll,
-    AdmitFrequent,
-    AdmitPredicted,
-    NextUse,
-    Predicted,
-    Reuse,
-    make_admission,
-)
+from tensorbend.cache.admission import AdmitAll, AdmitFrequent, AdmitPredicted, make_admission
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
 from tensorbend.cache.resident import ResidentSet
 
 

@@ -34,15 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from tensorbend.cache.policies import (
-    LFRU,
-    LFU,
-    LRU,
-    AdmissionName,
-    NextUse,
-    Predicted,
-    Reuse,
-)
+from tensorbend.cache.admission import AdmissionName
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec

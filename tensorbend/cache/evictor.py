@@ -49,7 +49,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from tensorbend.cache.policies import LFRU, AdmitAll, AdmitFrequent, Key, Ranking
+from tensorbend.cache.admission import AdmitAll, AdmitFrequent
+from tensorbend.cache.policies import LFRU, Key, Ranking
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tensorbend.cache.admission import make_admission
 from tensorbend.cache.evictor import (
     GROUPS,
     AdmitByPolicy,
@@ -38,7 +39,7 @@ from tensorbend.cache.evictor import (
     ShadowGuard,
     feature_names,
 )
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, make_admission
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
 from tensorbend.cache.victim_heap import IndexedResidentSet
 
 DIST_CAP = 4096.0  # steps: a next use farther (or never) counts as this far in soft targets

@@ -1,4 +1,4 @@
-"""Eviction and admission policies: pure bookkeeping on a logical clock, no threads, no tensors.
+"""Eviction policies: pure bookkeeping on a logical clock, no threads, no tensors.
 
 Usage (the same objects drive `cache.ExpertCache` and the discrete-event simulator):
     >>> from tensorbend.cache.resident import ResidentSet
@@ -43,31 +43,18 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
               full miss (a learned policy scoring only its candidates: cache/evictor.py)
 and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
 and ages indexes rely on: they re-rank a used key only when it comes up as a candidate.
-
-Admission (`ResidentSet` asks only when a miss finds its pool full; a free slot always admits):
-  AdmitAll        every miss is kept.
-  AdmitFrequent   TinyLFU-style, no prediction: keep the miss only if it was used more often
-                  than the victim within the last `window` forwards (counting this use), so a
-                  one-off expert never pushes out one in use; a second use within the window
-                  admits it against a victim used once.
-  AdmitPredicted  keep the miss unless the policy's next_use says it comes back later than the
-                  victim (needs a policy with next_use: Predicted or NextUse; unknown = INF and
-                  a tie admits, so with nothing known it behaves like AdmitAll).
-A prefetch is a different question, asked the same way for every policy: it takes a victim only
-if the victim's next_use is later than the prefetch's step (None: always).
+Admission rules (which misses are kept) live in cache/admission.py.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from math import ceil, exp, log
 from typing import ClassVar, Literal
 
 Key = tuple[int, int]  # (MoE layer m, expert e)
 INF = float("inf")
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
-AdmissionName = Literal["all", "frequency", "predicted"]
 Ranking = Literal["recency", "static", "ages", "scheduled", "scan"]
 
 
@@ -329,82 +316,3 @@ class Reuse(Predicted):
         m, e = key
         first = (self.forward + 1) * self.L + m  # the step of forecast class 1
         return self.ahead[m][e] if first > now else self.after_first[m][e]
-
-
-class AdmitAll:
-    """Keep every miss (the classic cache)."""
-
-    name = "all"
-
-    def touch(self, key: Key, now: int) -> None:
-        pass
-
-    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
-        return True
-
-
-class AdmitFrequent(AdmitAll):
-    """TinyLFU-style: admit a miss only if used more often than the victim in the window."""
-
-    name = "frequency"
-
-    def __init__(self, window_steps: int):
-        assert window_steps >= 1
-        self.window = window_steps
-        self.uses: dict[Key, deque[int]] = {}
-
-    def touch(self, key: Key, now: int) -> None:
-        self.uses.setdefault(key, deque()).append(now)
-
-    def count(self, key: Key, now: int) -> int:
-        q = self.uses.get(key)
-        if not q:
-            return 0
-        while q and q[0] <= now - self.window:
-            q.popleft()
-        return len(q)
-
-    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
-        return self.count(key, now) > self.count(victim, now)
-
-
-class AdmitPredicted(AdmitAll):
-    """Bypass a miss whose estimated next use comes after the victim's (ties admit). With a
-    `fallback` rule, a tie of two unknown (INF) next uses is decided by that rule instead (the
-    bounded oracle beyond its sight admits as the no-prediction cache it must beat)."""
-
-    name = "predicted"
-
-    def __init__(self, fallback: AdmitAll | None = None):
-        self.fallback = fallback
-
-    def touch(self, key: Key, now: int) -> None:
-        if self.fallback is not None:
-            self.fallback.touch(key, now)
-
-    def admit(self, key: Key, victim: Key, policy: LRU, now: int) -> bool:
-        mine, theirs = policy.next_use(key, now), policy.next_use(victim, now)
-        assert mine is not None and theirs is not None, f"{policy.name} has no next_use"
-        if mine == theirs == INF and self.fallback is not None:
-            return self.fallback.admit(key, victim, policy, now)
-        return mine <= theirs
-
-
-def make_admission(
-    name: AdmissionName, num_layers: int, window: int, fallback: AdmissionName | None = None
-) -> AdmitAll:
-    """Admission rule by name; `window` is in forwards (AdmitFrequent); `fallback`: the rule
-    AdmitPredicted defers to when both next uses are unknown."""
-    if name == "frequency":
-        return AdmitFrequent(window * num_layers)
-    if name == "predicted":
-        fb = None if fallback is None else make_admission(fallback, num_layers, window)
-        return AdmitPredicted(fb)
-    assert name == "all", name
-    return AdmitAll()
-
-
-def prefetch_worth(policy: LRU, victim: Key, when: float, now: int) -> bool:
-    """Evict `victim` for a prefetch used at step `when` only if the victim is needed later."""
-    theirs = policy.next_use(victim, now)
-    return theirs is None or theirs > when

@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from tensorbend.cache.policies import LRU, AdmitAll, Key, prefetch_worth
+from tensorbend.cache.admission import AdmitAll, prefetch_worth
+from tensorbend.cache.policies import LRU, Key
 
 PoolName = Literal["global", "per_layer"]
 

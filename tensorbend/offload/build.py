@@ -12,8 +12,8 @@ Pool and admission apply to every policy that keeps experts.
 
 from __future__ import annotations
 
+from tensorbend.cache.admission import make_admission
 from tensorbend.cache.config import POLICIES, PolicyConfig, make_eviction
-from tensorbend.cache.policies import make_admission
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.models import RoutingSpec
 from tensorbend.offload.cache import CacheConfig, ExpertCache

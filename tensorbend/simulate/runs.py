@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
+from tensorbend.cache.admission import make_admission
 from tensorbend.cache.config import POLICIES, make_eviction
-from tensorbend.cache.policies import make_admission
 from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.transfers import Link

@@ -27,9 +27,9 @@ from typing import Literal
 
 from tqdm import tqdm
 
+from tensorbend.cache.admission import AdmissionName
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
-from tensorbend.cache.policies import AdmissionName
 from tensorbend.cache.report import best_rule
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
