@@ -42,6 +42,7 @@ import torch
 
 from tensorbend.cache.admission import make_admission
 from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
+from tensorbend.cache.oracle import steps_by_key
 from tensorbend.cache.policies import NextUse
 from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
 from tensorbend.cache.victim_heap import IndexedResidentSet
@@ -269,11 +270,8 @@ def _within_h_recall(phases, used_FLE, reuse_FLE, starts, h: int) -> list[float]
 
 
 def _steps_by_key(used_FLE: torch.Tensor) -> dict:
-    F, L, _ = used_FLE.shape
-    steps: dict = {}
-    for f, m, e in used_FLE.nonzero().tolist():
-        steps.setdefault((m, e), []).append(f * L + m)
-    return {k: sorted(v) for k, v in steps.items()}
+    L = used_FLE.shape[1]
+    return steps_by_key((f * L + m, m, e) for f, m, e in used_FLE.nonzero().tolist())
 
 
 def _replay(

@@ -39,6 +39,7 @@ from tensorbend.cache.evictor import (
     ShadowGuard,
     feature_names,
 )
+from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
 from tensorbend.cache.victim_heap import IndexedResidentSet
 
@@ -72,11 +73,9 @@ class Requests:
         return Requests(self.used_FLE[:end], self.phases[:end], self.starts[:n])
 
     def steps_by_key(self) -> dict:
-        F, L, _ = self.used_FLE.shape
-        steps: dict = {}
-        for f, m, e in zip(*np.nonzero(self.used_FLE), strict=True):
-            steps.setdefault((int(m), int(e)), []).append(int(f) * L + int(m))
-        return steps  # nonzero walks f first: each list is sorted
+        L = self.used_FLE.shape[1]
+        return oracle_steps((int(f) * L + int(m), m, e)
+                            for f, m, e in zip(*np.nonzero(self.used_FLE), strict=True))  # fmt: skip
 
     def prior_K(self) -> np.ndarray:
         """log share of each key's uses (a per-key constant learned from these requests)."""

@@ -52,8 +52,8 @@ import bisect
 from math import ceil, exp, log
 from typing import ClassVar, Literal
 
-Key = tuple[int, int]  # (MoE layer m, expert e)
-INF = float("inf")
+from tensorbend.cache.oracle import INF, Key, sight
+
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 Ranking = Literal["recency", "static", "ages", "scheduled", "scan"]
 
@@ -155,7 +155,7 @@ class NextUse(LRU):
 
     def horizon(self, now: int) -> float:
         """First step this policy cannot see (INF with full foresight)."""
-        return INF if self.foresight is None else (now // self.L + self.foresight) * self.L
+        return sight(now, self.L, self.foresight)
 
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (self.next_use(key, now), *self.beyond.rank(key, recency, now))

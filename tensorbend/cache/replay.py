@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
 from tensorbend.cache.resident import ResidentSet
 
@@ -167,12 +168,7 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
 
 
 def steps_by_key(ids_FLK: list) -> dict:
-    """Sorted steps at which each (m, e) is used (NextUse's routing; for lists, as
-    `simulate.plan.steps_by_key` for the simulator's work and `foresight._steps_by_key`)."""
+    """Sorted steps at which each (m, e) is used in a list trace (`cache.oracle.steps_by_key`)."""
     L = len(ids_FLK[0]) if ids_FLK else 1
-    steps: dict = {}
-    for f, layers in enumerate(ids_FLK):
-        for m, ids in enumerate(layers):
-            for e in ids:
-                steps.setdefault((m, e), []).append(f * L + m)
-    return steps
+    return oracle_steps((f * L + m, m, e) for f, layers in enumerate(ids_FLK)
+                        for m, ids in enumerate(layers) for e in ids)  # fmt: skip

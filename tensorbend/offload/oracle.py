@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorbend.cache.policies import INF, Key
+from tensorbend.cache.oracle import Key, sight, steps_by_key
 from tensorbend.predictors.base import Lookahead
 
 
@@ -49,14 +49,13 @@ class RecordedRouting:
                 votes_E = torch.bincount(ids_TLK[:, m].flatten().long())
                 order = torch.argsort(votes_E, descending=True, stable=True)
                 self.experts_by_step.append(order[: int((votes_E > 0).sum())].tolist())
-        self.steps_by_key: dict[Key, list[int]] = {}
-        for step, experts in enumerate(self.experts_by_step):
-            for e in experts:
-                self.steps_by_key.setdefault((step % self.L, e), []).append(step)
+        self.steps_by_key: dict[Key, list[int]] = steps_by_key(
+            (step, step % self.L, e) for step, es in enumerate(self.experts_by_step) for e in es
+        )
 
     def horizon(self, now: int) -> float:
         """First step the oracle cannot see at step `now`."""
-        return INF if self.foresight is None else (now // self.L + self.foresight) * self.L
+        return sight(now, self.L, self.foresight)
 
     def ahead(self, now: int) -> list[tuple[Key, int]]:
         """The experts of step now + distance, if within sight (most tokens first)."""

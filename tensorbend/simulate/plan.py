@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import Key
 from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
@@ -124,11 +125,6 @@ def add_horizon(work: list[ForwardWork], mapping: Mapping, forecasts, ahead_laye
 
 
 def steps_by_key(work: list[ForwardWork]) -> dict[Key, list[int]]:
-    """Sorted steps (forward * L + g) at which each (g, e) is demanded."""
-    out: dict[Key, list[int]] = {}
-    for f, fw in enumerate(work):
-        L = len(fw.layers)
-        for g, lw in enumerate(fw.layers):
-            for e, _ in lw.demand:
-                out.setdefault((g, e), []).append(f * L + g)
-    return out
+    """Sorted steps (forward * L + g) at which each (g, e) is demanded (cache/oracle.py)."""
+    return oracle_steps((f * len(fw.layers) + g, g, e) for f, fw in enumerate(work)
+                        for g, lw in enumerate(fw.layers) for e, _ in lw.demand)  # fmt: skip
