@@ -194,7 +194,7 @@ def _offload(root: Path) -> str:
     head = [
         "**End to end** (`tensorbend run`, measured: teacher-forced decode of held-out prompts, "
         "25% cache, the `h100-pcie5-kimi` link and one 4x faster; outputs identical to the "
-        "resident model in every run; docs/headline_default.md, docs/offload_qwen.md, and "
+        "resident model in every run; docs/headline_default.md, docs/headline_qwen.md, and "
         "4 sequences in lockstep: docs/offload_default_b4.md). Each of ours is one fixed "
         "configuration; cells: decode tok/s (ratio to the best no-prediction cache, share of "
         "the byte gap to the full oracle closed). A ratio with a range is the median of "

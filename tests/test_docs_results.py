@@ -92,6 +92,7 @@ def test_seed_study_table_matches_its_json():
         ("replay_speed", "docs/bench/replay_speed.json", "docs/bench/replay_speed.md"),
         ("zoo_card", "docs/zoo_card.json", "docs/zoo_card.md"),
         ("offload_sweep", "docs/bench/headline_default.json", "docs/headline_default.md"),
+        ("offload_sweep", "docs/bench/headline_qwen.json", "docs/headline_qwen.md"),
         ("serve_memory", "docs/bench/serve_memory.json", "docs/serve_memory.md"),
     ],
 )
