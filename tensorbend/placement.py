@@ -21,7 +21,7 @@ forward, and the offloaded model's outputs equal the resident model's bit for bi
 Experts left on disk (`serving.load_offloaded`): `build_without_experts` builds the CausalLM
 from config.json with the routed experts' parameters on `meta` (their class's __init__ runs
 under `torch.device("meta")`, so nothing is allocated), and `load_non_experts` copies every
-other tensor from the checkpoint (`offload.checkpoint.ExpertPlan.other`) into it, refusing a
+other tensor from the checkpoint (`offload.expert_plan.ExpertPlan.other`) into it, refusing a
 checkpoint that lacks one.
 """
 
@@ -38,7 +38,7 @@ from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, describe_model, moe_block
 
 if TYPE_CHECKING:
-    from tensorbend.offload.checkpoint import ExpertPlan
+    from tensorbend.offload.expert_plan import ExpertPlan
 
 
 def parse_bytes(text: str | int) -> int:

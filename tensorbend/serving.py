@@ -13,7 +13,7 @@ What happens, in order, and what lives in memory at each step:
    device (never allocated); every other weight is read from the checkpoint's shards (keys
    mapped by transformers' own conversion table). Peak: the non-expert weights.
 2. The expert store is built from the checkpoint by streaming one expert at a time
-   (`offload/checkpoint.py`: resumable, fsync'd per layer) unless a finished store for this
+   (`offload/expert_plan.py`: resumable, fsync'd per layer) unless a finished store for this
    checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
 3. The cache gets what the budget leaves: `max_memory` - non-expert weights - the top-k
    staging slots - `reserve` (KV cache and activations), in whole experts; or `cache_frac`
@@ -36,7 +36,7 @@ import torch
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
-from tensorbend.offload.checkpoint import ExpertPlan, build_store
+from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig

@@ -14,7 +14,7 @@ from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
-from tensorbend.offload.oracle import RecordedRouting
+from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import tensorbend
 from tensorbend.cli import main
 from tensorbend.models import describe_model, moe_block
-from tensorbend.offload.checkpoint import ExpertPlan, build_store
+from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore

@@ -7,7 +7,7 @@ Usage:
     (8, inf)
 
 Every oracle in the project reads these two: Belady's `NextUse` (cache/policies.py), the
-runtime's `RecordedRouting` (offload/oracle.py), the demand replays (cache/replay.py,
+runtime's `RecordedRouting` (offload/recorded.py), the demand replays (cache/replay.py,
 foresight.py, cache/imitation.py) and the simulator's workload (simulate/plan.py). Steps count
 forward * L + m; with foresight h an oracle knows every use at a step < (now // L + h) * L:
 the rest of the current forward and the next h - 1 (None: the whole run).

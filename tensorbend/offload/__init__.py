@@ -9,11 +9,11 @@ Usage:
 
 See docs/offload.md. Modules, in the order a run uses them:
   store     on-disk expert store: one contiguous read per expert, booked on the link's wire
-  shards, checkpoint  a HF checkpoint read tensor by tensor; the store streamed from it
+  shards, expert_plan  a HF checkpoint read tensor by tensor; the store streamed from it
   cache     ExpertCache: tensor slots, lock and waiting over cache/slots.py's slot table
   loader    Loader: I/O threads on cache/transfers.py's request queue
   hooks     PredictionHooks: router hooks -> predictor inputs -> prefetches + cache hints
-  oracle    RecordedRouting: the resident run's routing as predictions, with bounded foresight
+  recorded  RecordedRouting: the resident run's routing as predictions, with bounded foresight
   layer     OffloadedExperts: the experts forward on weights from the cache
   generation  the prompts through hf.decode_prompt, timed and counted per phase
   build     PolicyConfig (cache/config.py: policy table, cache size, pool, admission,

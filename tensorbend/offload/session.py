@@ -39,7 +39,7 @@ from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
-from tensorbend.offload.oracle import RecordedRouting
+from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead

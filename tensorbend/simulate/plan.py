@@ -13,7 +13,7 @@ lookahead distance d is issued at the router of geometry layer g - d (pre_attn: 
 g's attention; same_layer: at g's own router) and is the predictor's list for trace layer
 layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). The
 oracle instead names the exact experts of the step `distance` ahead of every source point,
-also in the next forward (`add_oracle`, as `offload.oracle.RecordedRouting.ahead`). Every
+also in the next forward (`add_oracle`, as `offload.recorded.RecordedRouting.ahead`). Every
 prediction carries the absolute step it is for.
 """
 
@@ -91,7 +91,7 @@ def build_work(
 def add_oracle(
     work: list[ForwardWork], distance: int, at_router: bool, foresight: int | None
 ) -> None:
-    """The runtime's oracle (`offload.oracle.RecordedRouting.ahead`): at each source point
+    """The runtime's oracle (`offload.recorded.RecordedRouting.ahead`): at each source point
     (step now = forward * L + s) the exact experts of step now + distance, most tokens first,
     also in the next forward, if that step is within its foresight."""
     L = len(work[0].layers) if work else 1
