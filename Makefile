@@ -82,7 +82,7 @@ bench-timing: bench-traces
 		--baselines spec_gate,transition,random --max-prompts 8 --max-new-tokens 48 --batch 4 \
 		--fracs 0.25,0.5 --link-speedups 1 --out docs/bench/offload_default_b4 \
 		--doc docs/offload_default_b4.md > /dev/null
-	$(PY) bench/simulate_validate.py --model zoo:default --max-prompts 5 --max-new-tokens 32 \
+	$(PY) -m bench.simulate_validate --model zoo:default --max-prompts 5 --max-new-tokens 32 \
 		--predictor $(BENCH)/default/ours_d1.safetensors --baseline transition \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--train-trace $(BENCH)/default/trace --json docs/simulate_validation.json \

@@ -37,7 +37,7 @@ from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
-from tensorbend.offload.layer import OffloadedExperts, check_supported
+from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
 from tensorbend.offload.loader import Loader
 from tensorbend.offload.result import phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
@@ -96,6 +96,7 @@ class OffloadHandle:
             horizon=horizon, token_ahead_layers=pc.token_ahead_layers,
         ).__enter__()  # fmt: skip
         self.gen = Generation()
+        self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)
         self._phase: tuple[str, CacheStats, float] | None = None
         self._model_hooks = []
         if opts.drive_clock:
@@ -125,6 +126,8 @@ class OffloadHandle:
             "totals": dict(vars(stats)),
             "predict_s": self.hooks.predict_s,
             "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
+            "predict_calls": self.hooks.predict_calls,
+            "expert_compute": self.compute.rows(),
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
@@ -138,7 +141,9 @@ class OffloadHandle:
         """Zero every counter; the cache's contents and the policy's state stay."""
         self.cache.reset_counters()
         self.hooks.predict_s = 0.0
+        self.hooks.predict_calls = 0
         self.gen = Generation()
+        self.compute = ExpertCompute()
 
     def close(self) -> None:
         """Join the I/O threads, remove the hooks, close the store; the model stops working."""

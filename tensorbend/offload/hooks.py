@@ -66,6 +66,7 @@ class PredictionHooks:
                                      clock=clock, history=history)  # fmt: skip
         self.observed: list | None = None  # (inputs, predictions) per call, when recording
         self.predict_s = 0.0  # wall seconds inside the Prefetcher and queueing, this run
+        self.predict_calls = 0  # hook calls that predicted (one per source point and forward)
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
             model, spec, on_route=self._route,
@@ -93,6 +94,7 @@ class PredictionHooks:
             self._predict(m, hidden, ids_TK)
         finally:
             self.predict_s += time.perf_counter() - t0
+            self.predict_calls += 1
 
     def _predict(self, m: int, hidden, ids_TK) -> None:
         pf = self.prefetcher

@@ -16,6 +16,7 @@ pre-scaled copy of the tokens, so there is nothing to skip loading.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -94,24 +95,55 @@ class OffloadedExperts:
         ids, expert_mask, pending = self._routed
         self._routed = None
         assert ids is top_k_index or torch.equal(ids, top_k_index), "router hook saw other ids"
-        cache = self.get_active().cache
+        act = self.get_active()
+        cache = act.cache
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        math_s, pairs = 0.0, 0
         while pending:
             for key in cache.wait_ready(pending):
                 e = key[1]
+                t0 = time.perf_counter()
                 try:
                     W = self.layout.views(cache.weights(key))
                     top_k_pos, token_idx = torch.where(expert_mask[e])
                     out = self.expert(self.mod, hidden_states[token_idx], W)
                     outs[e] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
+                    pairs += len(token_idx)
                 finally:
                     cache.release(key)
+                    math_s += time.perf_counter() - t0
                 pending.discard(key)
         final = torch.zeros_like(hidden_states)
         for e in sorted(outs):
             token_idx, out = outs[e]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        act.compute.add(hidden_states.shape[0], len(outs), pairs, math_s)
         return final
+
+
+class ExpertCompute:
+    """Seconds inside the expert math (weights ready; waiting excluded), per token count T of
+    an experts call: `rows()` gives [T, calls, experts computed, (token, expert) pairs,
+    seconds] (`RunResult.expert_compute`; simulate/calibration.py turns it into per-expert
+    costs). Keyed by T so serving a long stream keeps a bounded table.
+
+        >>> c = ExpertCompute(); c.add(1, 4, 4, 0.002); c.add(1, 3, 3, 0.001); c.add(7, 9, 28, 0.01)
+        >>> c.rows()
+        [[1, 2, 7, 7, 0.003], [7, 1, 9, 28, 0.01]]
+    """
+
+    def __init__(self):
+        self._by_tokens: dict[int, list] = {}
+
+    def add(self, tokens: int, experts: int, pairs: int, seconds: float) -> None:
+        row = self._by_tokens.setdefault(tokens, [0, 0, 0, 0.0])
+        row[0] += 1
+        row[1] += experts
+        row[2] += pairs
+        row[3] += seconds
+
+    def rows(self) -> list[list]:
+        return [[t, *r[:3], round(r[3], 9)] for t, r in sorted(self._by_tokens.items())]
 
 
 def _swiglu_expert(mod, x: torch.Tensor, W: dict[str, torch.Tensor]) -> torch.Tensor:

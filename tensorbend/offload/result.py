@@ -40,6 +40,9 @@ class RunResult:
     batch (sequences decoded together in lockstep; per-token numbers count every sequence's),
     predict_s_per_token (seconds inside the prediction hooks per decode token, measured in
     the runtime: Prefetcher, predictor, queueing and hints; null for the resident row);
+    predict_calls (prediction hook calls in the whole run, both phases; null for resident);
+    expert_compute (per token count T of an experts call: [T, calls, experts computed,
+    (token, expert) pairs, seconds in the expert math]; null for resident);
     oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
     names a row.
     """
@@ -79,6 +82,8 @@ class RunResult:
     batch: int = 1
     predict_s_per_token: float | None = None
     oracle_beyond: str | None = None
+    predict_calls: int | None = None
+    expert_compute: list | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -170,7 +170,10 @@ class OffloadSession:
         result = self._result(pc, predictor, link, gen, cache)
         decode = gen.tokens["decode"]
         result = dataclasses.replace(
-            result, predict_s_per_token=handle.hooks.predict_s / decode if decode else None
+            result,
+            predict_s_per_token=handle.hooks.predict_s / decode if decode else None,
+            predict_calls=handle.hooks.predict_calls,
+            expert_compute=handle.compute.rows(),
         )
         if horizon is not None:
             result = dataclasses.replace(

@@ -13,7 +13,7 @@ simulator charges `attn_s(T)` before the router (attention, shared experts, rout
 `expert_s(T_e)` per routed expert used by T_e tokens; `forward_s(T)` once per forward (dense
 layers, LM head). A transfer is `link_latency + unit_bytes / link_bandwidth`.
 
-A calibration (JSON, `Calibration`; bench/simulate_validate.py measures one on this machine)
+A calibration (JSON, `Calibration`; python -m bench.simulate_validate measures one on this machine)
 replaces all of these with measured values: x(T) = x_decode + x_per_token * (T - 1).
 """
 
@@ -42,7 +42,8 @@ class Calibration:
     attn_s_per_token: float = 0.0  # extra per additional token of a forward (prefill)
     expert_s_per_token: float = 0.0
     forward_s_per_token: float = 0.0
-    predict_s: float = 0.0  # one predictor call (a target layer's prediction)
+    predict_s: float = 0.0  # one within-token predictor call (a target layer's prediction)
+    forecast_s: float = 0.0  # one cross-token forecast (the horizon's, once per forward)
     miss_s: float = 0.0  # compute-thread time per demand miss (queueing the load, waking up)
     io_slots: int = 2
     source: str = ""
@@ -58,7 +59,7 @@ class Calibration:
             d = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise TensorbendError(f"calibration {path}: unreadable JSON ({e})") from e
-        how = "bench/simulate_validate.py writes one"
+        how = "python -m bench.simulate_validate writes one"
         if not isinstance(d, dict):
             raise TensorbendError(
                 f"calibration {path}: expected a JSON object of numbers (the fields of "
@@ -97,6 +98,7 @@ class Costs:
     _forward: tuple[float, float]
     _bw: float | None  # effective memory bandwidth; None: calibrated seconds
     _flops: float | None
+    forecast_s: float = 0.0
 
     @classmethod
     def from_profiles(
@@ -126,6 +128,7 @@ class Costs:
             link_latency=cal.link_latency_s,
             io_slots=cal.io_slots,
             predict_s=cal.predict_s,
+            forecast_s=cal.forecast_s,
             miss_s=cal.miss_s,
             _attn=(cal.attn_s, cal.attn_s_per_token),
             _expert=(cal.expert_s * unit_scale, cal.expert_s_per_token * unit_scale),
@@ -159,6 +162,9 @@ class Costs:
             "link_bandwidth_Bps": self.link_bandwidth,
             "link_latency_s": self.link_latency,
             "io_slots": self.io_slots,
+            "predict_s": self.predict_s,
+            "forecast_s": self.forecast_s,
+            "miss_s": self.miss_s,
             "calibrated": self._bw is None,
         }
 

@@ -16,7 +16,8 @@ Usage (simulator.py builds the work and the resident set; one `EventRun` per sim
 Per forward: `forward_s` (dense layers, head), then per MoE layer g (step = forward * L + g):
 predictions issued before attention (pre_attn), `attn_s`, the router (claims: hit if ready,
 late if still loading, miss -> demand load, `miss_s` each; stale prefetches cancelled),
-predictions issued at the router (dN, same_layer; `predict_s` each), then each expert computed
+predictions issued at the router (dN, same_layer; `predict_s` each; a cross-token forecast
+`forecast_s`, its next-forward prefetches included), then each expert computed
 (`expert_s` for the tokens routed to it) as soon as it is ready; waiting for one is the stall.
 
 Shared with the runtime, not copied: claims, slots, pins, bypass (staging `scratch` slots),
@@ -69,6 +70,7 @@ class Times:
     forward_s: Callable[[int], float]  # tokens -> seconds outside the MoE layers
     predict_s: float = 0.0  # one prediction (one target layer)
     miss_s: float = 0.0  # compute-thread overhead of a demand miss
+    forecast_s: float = 0.0  # one cross-token forecast (its next-forward prefetches included)
 
 
 class EventRun:
@@ -121,8 +123,9 @@ class EventRun:
                 self.io.queue.demand((step - base, e), self.t)
         self.total.prefetch_cancelled += self.io.queue.cancel_stale(step)
         if lw.forecast is not None:  # a cross-token forecast, as the runtime's last-layer hook
+            self.t += self.times.forecast_s
             self.rs.set_forecast(*lw.forecast)
-            self._predict(lw.ahead, hint=False)
+            self._predict(lw.ahead, hint=False, cost=0.0)
         self._predict(lw.at_router)
         pending = {(step - base, e): n for e, n in lw.demand}
         entries = self.slots.entries
@@ -142,11 +145,12 @@ class EventRun:
                 self.slots.release(k)
                 self.io.retry_blocked(self.t, self._start)
 
-    def _predict(self, preds: list[tuple[int, list[int]]], hint: bool = True) -> None:
-        """Hint each predicted (layer, expert) for its step and queue its prefetch, in rank order."""
+    def _predict(self, preds: list[tuple[int, list[int]]], hint: bool = True, cost=None) -> None:
+        """Hint each predicted (layer, expert) for its step and queue its prefetch, in rank
+        order; each list costs `predict_s` (`cost` instead, where the forecast paid for it)."""
         entries, queue = self.slots.entries, self.io.queue
         for when, ids in preds:
-            self.t += self.times.predict_s
+            self.t += self.times.predict_s if cost is None else cost
             for rank, e in enumerate(ids):
                 key = (when % self.L, e)
                 if hint:

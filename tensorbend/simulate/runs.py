@@ -72,7 +72,8 @@ def run_one(
                            steps, cfg.foresight, forecasts is not None, beyond)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
-    times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s)
+    times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
+                  costs.forecast_s if policy == "prefetch" else 0.0)  # fmt: skip
     link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
     run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
     if not bounded:

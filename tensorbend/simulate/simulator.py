@@ -117,7 +117,7 @@ class SimulateConfig:
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
-    """Measured costs (JSON; bench/simulate_validate.py writes one) replacing the profiles'."""
+    """Measured costs (JSON; python -m bench.simulate_validate writes one) replacing the profiles'."""
     ep_degree: int | None = None
     """Expert-parallel ranks for the dispatch pre-staging statistics (None: skip)."""
     ep_placement: Literal["contiguous", "round_robin"] = "contiguous"
@@ -162,7 +162,7 @@ class SimulateConfig:
         if self.geometry == "from-trace" and self.calibration is None:
             raise TensorbendError(
                 "--geometry from-trace has no bytes or compute of its own: pass --calibration FILE "
-                "(bench/simulate_validate.py measures one) or name a geometry"
+                "(python -m bench.simulate_validate measures one) or name a geometry"
             )
         if self.max_prompts is not None and self.max_prompts < 1:
             raise TensorbendError(
