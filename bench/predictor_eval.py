@@ -9,7 +9,7 @@ Steps (each skipped when its output exists, so the script resumes):
      single-token steps on the prompts' reference continuations), features ids, weights,
      gate_input, layer_input.
   2. `train` ours (kind tensorbend) at pre_attn, d1, d2, d3 on every train row, and the seed
-     MLP at same_layer and d1 with its own recipe on a uniform sample of --seed-rows train rows
+     MLP at same_layer, d1, d2 and d3 with its own recipe on a uniform sample of --seed-rows train rows
      (default 10,000: the seed kept at most 10,000 per layer), val split for ours' selection.
   3. `eval` every peer at pre_attn, d1, d2, d3 (and same_layer for reference) plus the trained
      checkpoints on the test split; JSON, PNG plots and a markdown table, all from one run.
@@ -31,7 +31,7 @@ from tensorbend.plots import plot_eval
 from tensorbend.train import TrainConfig, train
 
 OURS = ("pre_attn", "d1", "d2", "d3")
-SEED = ("same_layer", "d1")
+SEED = ("same_layer", "d1", "d2", "d3")
 ORDER = {"pre_attn": 0, "d1": 1, "d2": 2, "d3": 3, "same_layer": 4}
 
 

@@ -14,7 +14,10 @@ the fixed work below:
   inf, an uncapped link (transfers completing at the instant they start) and a preloaded cache;
 - the runtime's `ExpertCache` driven as its compute and I/O threads act (one thread, loads
   finishing at once or one layer late), with a counter reset half way.
-Every counter, second and token count must stay equal (floats compared exactly). Rewrite the
+Intended changes since: the horizon's rows (`horizon/...`) charge a cross-token forecast's
+next-forward prefetches to `forecast_s` (0 here) instead of `predict_s` per list (seconds
+only; every byte and count unchanged). Every counter, second and token count must stay equal
+(floats compared exactly). Rewrite the
 file only for an intended change of the model, and say which: `python tests/test_cache_model.py
 > tests/data/cache_model_known.json` writes the current observations.
 """
@@ -39,7 +42,7 @@ from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
-from tensorbend.simulate.runs import make_resident_set
+from tensorbend.cache.config import make_resident_set
 
 KNOWN = Path(__file__).parent / "data" / "cache_model_known.json"
 ROW_KEYS = ("decode_tok_s", "prefill_tok_s", "stall_s_per_token", "bytes_read_per_token")

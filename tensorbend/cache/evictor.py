@@ -50,7 +50,7 @@ from typing import ClassVar
 import numpy as np
 
 from tensorbend.cache.admission import AdmitAll, AdmitFrequent
-from tensorbend.cache.policies import LFRU, Key, Ranking
+from tensorbend.cache.policies import LFRU, LRU, Key, Ranking
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError
@@ -220,6 +220,12 @@ class Evictor(LFRU):
     def bind(self, rs: ResidentSet) -> None:
         """Called by the resident set that uses it (ranking `scan`); the evictor needs nothing."""
 
+    def incoming(self, key: Key) -> None:
+        """The key the resident set is placing (before it asks `choose`): a demand miss or a
+        prefetch. A replay places each miss right after its use; a runtime claims a layer's
+        experts first and places them later, from its I/O threads."""
+        self.last_key = key
+
     def new_request(self) -> None:
         self.features.new_request()
 
@@ -245,6 +251,24 @@ class Evictor(LFRU):
 
     def next_use(self, key: Key, now: int) -> None:
         return None
+
+
+def learned_eviction(path, num_layers: int, num_experts: int, capacity: int,
+                     guard_window: int = 48) -> LRU:  # fmt: skip
+    """`--policy evictor`: the trained model at `path` under its shadow guard (guard_window
+    forwards per window; 0: the learner alone). Refuses a model of another geometry."""
+    model = EvictorModel.load(str(path))
+    prior = np.asarray(model.meta["prior_K"])
+    if model.num_layers != num_layers or prior.shape != (num_layers * num_experts,):
+        raise CheckpointError(
+            f"{path}: an evictor for {model.num_layers} MoE layers x "
+            f"{prior.size // max(1, model.num_layers)} experts, found a model of {num_layers} x "
+            f"{num_experts}: train one on this model's trace (tensorbend train --predictor evictor)"
+        )
+    learner = Evictor(num_layers, num_experts, model, prior_K=prior)
+    if guard_window == 0:
+        return learner
+    return ShadowGuard(learner, capacity, num_layers, window=guard_window)
 
 
 class AdmitByPolicy(AdmitAll):
@@ -285,6 +309,9 @@ class ShadowGuard(LFRU):
 
     def bind(self, rs: ResidentSet) -> None:
         self.rs = rs
+
+    def incoming(self, key: Key) -> None:
+        self.learner.incoming(key)
 
     def new_request(self) -> None:
         self.learner.new_request()

@@ -112,7 +112,7 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
     learner = policy.learner if isinstance(policy, ShadowGuard) else policy
     if isinstance(learner, Evictor) and label:
         learner.log = []
-    requester = policy.new_request if isinstance(policy, (Evictor, ShadowGuard)) else None
+    requester = rs.new_request
     steps = req.steps_by_key()
     nxt_K = np.full(L * E, INF)  # next use after the latest use of each key (INF: never)
     pos = {k: 0 for k in steps}
@@ -124,7 +124,7 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
     ids_F = [[np.flatnonzero(req.used_FLE[f, m]).tolist() for m in range(L)]
              for f in range(len(req.phases))]  # fmt: skip
     for f, phase in enumerate(req.phases):
-        if f in starts and requester is not None:
+        if f in starts:
             requester()
         is_decode = phase == "decode"
         for m in range(L):

@@ -71,6 +71,9 @@ class LRU:
     def hint(self, key: Key, when: int) -> None:
         """A prediction: key will be used at step `when`."""
 
+    def new_request(self) -> None:
+        """A new request (prompt) begins: request-level state resets (cache/evictor.py)."""
+
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (0, -recency)
 

@@ -30,6 +30,8 @@ ran, from the row's own fields, never from a field of an empty predictor:
   horizon, horizon(evict only)             the cross-token forecast (with / without prefetches
                                            of the next forward's first layers)
   horizon+d1:tensorbend                    both
+  evictor, evictor(unguarded)              the learned eviction (cache/evictor.py), with or
+                                           without its shadow guard
   oracle@h=2, oracle@h=2/beyond=lfru       the bounded-foresight oracle (its rule past its sight)
   ... [0 prefetches loaded]                a predictor ran whose prefetches were all dropped
 The comparison, per cache fraction: the best no-prediction cache (every bounded policy that
@@ -48,7 +50,7 @@ from tensorbend.cache.config import POLICIES
 ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
             "admission", "foresight", "oracle_beyond", "cache_frac", "decode_tok_s",
             "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
-            "wasted_prefetch_bytes", "counters")  # fmt: skip
+            "wasted_prefetch_bytes", "counters", "evictor", "guard_window")  # fmt: skip
 """Keys every result row carries, from the runtime (`run --json`) and the simulator alike."""
 
 HIGHER_IS_BETTER = ("decode_tok_s", "prefill_tok_s")
@@ -59,7 +61,7 @@ def uses_prediction(row: dict) -> bool:
     spec = POLICIES[row["policy"]]
     if not spec.uses_prediction:
         return False
-    return spec.recorded_routing or _within(row) or bool(row.get("horizon"))
+    return spec.recorded_routing or spec.learned or _within(row) or bool(row.get("horizon"))
 
 
 def is_no_prediction_cache(row: dict) -> bool:
@@ -77,6 +79,8 @@ def run_label(row: dict) -> str:
         beyond = row.get("oracle_beyond")
         if beyond not in (None, "lru") and h is not None:
             name += f"/beyond={beyond}"
+    elif spec.learned:
+        name = policy if row.get("guard_window", 1) else f"{policy}(unguarded)"
     elif spec.uses_prediction:
         parts = []
         if row.get("horizon"):

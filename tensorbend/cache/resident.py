@@ -60,7 +60,8 @@ class ResidentSet:
         assert capacity >= 0 and num_layers >= 1 and pool in ("global", "per_layer"), pool
         self.capacity, self.L, self.pool = capacity, num_layers, pool
         self.policy = policy
-        if policy.ranking == "scan":  # a learned policy (cache/evictor.py) sees its cache
+        self._scan = policy.ranking == "scan"
+        if self._scan:  # a learned policy (cache/evictor.py) sees its cache
             policy.bind(self)
         self.admission = admission or AdmitAll()
         self.evictions = 0
@@ -108,6 +109,11 @@ class ResidentSet:
         """A prediction that key is used at step `when` (passed to the policy)."""
         self.policy.hint(key, when)
 
+    def new_request(self) -> None:
+        """A new request (prompt) begins (passed to the policy: a learned policy's request
+        features reset)."""
+        self.policy.new_request()
+
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast (passed to the policy: `policies.Reuse.set_forecast`)."""
         self.policy.set_forecast(forward, ahead_LE, after_first_LE)
@@ -127,6 +133,8 @@ class ResidentSet:
         if self.pool_capacity(self.pool_of(key)) == 0:
             self._missed.pop(key, None)
             return Placement("refused")
+        if self._scan:  # it scores the key being placed beside the candidates (its bypass)
+            self.policy.incoming(key)
         victim = self.victim(key, now, evictable)
         if victim is None:
             return Placement("blocked")

@@ -6,15 +6,15 @@ Usage:
 The eviction rule comes from the policy table (`cache.config.POLICIES`): lru and on_demand LRU
 (on_demand keeps nothing: a resident set of capacity 0, every miss read into a staging slot),
 lfu LFU, lfru LFRU, prefetch Predicted (the predictor's hints; Reuse with a horizon), oracle
-NextUse over the recorded routing within its foresight (its --oracle-beyond rule past it).
-Pool and admission apply to every policy that keeps experts.
+NextUse over the recorded routing within its foresight (its --oracle-beyond rule past it),
+evictor the learned eviction (cache/evictor.py) under its shadow guard.
+Pool and admission apply to every policy that keeps experts (`cache.config.make_resident_set`,
+which the simulator builds its caches with too).
 """
 
 from __future__ import annotations
 
-from tensorbend.cache.admission import make_admission
-from tensorbend.cache.config import POLICIES, PolicyConfig, make_eviction
-from tensorbend.cache.victim_heap import IndexedResidentSet
+from tensorbend.cache.config import POLICIES, PolicyConfig, make_resident_set
 from tensorbend.models import RoutingSpec
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.offload.store import ExpertLayout
@@ -34,8 +34,8 @@ def build_cache(
     L, policy = spec.num_moe_layers, POLICIES[pc.policy]
     slots = pc.slots(spec, layout.nbytes) if policy.keeps_experts else 0
     steps = predictor.steps_by_key if policy.recorded_routing else None
-    evict = make_eviction(pc.policy, L, steps, pc.foresight, horizon is not None, pc.oracle_beyond)
-    admission = make_admission(pc.admission, L, pc.admission_window)
-    rs = IndexedResidentSet(slots, L, evict, pool=pc.pool, admission=admission)
+    rs = make_resident_set(pc.policy, slots, L, pc.pool, pc.admission, pc.admission_window, steps,
+                           pc.foresight, horizon is not None, pc.oracle_beyond,
+                           pc.learned(spec.num_experts))  # fmt: skip
     cfg = CacheConfig(scratch=spec.top_k, device=device)
     return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.nbytes)

@@ -135,6 +135,11 @@ class ExpertCache:
         with self._cond:
             self.resident.hint(key, when)
 
+    def new_request(self) -> None:
+        """A new request (prompt) begins: the policy's request-level state resets."""
+        with self._cond:
+            self.resident.new_request()
+
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast for the policy (policies.Reuse.set_forecast)."""
         with self._cond:

@@ -180,6 +180,7 @@ class OffloadHandle:
         if not filled:
             self.history.begin_prompt()
             self.history.batch = ids.shape[0] if ids is not None else 1
+            self.cache.new_request()
         self.clock.begin_forward()
         self.history.begin_forward()
         mask = kwargs.get("attention_mask")

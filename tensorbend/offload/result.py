@@ -42,7 +42,9 @@ class RunResult:
     the runtime: Prefetcher, predictor, queueing and hints; null for the resident row);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
-    (token, expert) pairs, seconds in the expert math]; null for resident);
+    (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy
+    evictor: the learned eviction's checkpoint, else null), guard_window (its shadow guard's
+    window in forwards, 0: none; else null).
     oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
     names a row.
     """
@@ -84,6 +86,8 @@ class RunResult:
     oracle_beyond: str | None = None
     predict_calls: int | None = None
     expert_compute: list | None = None
+    evictor: str | None = None
+    guard_window: int | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -245,6 +245,8 @@ class OffloadSession:
             prefill=phase_numbers(gen.stats["prefill"], gen.tokens["prefill"]),
             counters=dict(vars(total)),
             batch=self.cfg.batch,
+            evictor=pc.evictor,
+            guard_window=pc.guard_window if POLICIES[pc.policy].learned else None,
         )
 
 

@@ -4,9 +4,9 @@ Usage:
     row = run_one(cfg, "lru", None, 0.25, fwds, demand, rows, mapping, costs, hw, geo)
     row["decode_tok_s"], row["stall_s_per_token"]     # the keys of `run --json`
 
-`make_resident_set` builds the policy table's eviction rule (cache/config.py) in a resident
-set with the asked pool and admission (`cache.victim_heap.IndexedResidentSet`: the runtime's
-victims, found through an index). Cache size: `cache_frac` of each layer's (trace) experts,
+`cache.config.make_resident_set` builds the policy table's eviction rule in a resident set
+with the asked pool and admission, as the runtime does (`cache.victim_heap.IndexedResidentSet`:
+the runtime's victims, found through an index). Cache size: `cache_frac` of each layer's (trace) experts,
 at least top-k slots; its bytes are reported for the geometry's own experts. Rows carry
 `cache.report.ROW_KEYS`.
 """
@@ -15,39 +15,15 @@ from __future__ import annotations
 
 import math
 
-from tensorbend.cache.admission import make_admission
-from tensorbend.cache.config import POLICIES, make_eviction
+from tensorbend.cache.config import POLICIES, Learned, make_resident_set
 from tensorbend.cache.report import compare, run_label
-from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.transfers import Link
-from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, IOThreads, Times
 from tensorbend.simulate.geometry import Geometry
 from tensorbend.simulate.predictions import Ranked
-
-
-def make_resident_set(
-    policy: str,
-    capacity: int,
-    num_layers: int,
-    pool: str = "global",
-    admission: str = "all",
-    admission_window: int = 8,
-    steps=None,
-    foresight: int | None = None,
-    horizon: bool = False,
-    beyond: str = "lru",
-) -> ResidentSet:
-    """The runtime's cache of each policy name (as `offload.build.build_cache` makes it): the
-    table's eviction rule (the oracle's over the run's routing `steps` within `foresight`,
-    `beyond` past it), capacity 0 for a policy that keeps nothing; pool and admission."""
-    ev = make_eviction(policy, num_layers, steps, foresight, horizon, beyond)
-    cap = capacity if POLICIES[policy].keeps_experts else 0
-    adm = make_admission(admission, num_layers, admission_window)
-    return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=adm)
 
 
 def run_one(
@@ -68,8 +44,11 @@ def run_one(
         plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
+    learned = None
+    if POLICIES[policy].learned:
+        learned = Learned(str(cfg.evictor), mapping.trace_experts, cfg.guard_window)
     rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, forecasts is not None, beyond)  # fmt: skip
+                           steps, cfg.foresight, forecasts is not None, beyond, learned)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
@@ -83,6 +62,8 @@ def run_one(
     row["horizon"] = str(cfg.horizon) if forecasts is not None else None
     row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
+    row["evictor"] = str(cfg.evictor) if POLICIES[policy].learned else None
+    row["guard_window"] = cfg.guard_window if POLICIES[policy].learned else None
     return row
 
 

@@ -114,6 +114,10 @@ class SimulateConfig:
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = _RUN.prefetch_backlog
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
+    evictor: Path | None = None
+    """--policy evictor: the trained eviction model (tensorbend train --predictor evictor)."""
+    guard_window: int = _RUN.guard_window
+    """--policy evictor: forwards per window of its LFRU shadow guard (0: no guard)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
@@ -176,6 +180,16 @@ class SimulateConfig:
             )
         if self.calibration is not None:
             Calibration.load(self.calibration)  # a bad file fails before the trace is read
+        if "evictor" in self.policies or self.evictor is not None:
+            PolicyConfig("evictor" if "evictor" in self.policies else "lru",
+                         evictor=None if self.evictor is None else str(self.evictor),
+                         pool=self.pool, admission=self.admission,
+                         guard_window=self.guard_window)  # fmt: skip
+            if self.evictor is not None and not Path(self.evictor).is_file():
+                raise TensorbendError(
+                    f"--evictor {self.evictor}: expected a checkpoint file, found none; train "
+                    "one with `tensorbend train --predictor evictor`"
+                )
         get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
