@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from test_import import csv_rows, planted_routing
 
+from tensorbend.cache.config import make_resident_set
 from tensorbend.cache.replay import planted_trace
 from tensorbend.cache.transfers import Link
 from tensorbend.engines import ImportConfig, import_trace
@@ -42,7 +43,6 @@ from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
-from tensorbend.cache.config import make_resident_set
 
 KNOWN = Path(__file__).parent / "data" / "cache_model_known.json"
 ROW_KEYS = ("decode_tok_s", "prefill_tok_s", "stall_s_per_token", "bytes_read_per_token")

@@ -224,6 +224,7 @@ def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path
     with pytest.raises(TensorbendError, match="expected 'all' or names from spec_gate"):
         EvalConfig(trace=planted / "t", baselines=("nope",))
     with pytest.raises(
-        PredictorConfigError, match="'spec_gate': expected one of tensorbend, horizon, seed_mlp"
+        PredictorConfigError,
+        match="'spec_gate': expected one of tensorbend, horizon, evictor, seed_mlp",
     ):
         TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")

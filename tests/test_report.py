@@ -26,7 +26,11 @@ def _row(policy, tok_s=10.0, bytes_=100.0, **kw):
 
 def test_the_policy_table_declares_what_drivers_used_to_test_by_name():
     assert no_prediction() == ("lru", "lfu", "lfru")
-    assert [n for n, p in POLICIES.items() if p.uses_prediction] == ["prefetch", "oracle", "evictor"]
+    assert [n for n, p in POLICIES.items() if p.uses_prediction] == [
+        "prefetch",
+        "oracle",
+        "evictor",
+    ]
     assert [n for n, p in POLICIES.items() if p.learned] == ["evictor"]
     assert [n for n, p in POLICIES.items() if not p.keeps_experts] == ["on_demand"]
     assert [n for n, p in POLICIES.items() if not p.bounded] == ["resident"]

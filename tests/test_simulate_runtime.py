@@ -23,13 +23,12 @@ import pytest
 import torch
 from test_offload_runtime import _session
 
-from tensorbend.cache.config import PolicyConfig
+from tensorbend.cache.config import PolicyConfig, make_resident_set
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.transfers import Link
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 from tensorbend.simulate.plan import steps_by_key
-from tensorbend.cache.config import make_resident_set
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +175,8 @@ def random_evictor(path, L: int, E: int, seed: int = 0):
     X, H = len(feature_names(GROUPS, L)), 8
     prior = np.log(rng.dirichlet(np.ones(L * E)) + 1e-9)
     EvictorModel(GROUPS, L, np.zeros(X), np.ones(X), rng.normal(size=X), rng.normal(size=(X, H)),
-                 rng.normal(size=H), rng.normal(size=H), meta={"prior_K": prior}).save(str(path))  # fmt: skip
+                 rng.normal(size=H), rng.normal(size=H),
+                 meta={"prior_K": prior, "seen_prompts": ""}).save(str(path))  # fmt: skip
     return path
 
 
@@ -187,7 +187,7 @@ def test_learned_eviction_same_victims_in_both_drivers(recorded, tmp_path, guard
     from tensorbend.cache.config import Learned
 
     sess, ids = recorded
-    L, E, K = sess.spec.num_moe_layers, sess.spec.num_experts, sess.spec.top_k
+    L, E = sess.spec.num_moe_layers, sess.spec.num_experts
     ck = str(random_evictor(tmp_path / "e.safetensors", L, E))
     work, slots = work_of(ids), round(0.5 * L * E)
     scratch = L * E  # bypassed prefill misses never wait for a staging slot (the helper can't)

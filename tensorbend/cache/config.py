@@ -43,9 +43,7 @@ from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
 
-PolicyName = Literal[
-    "resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle", "evictor"
-]
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle", "evictor"]
 BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
 """What the bounded oracle ranks by beyond its sight: a rule that reads no prediction."""
 

@@ -253,11 +253,8 @@ class Evictor(LFRU):
         return None
 
 
-def learned_eviction(path, num_layers: int, num_experts: int, capacity: int,
-                     guard_window: int = 48) -> LRU:  # fmt: skip
-    """`--policy evictor`: the trained model at `path` under its shadow guard (guard_window
-    forwards per window; 0: the learner alone). Refuses a model of another geometry."""
-    model = EvictorModel.load(str(path))
+def check_geometry(model: EvictorModel, path, num_layers: int, num_experts: int) -> None:
+    """Refuse an evictor trained for another number of MoE layers or experts."""
     prior = np.asarray(model.meta["prior_K"])
     if model.num_layers != num_layers or prior.shape != (num_layers * num_experts,):
         raise CheckpointError(
@@ -265,6 +262,15 @@ def learned_eviction(path, num_layers: int, num_experts: int, capacity: int,
             f"{prior.size // max(1, model.num_layers)} experts, found a model of {num_layers} x "
             f"{num_experts}: train one on this model's trace (tensorbend train --predictor evictor)"
         )
+
+
+def learned_eviction(path, num_layers: int, num_experts: int, capacity: int,
+                     guard_window: int = 48) -> LRU:  # fmt: skip
+    """`--policy evictor`: the trained model at `path` under its shadow guard (guard_window
+    forwards per window; 0: the learner alone). Refuses a model of another geometry."""
+    model = EvictorModel.load(str(path))
+    check_geometry(model, path, num_layers, num_experts)
+    prior = np.asarray(model.meta["prior_K"])
     learner = Evictor(num_layers, num_experts, model, prior_K=prior)
     if guard_window == 0:
         return learner

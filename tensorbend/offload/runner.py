@@ -99,7 +99,7 @@ def run(cfg: RunConfig) -> RunResult:
             f"expected at least one; pick another --split"
         )
     cfg.session.check_prompts(prompts)
-    for path in () if cfg.allow_seen_split else (cfg.predictor, cfg.horizon):
+    for path in () if cfg.allow_seen_split else (cfg.predictor, cfg.horizon, cfg.offload.evictor):
         if path is not None:
             check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)

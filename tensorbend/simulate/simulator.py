@@ -223,6 +223,13 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     tr = Trace.open(cfg.trace)
     _check_held_out(cfg, tr)
     hw, cal, geo, mapping, costs = _setup(cfg, tr)
+    if "evictor" in cfg.policies and mapping.geometry_layers != mapping.trace_layers:
+        raise TensorbendError(
+            f"--policy evictor on --geometry {cfg.geometry}: its features are per MoE layer of "
+            f"the trace ({mapping.trace_layers}), found a geometry of {mapping.geometry_layers} "
+            "MoE layers; use --geometry from-trace (with --calibration) or a geometry of as many "
+            "MoE layers"
+        )
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
     demand = plan.demand_lists(rows, fwds)
@@ -364,8 +371,7 @@ def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
     if cfg.allow_seen_split:
         return
     paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
-    if cfg.horizon is not None:
-        paths.append(cfg.horizon)
+    paths += [p for p in (cfg.horizon, cfg.evictor) if p is not None]
     ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
     for path in paths:  # the first max_prompts in row (= manifest) order are replayed
         check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])
