@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_import import csv_rows, planted_routing
 
-from tensorbend.engines import ImportConfig, import_trace
-from tensorbend.engines.csv import write_csv
 from tensorbend.errors import TensorbendError, TraceError
+from tensorbend.importers import ImportConfig, import_trace
+from tensorbend.importers.csv import write_csv
 from tensorbend.simulate import (
     GEOMETRY_NAMES,
     HARDWARE_NAMES,
