@@ -1,5 +1,5 @@
-"""Inference engines: the engine-neutral prefetch API (`engines.prefetcher.Prefetcher`).
+"""Inference engines: the documented path of the engine-neutral prefetch API.
 
-The API itself lives in `tensorbend.prefetch`; this package keeps its documented import path.
-Importing an engine's recorded routing as a trace is `tensorbend.importers`.
+`tensorbend.engines.prefetcher` re-exports `tensorbend.prefetch` (where `Prefetcher` lives);
+importing an engine's recorded routing as a trace is `tensorbend.importers`.
 """
