@@ -1,7 +1,7 @@
 """The prediction stack's cost next to the model, through the engine-neutral prefetch API.
 
 Usage:
-    python bench/predictor_cost.py --model zoo:default --predictor OURS_D1.safetensors \\
+    python -m bench.predictor_cost --model zoo:default --predictor OURS_D1.safetensors \\
         --horizon HORIZON.safetensors [--threads 1] [--json OUT]
 
 Side by side in one run, interleaved per decode step, all on `--threads` threads: (a) one
@@ -21,11 +21,11 @@ import sys
 import time
 
 import torch
-from report import emit
 
 from tensorbend.hf import cache_kwarg, cache_of, load_model
 from tensorbend.predictors import load_predictor
 from tensorbend.prefetch import Prefetcher
+from tensorbend.results import emit
 
 
 def main(argv=None) -> int:
