@@ -253,7 +253,7 @@ def _plot_foresight(links: list[dict], report: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for i, entry in enumerate(links):
-        oracles = [r for r in entry["runs"] if r["policy"] == "oracle"]
+        oracles = [r for r in entry["runs"] if POLICIES[r["policy"]].recorded_routing]
         hs = sorted(
             {r["foresight"] for r in oracles}, key=lambda h: float("inf") if h is None else h
         )

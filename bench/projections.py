@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
-from tensorbend.cache.config import no_prediction
+from tensorbend.cache.config import POLICIES, no_prediction
 from tensorbend.cache.report import compare, run_label, vs_best_cache
 from tensorbend.results import bench_args, command, emit
 from tensorbend.results.projections_page import markdown
@@ -106,7 +106,7 @@ def _previous(a, hardware: str, geometry: str) -> dict | None:
         if r["predictor"] and r["predictor"].endswith("+horizon"):  # before labels said what ran
             r["predictor"] = r["predictor"].removesuffix("+horizon")
         r.setdefault("token_ahead_layers", 1 if r.get("horizon") else None)
-        r.setdefault("oracle_beyond", "lru" if r["policy"] == "oracle" else None)
+        r.setdefault("oracle_beyond", "lru" if POLICIES[r["policy"]].recorded_routing else None)
         r["label"] = run_label(r)
     return pair
 
@@ -117,9 +117,9 @@ def _names(text: str) -> list[str]:
 
 def _full(rows: list[dict]) -> str:
     """The fastest full-foresight oracle's label."""
-    return max((r for r in rows if r["policy"] == "oracle"), key=lambda r: r["decode_tok_s"])[
-        "label"
-    ]
+    return max(
+        (r for r in rows if POLICIES[r["policy"]].recorded_routing), key=lambda r: r["decode_tok_s"]
+    )["label"]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -115,9 +115,10 @@ def _run_child(a, mode: str, trace: Path, ckpt: Path) -> float:
 def _child(a) -> int:
     import torch
 
-    from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
+    from tensorbend.evaluate import EvalConfig, evaluate
     from tensorbend.predictors.checkpoint import load_predictor
     from tensorbend.rows import RowSelection, select_rows
+    from tensorbend.scoring import score_predictor
     from tensorbend.trace import Trace
     from tensorbend.train import TrainConfig, train
 

@@ -43,8 +43,8 @@ runs at the last MoE layer's router: it updates the request's history, publishes
 (the expected step of every (layer, expert)'s next use, for a `policies.Reuse` cache) and
 names the next forward's first `token_ahead_layers` layers' likeliest experts (`hint=False`:
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
-Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor with
-`ahead(now)` (the runtime's oracle) is asked at its source points instead.
+Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
+`recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
 """
 
 from __future__ import annotations
@@ -137,8 +137,10 @@ class Prefetcher:
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)
-        self.la: Lookahead | None = getattr(predictor, "lookahead", None)
-        self.ahead = getattr(predictor, "ahead", None)
+        self.la: Lookahead | None = None if predictor is None else predictor.lookahead
+        self.ahead = (
+            predictor.ahead if predictor is not None and predictor.recorded_routing else None
+        )
         self._own_clock = clock is None
         self.clock = clock or StepClock(spec.num_moe_layers)
         self.history = history or RoutingHistory(spec.num_moe_layers)

@@ -40,7 +40,6 @@ import torch
 
 from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError
-from tensorbend.evaluate import score_predictor
 from tensorbend.predictors.base import (
     LookaheadName,
     PredictorConfigError,
@@ -57,6 +56,7 @@ from tensorbend.predictors.registry import (
     get_kind,
 )
 from tensorbend.rows import RowSelection, keep_mask, load_selected
+from tensorbend.scoring import score_predictor
 from tensorbend.trace import Trace
 
 

@@ -250,7 +250,7 @@ def test_the_prefetcher_predicts_nothing_before_a_forward_from_its_future(reques
     import numpy as np
 
     from tensorbend.foresight import forecasts
-    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.registry import build_baseline
     from tensorbend.prefetch import Prefetcher
     from tensorbend.rows import forwards
 
@@ -296,7 +296,7 @@ def test_the_runtime_predicts_nothing_before_a_forward_from_its_future(monkeypat
     from tensorbend.models import describe_model
     from tensorbend.offload import hooks as hooks_mod
     from tensorbend.offload.session import OffloadSession, SessionConfig
-    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.registry import build_baseline
     from tensorbend.prompts import Prompt
     from tensorbend.routers import router_params
 

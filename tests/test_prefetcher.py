@@ -11,8 +11,8 @@ from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload import hooks as hooks_mod
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.predictors.baselines import build_baseline
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
+from tensorbend.predictors.registry import build_baseline
 from tensorbend.prefetch import Prediction, Prefetcher
 from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params

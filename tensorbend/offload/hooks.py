@@ -32,6 +32,9 @@ class NoPredictor:
     """Predicts nothing (scores -inf): `prefetch` with it isolates the `Predicted` eviction."""
 
     kind = "none"
+    needs_truth = False
+    recorded_routing = False
+    checkpoint = None
 
     def __init__(self, num_experts: int, lookahead: Lookahead):
         self.num_experts, self.lookahead = num_experts, lookahead

@@ -8,6 +8,7 @@ Usage:
 
 from __future__ import annotations
 
+from tensorbend.cache.config import POLICIES
 from tensorbend.cache.report import compare, format_ratio, run_label
 
 
@@ -34,7 +35,7 @@ def markdown(report: dict) -> str:
         + "Timing needs a quiet machine; bytes and hit rates are the steadier columns.",
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
-    if any(r["policy"] == "oracle" and r["foresight"] is not None and "oracle_beyond" not in r
+    if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
            for r in runs):  # fmt: skip
         lines += ["", "The bounded oracles (`oracle@h`) of this JSON predate `--oracle-beyond`: "
                   "past their sight they rank by recency in one global pool, so they are no "
