@@ -55,28 +55,28 @@ bench-traces: setup
 
 bench-accuracy: bench-traces
 	for m in default qwen; do \
-		$(PY) bench/foresight_eval.py --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m \
+		$(PY) -m bench.foresight_eval --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m \
 			--json docs/foresight_$$m.json --doc docs/foresight_$$m.md > /dev/null; \
 	done
-	$(PY) bench/projections.py --trace $(BENCH)/default/trace \
+	$(PY) -m bench.projections --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/projections.json --doc docs/projections.md > /dev/null
-	$(PY) bench/zoo_card.py $(BENCH)/default/trace $(BENCH)/qwen/trace \
+	$(PY) -m bench.zoo_card $(BENCH)/default/trace $(BENCH)/qwen/trace \
 		--json docs/zoo_card.json --doc docs/zoo_card.md > /dev/null
-	$(PY) bench/train_memory.py --trace $(BENCH)/default/trace \
+	$(PY) -m bench.train_memory --trace $(BENCH)/default/trace \
 		--json docs/bench/train_memory.json --doc docs/bench/train_memory.md > /dev/null
 
 bench-timing: bench-traces
 	for m in default qwen; do \
 		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
-		$(PY) bench/offload_sweep.py --model $$model --trace $(BENCH)/$$m/trace \
+		$(PY) -m bench.offload_sweep --model $$model --trace $(BENCH)/$$m/trace \
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
 			--baselines spec_gate,transition,random --max-prompts 6 --max-new-tokens 48 \
 			--out docs/bench/offload_$$m --doc docs/offload_$$m.md > /dev/null; \
 	done
-	$(PY) bench/offload_sweep.py --model zoo:default --trace $(BENCH)/default/trace \
+	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--baselines spec_gate,transition,random --max-prompts 8 --max-new-tokens 48 --batch 4 \
@@ -87,27 +87,27 @@ bench-timing: bench-traces
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--train-trace $(BENCH)/default/trace --json docs/simulate_validation.json \
 		--doc docs/simulate_validation.md > /dev/null
-	cd bench && ../$(PY) predictor_cost.py --predictor ../$(BENCH)/default/ours_d1.safetensors \
-		--horizon ../$(BENCH)/default/horizon_routing_hidden.safetensors \
-		--json ../docs/bench/predictor_cost.json > /dev/null
-	cd bench && ../$(PY) capture_overhead.py --json ../docs/bench/capture_overhead.json > /dev/null
-	cd bench && ../$(PY) trace_io.py --json ../docs/bench/trace_io.json > /dev/null
+	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--json docs/bench/predictor_cost.json > /dev/null
+	$(PY) -m bench.capture_overhead --json docs/bench/capture_overhead.json > /dev/null
+	$(PY) -m bench.trace_io --json docs/bench/trace_io.json > /dev/null
 
 # The headline end-to-end comparison: 25% cache, every no-prediction cache and ours (fixed
 # configurations), 3 interleaved repeats, both links (run alone on the machine).
 bench-headline: bench-traces
 	for m in default qwen; do \
 		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
-		$(PY) bench/offload_sweep.py --model $$model --trace $(BENCH)/$$m/trace \
+		$(PY) -m bench.offload_sweep --model $$model --trace $(BENCH)/$$m/trace \
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors --baselines "" \
 			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 			--out docs/bench/headline_$$m --doc docs/headline_$$m.md > /dev/null; \
 	done
 
-# A 3.5 GB checkpoint served under a 1 GB budget (bench/serve_memory.py; run alone).
+# A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 bench-serve: bench-traces
-	$(PY) bench/serve_memory.py --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
 		--max-new-tokens 24 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/bench/serve_memory.json --doc docs/serve_memory.md > /dev/null

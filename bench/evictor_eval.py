@@ -3,7 +3,7 @@ no-prediction cache, the horizon's `reuse`, and full Belady, with ablations (a d
 demand replay: experts read per decode token, no timing).
 
 Usage:
-    python bench/evictor_eval.py --trace runs/bench/default/trace \\
+    python -m bench.evictor_eval --trace runs/bench/default/trace \\
         --foresight-json docs/foresight_default.json \\
         --json docs/evictor_default.json --doc docs/evictor_default.md
 
@@ -34,6 +34,7 @@ from tensorbend.cache.imitation import (
     replay,
     summarize,
 )
+from tensorbend.results import command
 
 
 def main(argv=None) -> int:
@@ -41,8 +42,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     train, val, test = (load_requests(a.trace, s) for s in ("train", "val", "test"))
     train, test = train.subset(a.train_requests), test.subset(a.test_requests)
-    out = {"trace": a.trace, "split": "test", "command": "python bench/evictor_eval.py "
-           + " ".join(sys.argv[1:] if argv is None else argv), "train_requests": len(train.starts),
+    out = {"trace": a.trace, "split": "test", "command": command("evictor_eval", argv), "train_requests": len(train.starts),
            "test_requests": len(test.starts), "rounds": a.rounds,
            "ablation_rounds": a.ablation_rounds, "guard_window": a.guard_window, "fits": {},
            "results": []}  # fmt: skip

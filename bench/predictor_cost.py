@@ -1,12 +1,12 @@
 """The prediction stack's cost next to the model, through the engine-neutral prefetch API.
 
 Usage:
-    python bench/predictor_cost.py --model zoo:default --predictor OURS_D1.safetensors \\
+    python -m bench.predictor_cost --model zoo:default --predictor OURS_D1.safetensors \\
         --horizon HORIZON.safetensors [--threads 1] [--json OUT]
 
 Side by side in one run, interleaved per decode step, all on `--threads` threads: (a) one
 batch-1 decode forward of the resident model with a KV cache; (b) one token's calls to
-`engines.prefetcher.Prefetcher.observe` (after every MoE layer's router, with that layer's
+`prefetch.Prefetcher.observe` (after every MoE layer's router, with that layer's
 router input and ids), for the within-token predictor alone, the horizon alone, and both:
 exactly what the runtime and an engine call per token. Reports medians and each one's ratio
 to (a); issue target for the whole stack: <= 2%. Inputs are random (cost does not depend on
@@ -21,11 +21,11 @@ import sys
 import time
 
 import torch
-from report import emit
 
-from tensorbend.engines.prefetcher import Prefetcher
 from tensorbend.hf import cache_kwarg, cache_of, load_model
 from tensorbend.predictors import load_predictor
+from tensorbend.prefetch import Prefetcher
+from tensorbend.results import emit
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """Headline predictor table for one model: collect (if needed) -> train -> eval on held-out prompts.
 
 Usage:
-    python bench/predictor_eval.py --model zoo:default --out runs/eval_default \
+    python -m bench.predictor_eval --model zoo:default --out runs/eval_default \
         --doc docs/results_default.md [--timing-rows 0]
 
 Steps (each skipped when its output exists, so the script resumes):
@@ -104,7 +104,7 @@ def _collect(args, trace: Path) -> None:
 
 
 def _command(args) -> str:
-    cmd = f"python bench/predictor_eval.py --model {args.model} --out {args.out}"
+    cmd = f"python -m bench.predictor_eval --model {args.model} --out {args.out}"
     cmd += f" --doc {args.doc}" if args.doc else ""
     cmd += f" --seed-rows {args.seed_rows}" if args.seed_rows != 10000 else ""
     cmd += f" --seed-epochs {args.seed_epochs}" if args.seed_epochs else ""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.replay_speed import SpeedConfig, markdown, measure
+from tensorbend.results import command
 
 
 def main(argv=None) -> int:
@@ -33,8 +33,7 @@ def main(argv=None) -> int:
         before_prompts=a.before_prompts,
         policies=tuple(a.policies.split(",")),
     )
-    command = " ".join(["python -m bench.replay_speed", *(sys.argv[1:] if argv is None else argv)])
-    result = measure(cfg, command)
+    result = measure(cfg, command("replay_speed", argv))
     text = json.dumps(result, indent=2)
     if a.json:
         atomic_write_text(Path(a.json), text + "\n")

@@ -1,7 +1,7 @@
 """The seed's claims re-tested with held-out numbers; writes JSON and docs/seed_study.md.
 
 Usage:
-    python bench/seed_study.py --trace runs/eval_default/trace [--out runs/study] \
+    python -m bench.seed_study --trace runs/eval_default/trace [--out runs/study] \
         [--doc docs/seed_study.md] [--max-rows 10000] [--quick]
 
 Every run trains the seed's MLP with the seed's recipe (BCE weighted 3.0 on picked experts and
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
 
 def _command(args) -> str:
-    cmd = f"python bench/seed_study.py --trace {args.trace} --out {args.out} --doc {args.doc}"
+    cmd = f"python -m bench.seed_study --trace {args.trace} --out {args.out} --doc {args.doc}"
     cmd += f" --max-rows {args.max_rows}" if args.max_rows != 10000 else ""
     return cmd + (" --quick" if args.quick else "")
 

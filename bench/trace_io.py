@@ -1,7 +1,7 @@
 """Trace bytes per token, write throughput, and the cost of making every prompt durable.
 
 Usage:
-    python bench/trace_io.py [--model zoo:default] [--tokens 20000] [--json OUT]
+    python -m bench.trace_io [--model zoo:default] [--tokens 20000] [--json OUT]
 
 Rows have the model's real shapes (L MoE layers, K, E, D) and random contents; the writer is
 the real one: each prompt is written as its own fsynced part shard plus manifest before the
@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-from report import emit
 
+from tensorbend.models import describe_model
+from tensorbend.results import emit
+from tensorbend.timing import build_model, run_once
 from tensorbend.trace import FEATURE_TENSORS
 from tensorbend.trace_writer import TraceWriter
 
@@ -45,11 +47,6 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from capture_overhead import build_model, run_once
-
-    from tensorbend.models import describe_model
-
     model, name = build_model(args.model)
     spec = describe_model(model)
     T = args.prompt_tokens + args.decode_steps

@@ -10,7 +10,7 @@ Usage (public names import lazily from the package; torch loads on first use):
 The data flow: `collect.collect` (model -> trace) -> `train.train` (trace -> predictor) ->
 `evaluate.evaluate` (held-out report); `offload.runner.run` generates with offloaded experts;
 `simulate.simulate` projects a trace onto another model geometry and hardware;
-`engines.importer.import_trace` turns a serving engine's routing dump into a trace.
+`importers.import_trace` turns a serving engine's routing dump into a trace.
 Each takes one config dataclass and returns a result dataclass with `to_json()`; the keys are
 documented in docs/formats.md. (The verb functions are not re-exported here because their
 names are also module names: `tensorbend.collect` must stay the module.)
@@ -49,8 +49,8 @@ _EXPORTS = {
     "PolicyConfig": "tensorbend.cache.config",
     "SimulateConfig": "tensorbend.simulate.simulator",
     "SimulateResult": "tensorbend.simulate.simulator",
-    "ImportConfig": "tensorbend.engines.importer",
-    "import_trace": "tensorbend.engines.importer",
+    "ImportConfig": "tensorbend.importers",
+    "import_trace": "tensorbend.importers",
     "ExpertPredictorSet": "tensorbend.predictors.seed_api",
     "load_offloaded": "tensorbend.serving",
     "ServeConfig": "tensorbend.serving",

@@ -118,7 +118,7 @@ def _cmd_simulate(args) -> int:
 
 
 def _cmd_trace_import(args) -> int:
-    from tensorbend.engines.importer import ImportConfig, import_trace
+    from tensorbend.importers import ImportConfig, import_trace
 
     result = import_trace(config_from_args(ImportConfig, args, progress=not args.quiet))
     print(_format_summary(result.to_json()))
@@ -194,7 +194,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ti = _verb(tsub, "info", _cmd_trace_info, "summary of a trace directory", quiet=False)
     ti.add_argument("trace_dir", help="trace directory (from `collect`)")
     ti.add_argument("--json", action="store_true", help="print JSON (keys in docs/formats.md)")
-    from tensorbend.engines.importer import ImportConfig
+    from tensorbend.importers import ImportConfig
 
     tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")
     add_config_flags(tim, ImportConfig, skip=("progress",), positional=("path",))

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Literal
 
 from tensorbend.errors import TensorbendError
-from tensorbend.metrics import merge_scores, score_predictor
 from tensorbend.predictors.base import (
     HEADLINE_LOOKAHEADS,
     LookaheadName,
@@ -43,6 +42,7 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.checkpoint import check_held_out, is_eviction_model, load_predictor
 from tensorbend.predictors.latency import us_per_token
 from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, build
+from tensorbend.scoring import merge_scores, score_predictor
 from tensorbend.trace import PHASES, Trace
 
 

@@ -110,7 +110,7 @@ def evaluate_foresight(
     epf = lambda n: replays[n]["experts_per_token"]  # noqa: E731
     ours_name = min(ours, key=epf)
     full_name = min((n for n, r in replays.items()
-                     if r["policy"] == "oracle" and r["foresight"] is None), key=epf)  # fmt: skip
+                     if POLICIES[r["policy"]].recorded_routing and r["foresight"] is None), key=epf)  # fmt: skip
     out = {
         **recalls,
         "cache_frac": cache_frac,
@@ -137,7 +137,7 @@ def oracle_at(report: dict, h: int | None) -> str:
     seen used later in the window can evict one the rule would keep (e.g. 5.63 against the
     best cache's 5.55 at h = 1 on tests/planted.py's router_trace at 25% cache)."""
     rp, top = report["replay"], float("inf") if h is None else h
-    at = [n for n, r in rp.items() if r["policy"] == "oracle"
+    at = [n for n, r in rp.items() if POLICIES[r["policy"]].recorded_routing
           and (float("inf") if r["foresight"] is None else r["foresight"]) <= top]  # fmt: skip
     return min(at, key=lambda n: rp[n]["experts_per_token"])
 

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.placement import align_offloaded, placement_kwargs
+from tensorbend.placement import align_offloaded, check_device, placement_kwargs
 from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -148,7 +148,7 @@ def load_model(
     if max_memory is not None and device == "cpu":
         align_offloaded(model, offload_dir)
     elif max_memory is None and device != "cpu":
-        _check_device(device)
+        check_device(device)
         model = model.to(device)
     model.eval()
     return model, tok
@@ -280,11 +280,3 @@ def cache_kwarg(model) -> str:
 
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def _check_device(device: str) -> None:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TensorbendError(
-            f"--device {device}: expected a CUDA device, found none (torch "
-            f"{torch.__version__}, cuda available: False); use --device cpu"
-        )

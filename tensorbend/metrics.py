@@ -9,16 +9,13 @@ Usage:
     (0.75, {'0': 0.75, '1': 1.0}, 0.5)
 
 All metrics are averaged over tokens here; callers average per-layer values over layers.
-`score_predictor` scores a predictor on trace rows per target layer and phase; `merge_scores`
-combines the scores of disjoint row chunks (eval streams a trace shard by shard).
+A predictor scored on trace rows per target layer and phase: scoring.py.
 Shapes: T tokens, E experts, K top-k, L layers, N rows.
 """
 
 from __future__ import annotations
 
 import torch
-
-from tensorbend.trace import PHASES
 
 
 def topk_hits(scores_TE: torch.Tensor, true_ids_TK: torch.Tensor, n: int) -> torch.Tensor:
@@ -90,36 +87,6 @@ def merge_token_means(parts: list[dict]) -> dict:
         p: mean(lambda r, p=p: r["hit_at_k_plus_p"][p]) for p in rows[0]["hit_at_k_plus_p"]
     }
     out["tokens"] = T
-    return out
-
-
-def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:
-    """{phase: {recall_at_k, hit_at_k_plus_p, exact_match, miss_rate, tokens, per_layer}}."""
-    from tensorbend.predictors.base import sources_from_rows  # the predictors import metrics
-
-    la = pred.lookahead
-    L = rows["expert_ids_TLK"].shape[1]
-    if pred.needs_truth:
-        pred.set_truth(rows["expert_ids_TLK"])
-    per_phase = {ph: [] for ph in PHASES}
-    for m in la.targets(L):
-        scores_TE = pred.scores(m, sources_from_rows(rows, la, m))
-        truth_TK = rows["expert_ids_TLK"][:, m].long()
-        for code, ph in enumerate(PHASES):
-            mask_T = rows["phase_T"] == code
-            per_phase[ph].append(
-                {"layer": m, **set_metrics(scores_TE[mask_T], truth_TK[mask_T], overprovision)}
-            )
-    return {ph: {**mean_over_layers(v), "per_layer": v} for ph, v in per_phase.items()}
-
-
-def merge_scores(parts: list[dict]) -> dict:
-    """score_predictor results of disjoint row chunks -> the result over all their rows."""
-    out = {}
-    for ph in PHASES:
-        layers = zip(*(p[ph]["per_layer"] for p in parts), strict=True)
-        per_layer = [{"layer": ms[0]["layer"], **merge_token_means(ms)} for ms in layers]
-        out[ph] = {**mean_over_layers(per_layer), "per_layer": per_layer}
     return out
 
 

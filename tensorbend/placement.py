@@ -62,6 +62,15 @@ def parse_bytes(text: str | int) -> int:
     return int(value)
 
 
+def check_device(device: str) -> None:
+    """TensorbendError when `device` is CUDA and this torch has none (hf.load_model checks too)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TensorbendError(
+            f"--device {device}: expected a CUDA device, found none (torch "
+            f"{torch.__version__}, cuda available: False); use --device cpu"
+        )
+
+
 def placement_kwargs(device: str, max_memory: str | int, offload_dir) -> dict:
     """from_pretrained keywords that place the model within `max_memory` on `device`."""
     try:
@@ -77,9 +86,7 @@ def placement_kwargs(device: str, max_memory: str | int, offload_dir) -> dict:
             raise TensorbendError("--max-memory on cpu offloads to disk: give --offload-dir DIR")
         return {"device_map": "auto", "max_memory": {"cpu": budget},
                 "offload_folder": str(offload_dir)}  # fmt: skip
-    from tensorbend.hf import _check_device
-
-    _check_device(device)
+    check_device(device)
     index = torch.device(device).index or 0
     return {"device_map": "auto", "max_memory": {index: budget, "cpu": _host_memory()}}
 

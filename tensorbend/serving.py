@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from tensorbend.cache.config import PolicyConfig
+from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
@@ -113,7 +113,7 @@ class ServeConfig:
                 )
         pol = self.offload.policy
         has = self.predictor is not None or self.horizon is not None
-        if pol in ("resident", "oracle"):
+        if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
                 f"--policy {pol}: not a serving policy (it needs a resident reference run); "
                 f"use `tensorbend run` to measure it, or lru, lfu, lfru, on_demand, prefetch"

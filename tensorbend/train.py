@@ -41,7 +41,6 @@ import torch
 
 from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError
-from tensorbend.evaluate import score_predictor
 from tensorbend.predictors.base import (
     LookaheadName,
     PredictorConfigError,
@@ -58,6 +57,7 @@ from tensorbend.predictors.registry import (
     get_kind,
 )
 from tensorbend.rows import RowSelection, keep_mask, load_selected
+from tensorbend.scoring import score_predictor
 from tensorbend.trace import Trace
 
 

@@ -37,8 +37,8 @@ from test_import import csv_rows, planted_routing
 from tensorbend.cache.config import make_resident_set
 from tensorbend.cache.replay import planted_trace
 from tensorbend.cache.transfers import Link
-from tensorbend.engines import ImportConfig, import_trace
-from tensorbend.engines.csv import write_csv
+from tensorbend.importers import ImportConfig, import_trace
+from tensorbend.importers.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration

@@ -5,20 +5,17 @@ from pathlib import Path
 
 import pytest
 
+from tensorbend.results import readme_section, report_page
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 
-def _bench(name: str):
-    """A bench script as a module (its `markdown(report)` renders its doc from its JSON)."""
-    import importlib.util
-    import sys
+def _renderer(name: str):
+    """A page's renderer: `markdown(report)` renders its doc from its JSON."""
+    import importlib
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(name)
 
 
 def _tables(md: str) -> dict[str, list[list[str]]]:
@@ -80,37 +77,68 @@ def test_seed_study_table_matches_its_json():
 
 
 @pytest.mark.parametrize(
-    "bench, json_path, doc",
+    "renderer, json_path, doc",
     [
-        ("foresight_eval", "docs/foresight_default.json", "docs/foresight_default.md"),
-        ("foresight_eval", "docs/foresight_qwen.json", "docs/foresight_qwen.md"),
-        ("projections", "docs/projections.json", "docs/projections.md"),
-        ("offload_sweep", "docs/bench/offload_default.json", "docs/offload_default.md"),
-        ("offload_sweep", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
-        ("offload_sweep", "docs/bench/offload_default_b4.json", "docs/offload_default_b4.md"),
-        ("train_memory", "docs/bench/train_memory.json", "docs/bench/train_memory.md"),
-        ("replay_speed", "docs/bench/replay_speed.json", "docs/bench/replay_speed.md"),
-        ("zoo_card", "docs/zoo_card.json", "docs/zoo_card.md"),
-        ("offload_sweep", "docs/bench/headline_default.json", "docs/headline_default.md"),
-        ("offload_sweep", "docs/bench/headline_qwen.json", "docs/headline_qwen.md"),
-        ("serve_memory", "docs/bench/serve_memory.json", "docs/serve_memory.md"),
+        (
+            "tensorbend.results.foresight_page",
+            "docs/foresight_default.json",
+            "docs/foresight_default.md",
+        ),
+        ("tensorbend.results.foresight_page", "docs/foresight_qwen.json", "docs/foresight_qwen.md"),
+        ("tensorbend.results.projections_page", "docs/projections.json", "docs/projections.md"),
+        (
+            "tensorbend.results.offload_page",
+            "docs/bench/offload_default.json",
+            "docs/offload_default.md",
+        ),
+        ("tensorbend.results.offload_page", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
+        (
+            "tensorbend.results.offload_page",
+            "docs/bench/offload_default_b4.json",
+            "docs/offload_default_b4.md",
+        ),
+        (
+            "tensorbend.results.train_memory_page",
+            "docs/bench/train_memory.json",
+            "docs/bench/train_memory.md",
+        ),
+        (
+            "tensorbend.cache.replay_speed",
+            "docs/bench/replay_speed.json",
+            "docs/bench/replay_speed.md",
+        ),
+        ("tensorbend.results.zoo_card_page", "docs/zoo_card.json", "docs/zoo_card.md"),
+        (
+            "tensorbend.results.offload_page",
+            "docs/bench/headline_default.json",
+            "docs/headline_default.md",
+        ),
+        (
+            "tensorbend.results.offload_page",
+            "docs/bench/headline_qwen.json",
+            "docs/headline_qwen.md",
+        ),
+        (
+            "tensorbend.results.serve_memory_page",
+            "docs/bench/serve_memory.json",
+            "docs/serve_memory.md",
+        ),
     ],
 )
-def test_generated_docs_are_their_json_rendered(bench, json_path, doc):
+def test_generated_docs_are_their_json_rendered(renderer, json_path, doc):
     """Each generated doc is exactly its bench's rendering of the committed JSON."""
     if not (ROOT / json_path).is_file():
         pytest.skip(f"{json_path} not generated yet (make bench)")
     report = json.loads((ROOT / json_path).read_text())
-    if bench == "foresight_eval" and _bench("summary").stale(report):
+    if renderer.endswith("foresight_page") and readme_section.stale(report):
         pytest.skip(f"{json_path} predates the oracle ceiling: make bench-accuracy")
-    assert _bench(bench).markdown(report) == (ROOT / doc).read_text(), f"regenerate {doc}"
+    assert _renderer(renderer).markdown(report) == (ROOT / doc).read_text(), f"regenerate {doc}"
 
 
 def test_readme_results_section_is_what_the_json_says():
-    """README's results tables are bench/summary.py's rendering of the committed JSON."""
-    summary = _bench("summary")
+    """README's results tables are tensorbend/results/readme_section.py's rendering of the committed JSON."""
     text = (ROOT / "README.md").read_text()
-    assert summary.render_readme(text, ROOT) == text, "run `python bench/summary.py`"
+    assert readme_section.render_readme(text, ROOT) == text, "run `python -m bench.summary`"
 
 
 def test_readme_python_example_runs(tmp_path, monkeypatch):
@@ -125,9 +153,9 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
 
 
 def test_report_is_its_json_rendered():
-    """docs/REPORT.md is bench/report_doc.py's rendering of the committed JSON."""
-    assert _bench("report_doc").report(ROOT) == (ROOT / "docs" / "REPORT.md").read_text(), (
-        "run `python bench/report_doc.py`"
+    """docs/REPORT.md is tensorbend/results/report_page.py's rendering of the committed JSON."""
+    assert report_page.report(ROOT) == (ROOT / "docs" / "REPORT.md").read_text(), (
+        "run `python -m bench.report_doc`"
     )
 
 
@@ -159,7 +187,7 @@ def test_the_foresight_oracle_is_a_ceiling_on_the_zoo_models(name):
     oracle reads no more experts per token than the best cache without prediction (16 of them:
     lru, lfu, lfru and prefetch:none x pool x admission), and with h = 0 exactly as many."""
     rep = json.loads((DOCS / f"foresight_{name}.json").read_text())
-    if _bench("summary").stale(rep):
+    if readme_section.stale(rep):
         pytest.skip(f"docs/foresight_{name}.json predates the oracle ceiling: make bench-accuracy")
     for r in rep["runs"]:
         rp = r["replay"]

@@ -99,7 +99,7 @@ def test_train_eval_cli_round_trip_and_refusals(tmp_path, capsys):
 
 def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
     """An imported (routing-only) trace: inputs=routing trains; routing+hidden says why not."""
-    from tensorbend.engines.importer import ImportConfig, import_trace
+    from tensorbend.importers import ImportConfig, import_trace
 
     csv = tmp_path / "r.csv"
     lines = ["prompt_id,layer,position,expert_ids,phase"]

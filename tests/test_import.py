@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from tensorbend.engines import ImportConfig, import_trace
-from tensorbend.engines.csv import write_csv
 from tensorbend.errors import TraceError
+from tensorbend.importers import ImportConfig, import_trace
+from tensorbend.importers.csv import write_csv
 from tensorbend.trace import Trace
 
 

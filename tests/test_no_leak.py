@@ -250,9 +250,9 @@ def test_the_prefetcher_predicts_nothing_before_a_forward_from_its_future(reques
     the replay's (`foresight.forecasts`) for the same forward."""
     import numpy as np
 
-    from tensorbend.engines.prefetcher import Prefetcher
     from tensorbend.foresight import forecasts
-    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.registry import build_baseline
+    from tensorbend.prefetch import Prefetcher
     from tensorbend.rows import forwards
 
     spec, horizon, rows, scrambled = request_pair
@@ -297,7 +297,7 @@ def test_the_runtime_predicts_nothing_before_a_forward_from_its_future(monkeypat
     from tensorbend.models import describe_model
     from tensorbend.offload import hooks as hooks_mod
     from tensorbend.offload.session import OffloadSession, SessionConfig
-    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.registry import build_baseline
     from tensorbend.prompts import Prompt
     from tensorbend.routers import router_params
 

@@ -13,7 +13,7 @@ from tensorbend.cli import main
 from tensorbend.hf import DecodeConfig
 from tensorbend.offload import runner
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.predictors.baselines import build_baseline
+from tensorbend.predictors.registry import build_baseline
 from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 

@@ -18,7 +18,7 @@ from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
-from tensorbend.predictors.baselines import build_baseline
+from tensorbend.predictors.registry import build_baseline
 from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 from tensorbend.zoo import list_models
@@ -52,6 +52,8 @@ class EmptyPredictor:
     """Predicts nothing (every score -inf): prefetch must still finish and match."""
 
     kind = "empty"
+    needs_truth = recorded_routing = False
+    checkpoint = None
 
     def __init__(self, spec, la):
         self.spec, self.lookahead = spec, LOOKAHEADS[la]

@@ -19,6 +19,8 @@ class RecordingPredictor:
     """Scores nothing useful; keeps every SourceBatch the runtime hands it, per target layer."""
 
     kind = "recording"
+    needs_truth = recorded_routing = False
+    checkpoint = None
 
     def __init__(self, num_experts, lookahead):
         self.num_experts, self.lookahead = num_experts, LOOKAHEADS[lookahead]

@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from tensorbend.cli import main
 from tensorbend.errors import CheckpointError, PredictorConfigError, TensorbendError
-from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
+from tensorbend.evaluate import EvalConfig, evaluate
 from tensorbend.metrics import set_metrics
 from tensorbend.predictors import build_baseline, load_predictor, sources_from_rows
 from tensorbend.predictors.checkpoint import META_KEY
+from tensorbend.scoring import score_predictor
 from tensorbend.trace import Trace
 from tensorbend.train import TrainConfig, train
 

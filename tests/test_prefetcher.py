@@ -7,13 +7,13 @@ import torch
 from tiny_models import build, char_tokenizer
 
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.engines.prefetcher import Prediction, Prefetcher
 from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload import hooks as hooks_mod
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.predictors.baselines import build_baseline
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
+from tensorbend.predictors.registry import build_baseline
+from tensorbend.prefetch import Prediction, Prefetcher
 from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 
@@ -103,8 +103,8 @@ def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand()
         ahead = p * next + (1 - p) * later,   after_first = later   (h = 1)"""
     import math
 
-    from tensorbend.engines.prefetcher import RoutingHistory
     from tensorbend.models import RoutingSpec
+    from tensorbend.prefetch import RoutingHistory
 
     L, E, K, D, B = 2, 4, 2, 4, 2
     spec = RoutingSpec("qwen3_moe", "softmax", E, K, D, L, (0, 1))

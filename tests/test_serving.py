@@ -287,8 +287,8 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
 def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
     """A within-token checkpoint saved for another fingerprint is refused by `generate`, and
     one of the right model passed as --horizon is refused as the wrong kind."""
-    from tensorbend.predictors.baselines import build_baseline
     from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.predictors.registry import build_baseline
     from tensorbend.routers import model_fingerprint
 
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")

@@ -15,9 +15,9 @@ import pytest
 import torch
 from test_import import csv_rows, planted_routing
 
-from tensorbend.engines import ImportConfig, import_trace
-from tensorbend.engines.csv import write_csv
 from tensorbend.errors import TensorbendError, TraceError
+from tensorbend.importers import ImportConfig, import_trace
+from tensorbend.importers.csv import write_csv
 from tensorbend.simulate import (
     GEOMETRY_NAMES,
     HARDWARE_NAMES,
@@ -237,7 +237,7 @@ def test_config_errors_say_how_to_fix():
 
 def test_imported_csv_of_another_shape_evaluates_and_simulates(tmp_path):
     """26 MoE layers, 64 experts, top-6: import, evaluate routing-only peers, simulate."""
-    from tensorbend.evaluate import score_predictor
+    from tensorbend.scoring import score_predictor
 
     routing = planted_routing(prompts=30, L=26, E=64, K=6, prefill=5, decode=6, seed=7)
     src = write_csv(tmp_path / "r.csv", csv_rows(routing))

@@ -315,9 +315,10 @@ def test_streamed_row_selection_equals_selecting_loaded_rows(ckpt, tmp_path):
 def test_evaluation_streamed_by_shard_equals_scoring_all_rows_at_once(ckpt, tmp_path):
     """eval scores shard by shard and merges by token counts: the same metrics (to float
     rounding) as score_predictor over the whole split loaded at once."""
-    from tensorbend.evaluate import EvalConfig, evaluate, score_predictor
+    from tensorbend.evaluate import EvalConfig, evaluate
     from tensorbend.predictors.base import TrainData, get_lookahead
     from tensorbend.predictors.registry import build
+    from tensorbend.scoring import score_predictor
 
     _collect(ckpt, tmp_path / "t", features=("ids", "gate_input"), shard_tokens=40)
     tr = Trace.open(tmp_path / "t")

@@ -232,7 +232,7 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"(or leave it out and use --cache-frac)"
         )
     get_lookahead(pc.lookahead)
-    if pc.foresight is not None and (pc.policy != "oracle" or pc.foresight < 0):
+    if pc.foresight is not None and (not POLICIES[pc.policy].recorded_routing or pc.foresight < 0):
         raise TensorbendError(
             f"--foresight {pc.foresight} with --policy {pc.policy}: expected a count >= 0 "
             f"with --policy oracle; drop --foresight otherwise"

@@ -1,18 +1,5 @@
-"""Inference engines: import the routing they record (csv, vLLM, SGLang) as tensorbend traces.
+"""Inference engines: the documented path of the engine-neutral prefetch API.
 
->>> from tensorbend.engines import ImportConfig, import_trace, SOURCES
->>> SOURCES
-('csv', 'vllm', 'sglang')
-
-One reader module per format (csv.py, vllm.py, sglang.py: `source_files`, `read_prompts`);
-importer.py checks sizes and writes the trace. Formats and the engine versions they were read
-from: docs/import.md.
+`tensorbend.engines.prefetcher` re-exports `tensorbend.prefetch` (where `Prefetcher` lives);
+importing an engine's recorded routing as a trace is `tensorbend.importers`.
 """
-
-from typing import get_args
-
-from tensorbend.engines.importer import ImportConfig, ImportResult, Source, import_trace
-
-SOURCES = get_args(Source)
-
-__all__ = ["SOURCES", "ImportConfig", "ImportResult", "import_trace"]

@@ -7,8 +7,8 @@ Usage (the session does this per policy run):
         model(input_ids)     # each source point asks the Prefetcher and queues its answer
 
 Hooks go through `models.RouterHooks`. At MoE layer s's router the layer's own demand loads
-are queued first (`on_route`), then `engines.prefetcher.Prefetcher.observe` (the same API an
-engine calls) names the predictions: every one is queued as a prefetch in rank order and,
+are queued first (`on_route`), then `prefetch.Prefetcher.observe` (the same API an engine
+calls) names the predictions: every one is queued as a prefetch in rank order and,
 when it is a within-token prediction (`hint`), hinted to the cache; a horizon's forecast goes
 to the cache's `Reuse` policy. The runtime's Recorder advances the shared clock and routing
 history, so the Prefetcher's inputs are exactly those `sources_from_rows` builds offline
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from tensorbend.engines.prefetcher import INF, Prediction, Prefetcher, RoutingHistory, StepClock
 from tensorbend.models import RouterCall, RouterHooks, RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
+from tensorbend.prefetch import INF, Prediction, Prefetcher, RoutingHistory, StepClock
 
 __all__ = ["NoPredictor", "PredictionHooks", "RoutingHistory", "StepClock"]
 
@@ -32,6 +32,9 @@ class NoPredictor:
     """Predicts nothing (scores -inf): `prefetch` with it isolates the `Predicted` eviction."""
 
     kind = "none"
+    needs_truth = False
+    recorded_routing = False
+    checkpoint = None
 
     def __init__(self, num_experts: int, lookahead: Lookahead):
         self.num_experts, self.lookahead = num_experts, lookahead

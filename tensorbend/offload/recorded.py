@@ -36,6 +36,9 @@ class RecordedRouting:
     """Exact routing of a recorded run, as prefetches (`ahead`) and as an eviction policy."""
 
     kind = "oracle"
+    needs_truth = False
+    recorded_routing = True  # the Prefetcher asks `ahead(now)` instead of scores
+    checkpoint = None
 
     def __init__(
         self, ids_per_forward: list[torch.Tensor], lookahead: Lookahead, foresight: int | None

@@ -128,7 +128,7 @@ def build_predictor(
         return load_predictor(path, spec, model_fingerprint(model, spec))
     if baseline is None:
         return None
-    from tensorbend.predictors.baselines import build_baseline
+    from tensorbend.predictors.registry import build_baseline
     from tensorbend.routers import router_params
 
     rows = None

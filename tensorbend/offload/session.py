@@ -178,7 +178,7 @@ class OffloadSession:
         if horizon is not None:
             result = dataclasses.replace(
                 result,
-                horizon=getattr(horizon, "checkpoint", "horizon"),
+                horizon=horizon.checkpoint or "horizon",
                 token_ahead_layers=pc.token_ahead_layers,
             )
         return result
@@ -211,11 +211,11 @@ class OffloadSession:
         slots = cache.capacity if cache is not None else n_routed
         dec = phase_numbers(gen.stats["decode"], gen.tokens["decode"])
         total = cache.stats if cache is not None else gen.stats["decode"]
-        la = getattr(predictor, "lookahead", None)
+        la = None if predictor is None else predictor.lookahead
         return RunResult(
             model=self.model_name,
             policy=pc.policy,
-            predictor=getattr(predictor, "kind", None),
+            predictor=None if predictor is None else predictor.kind,
             cache_frac=round(slots / n_routed, 4),
             decode_tok_s=gen.tok_s("decode"),
             prefill_tok_s=gen.tok_s("prefill"),
@@ -226,7 +226,7 @@ class OffloadSession:
             output_matches_resident=None if cache is None else matches,
             max_logit_abs_diff=None if cache is None else diff,
             logit_tolerance=self.cfg.logit_tolerance,
-            predictor_checkpoint=getattr(predictor, "checkpoint", None),
+            predictor_checkpoint=None if predictor is None else predictor.checkpoint,
             lookahead=la.name if la is not None else None,
             pool=pc.pool,
             admission=pc.admission,

@@ -19,9 +19,15 @@ from tensorbend.predictors.base import (
     get_lookahead,
     sources_from_rows,
 )
-from tensorbend.predictors.baselines import build_baseline
 from tensorbend.predictors.checkpoint import load_predictor, save_predictor
-from tensorbend.predictors.registry import BASELINES, KINDS, TRAINABLE, build, get_kind
+from tensorbend.predictors.registry import (
+    BASELINES,
+    KINDS,
+    TRAINABLE,
+    build,
+    build_baseline,
+    get_kind,
+)
 
 __all__ = [
     "BASELINES",

@@ -161,6 +161,9 @@ class Predictor(Protocol):
     spec: RoutingSpec
     lookahead: Lookahead
     needs_truth: bool  # scores read the true routing (the oracle): call set_truth first
+    recorded_routing: bool  # asked `ahead(now)` at its source points instead of scored (the
+    #                         runtime's oracle, offload.recorded.RecordedRouting)
+    checkpoint: str | None  # the file it was loaded from; None when built in this run
 
     @classmethod
     def fit(cls, spec, la: Lookahead, data: TrainData, cfg=None, progress: bool = False): ...
@@ -186,6 +189,8 @@ class PredictorBase:
 
     kind = "?"
     needs_truth = False
+    recorded_routing = False
+    checkpoint: str | None = None
 
     def __init__(self, spec: RoutingSpec, la: Lookahead, cfg=None):
         self.spec, self.lookahead, self.cfg = spec, la, cfg

@@ -1,6 +1,6 @@
 """Peer methods, each scoring experts from a SourceBatch: the yardsticks every result is set against.
 
-Usage:
+Usage (`registry.build_baseline` builds one by name):
     p = build_baseline("spec_gate", spec, "d1", router_params=trace.router_params())
     p = build_baseline("transition", spec, "d1", train_rows=trace.load(("ids",), split="train"))
     scores_TE = p.scores(m, sources_from_rows(rows, p.lookahead, m))
@@ -26,35 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
-    Lookahead,
     PredictorBase,
     SourceBatch,
     TrainData,
     check_state,
-    get_lookahead,
 )
 from tensorbend.predictors.ops import multi_hot, rmsnorm
 from tensorbend.routers import router_scores
 
 _TIE = 1e-3  # weight of frequency as a tie-breaker
-
-
-def build_baseline(
-    name: str,
-    spec: RoutingSpec,
-    lookahead: str | Lookahead,
-    router_params: dict[str, torch.Tensor] | None = None,
-    train_rows: dict[str, torch.Tensor] | None = None,
-    seed: int = 0,
-):
-    """A ready-to-score peer by name (the registry builds it; kept here for offload/runner.py)."""
-    from tensorbend.predictors.registry import build  # the registry imports this module
-
-    la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
-    data = TrainData(train_rows=train_rows, router_params=router_params)
-    return build(name, spec, la, data, seed=seed)
 
 
 @dataclass(frozen=True)

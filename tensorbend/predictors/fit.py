@@ -88,7 +88,7 @@ class FitConfig:
 
 def fit_options(base: FitConfig, t) -> FitConfig:
     """`base` with `tensorbend train`'s fit options (a train.TrainConfig; None keeps base's)."""
-    layers = getattr(t, "fit_layers", None) or base.layers
+    layers = t.fit_layers or base.layers
     return replace(base, seed=t.seed, epochs=t.epochs or base.epochs, layers=layers)
 
 

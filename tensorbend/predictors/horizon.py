@@ -235,6 +235,8 @@ class _Net(torch.nn.Module):
 class HorizonPredictor:
     kind = "horizon"
     needs_truth = False
+    recorded_routing = False
+    checkpoint: str | None = None
     lookahead = NEXT_FORWARDS
 
     def __init__(self, spec: RoutingSpec, cfg: HorizonConfig):

@@ -30,10 +30,12 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from tensorbend.cache.evictor import EvictorModel
 from tensorbend.errors import PredictorConfigError
 from tensorbend.models import RoutingSpec
-from tensorbend.predictors.base import Lookahead, TrainData
+from tensorbend.predictors.base import Lookahead, TrainData, get_lookahead
 from tensorbend.predictors.baselines import (
     FrequencyPredictor,
     OraclePredictor,
@@ -225,6 +227,20 @@ def build(
     if cfg is None and kind.config_cls is not None:
         cfg = default_config(kind, seed)
     return kind.cls.fit(spec, la, data, cfg, progress=progress)
+
+
+def build_baseline(
+    name: str,
+    spec: RoutingSpec,
+    lookahead: str | Lookahead,
+    router_params: dict[str, torch.Tensor] | None = None,
+    train_rows: dict[str, torch.Tensor] | None = None,
+    seed: int = 0,
+):
+    """A ready-to-score peer by name: `build` with the train rows and router parameters it reads."""
+    la = get_lookahead(lookahead) if isinstance(lookahead, str) else lookahead
+    data = TrainData(train_rows=train_rows, router_params=router_params)
+    return build(name, spec, la, data, seed=seed)
 
 
 def default_config(kind: PredictorKind, seed: int):

@@ -23,10 +23,11 @@ import torch
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import Key
+from tensorbend.prefetch import likeliest, prefetch_list
 from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
 from tensorbend.simulate.mapping import Mapping
-from tensorbend.simulate.predictions import Ranked, prefetch_order
+from tensorbend.simulate.predictions import Ranked
 
 
 def demand_lists(
@@ -49,14 +50,15 @@ def demand_lists(
 def prediction_lists(
     ranked: Ranked, fwds: list[Forward], top_k: int, extra: int
 ) -> list[list[list[int] | None]]:
-    """[forward][trace layer] -> the runtime's prefetch list, or None where no prediction exists."""
+    """[forward][trace layer] -> the runtime's prefetch list (`prefetch.prefetch_list`), or
+    None where no prediction exists."""
     valid = ranked.valid_L.tolist()
     out = []
     for f in fwds:
         sel = ranked.ids_TLJ[f.rows]  # [N, L, J]
         out.append(
             [
-                prefetch_order(sel[:, m], top_k, extra) if valid[m] else None
+                prefetch_list(sel[:, m], top_k, extra) if valid[m] else None
                 for m in range(len(valid))
             ]
         )
@@ -119,7 +121,7 @@ def add_horizon(work: list[ForwardWork], mapping: Mapping, forecasts, ahead_laye
         last = fw.layers[-1]
         last.forecast = (f, *type(fc)(first_use_GEJ, tail_GE).next_use_steps(f, Lg))
         last.ahead = [
-            ((f + 1) * Lg + g, first_use_GEJ[g, :, 0].topk(K).indices.tolist())
+            ((f + 1) * Lg + g, likeliest(first_use_GEJ[g, :, 0], K))
             for g in range(min(ahead_layers, Lg))
         ]
 

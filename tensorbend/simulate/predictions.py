@@ -11,9 +11,9 @@ A predictor spec is a checkpoint path (`tensorbend train` output), a peer name f
 `prefetch` then isolates the `Predicted` eviction). Routing-only traces (imported) carry no
 hidden states: `routing_rows` gives them zero-width placeholders so that predictors reading
 routing only (ROUTING_ONLY) run unchanged, and a predictor that needs hidden states is refused
-with a message that says so. The simulator turns the ranked guesses into the runtime's
-prefetch lists (`prefetch_order`): one token, its top-(K + extra); several tokens (prefill,
-a batch), the union of their top-K, most voted first (as `offload.hooks.PredictionHooks`).
+with a message that says so. Guesses are ranked as the runtime ranks them
+(`prefetch.ranked_ids`); simulate/plan.py turns them into its prefetch lists
+(`prefetch.prefetch_list`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tensorbend.predictors import (
     load_predictor,
     sources_from_rows,
 )
+from tensorbend.prefetch import ranked_ids
 from tensorbend.trace import Trace
 
 ROUTING_ONLY = ("frequency", "transition", "prev_token", "random", "oracle", "none")
@@ -141,30 +142,13 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
         pred.set_truth(ids_TLK)
     with torch.no_grad():
         for m in la.targets(L):
-            scores_TE = pred.scores(m, sources_from_rows(rows, la, m)).float()
-            top = scores_TE.topk(min(width, scores_TE.shape[1]), dim=1)
-            out[:, m, : top.indices.shape[1]] = torch.where(
-                top.values > -torch.inf, top.indices, -1
-            )
+            ids_TJ = ranked_ids(pred.scores(m, sources_from_rows(rows, la, m)).float(), width)
+            out[:, m, : ids_TJ.shape[1]] = ids_TJ
             valid[m] = True
     if pred.needs_truth:  # the oracle: exact sets, in router order
         out[:, :, :K] = torch.where(valid[None, :, None], ids_TLK, -1)
         out[:, :, K:] = -1
     return Ranked(pred.kind, la.name, la.distance, out, valid)
-
-
-def prefetch_order(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:
-    """The runtime's prefetch list for one forward's N tokens at one target layer."""
-    if ids_NJ.shape[0] == 1:
-        row = ids_NJ[0, : top_k + extra]
-        return row[row >= 0].tolist()
-    top = ids_NJ[:, :top_k].flatten()
-    top = top[top >= 0]
-    if top.numel() == 0:
-        return []
-    votes = torch.bincount(top, minlength=int(top.max()) + 1)
-    order = torch.argsort(votes, descending=True, stable=True)
-    return order[: int((votes > 0).sum())].tolist()
 
 
 def _needs_hidden(kind: str, hidden: str, trace: Trace) -> TraceError:

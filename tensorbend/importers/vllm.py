@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tensorbend.engines.importer import ImportConfig, ImportedPrompt, iter_files
 from tensorbend.errors import TraceError
+from tensorbend.importers.config import ImportConfig
+from tensorbend.importers.reader import ImportedPrompt, iter_files
 
 SUFFIXES = (".json", ".jsonl", ".npz")
 

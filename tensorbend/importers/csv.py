@@ -1,7 +1,7 @@
 """The canonical routing CSV: one row per (prompt, MoE layer, position), read as a stream.
 
 Usage:
-    from tensorbend.engines import ImportConfig, import_trace
+    from tensorbend.importers import ImportConfig, import_trace
     import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
 
 Format (header required, extra columns ignored):
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tensorbend.engines.importer import ImportConfig, ImportedPrompt, by_prompt, iter_files
 from tensorbend.errors import TraceError
+from tensorbend.importers.config import ImportConfig
+from tensorbend.importers.reader import ImportedPrompt, by_prompt, iter_files
 
 COLUMNS = ("prompt_id", "layer", "position", "expert_ids")
 _PHASES = {"prefill": 0, "0": 0, "decode": 1, "1": 1}

@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tensorbend.engines.importer import ImportConfig, ImportedPrompt, iter_files
 from tensorbend.errors import TraceError
+from tensorbend.importers.config import ImportConfig
+from tensorbend.importers.reader import ImportedPrompt, iter_files
 
 EXTEND, DECODE, MIXED = 1, 2, 3  # sglang ForwardMode values
 STALE_PASSES = 8

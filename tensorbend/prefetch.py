@@ -1,0 +1,292 @@
+"""From a prediction to a prefetch list: the one path (runtime hooks, engine API, simulator).
+
+Usage (any engine; no torch-module hooks, no dependency on our runtime):
+    pf = Prefetcher(spec, predictor=load_predictor("ours_d1.safetensors"),
+                    horizon=load_predictor("horizon.safetensors"))
+    for request in requests:
+        pf.begin_request()
+        for forward in request:                   # prefill, then one forward per decode token
+            for m in range(spec.num_moe_layers):
+                todo = pf.observe(m, hidden_TD=layer_input_TD)              # before attention
+                ...attention, then router m picks ids_TK from gate_input_TD...
+                todo += pf.observe(m, hidden_TD=gate_input_TD, routed_ids_TK=ids_TK)
+                engine.prefetch(todo)             # [Prediction(layer, expert, step, rank, hint)]
+            pf.on_token_end()
+        pf.forecast                               # after each forward, with a horizon:
+                                                  #   (forward, ahead_LE, after_first_LE)
+
+The list rule, shared with the simulator (which ranks a trace's rows offline):
+    >>> import torch
+    >>> ids_NJ = ranked_ids(torch.tensor([[-float("inf"), 0.9, -float("inf"), 0.5]]), width=3)
+    >>> ids_NJ.tolist(), prefetch_list(ids_NJ, top_k=1, extra=2)
+    ([[1, 3, -1]], [1, 3])
+    >>> prefetch_list(torch.tensor([[2, 0], [2, 1], [3, -1]]), top_k=2, extra=0)
+    [2, 0, 1, 3]
+    >>> likeliest([0.2, 0.7, 0.7, 0.1], 2)
+    [1, 2]
+
+One token: its top-(K + extra) guesses, best first (`-1`: no guess). Several tokens (prefill,
+a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
+horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
+The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
+(`simulate.plan`) applies `prefetch_list` and `likeliest` to ranked rows; an engine calls the
+`Prefetcher` directly (documented path: `tensorbend.engines.prefetcher`, docs/prefetch_api.md).
+
+Shape legend: T tokens of the forward, K top-k, E experts, D hidden size, L MoE layers.
+
+A within-token predictor fires at its lookahead's source point: `pre_attn` at the call without
+routed ids (layer m's input, before attention) for target m; `dN` at the call with layer s's
+routed ids (its router input as `hidden_TD`) for target s + N; `same_layer` at layer m's router.
+The inputs it sees are exactly what `predictors.base.sources_from_rows` builds offline from a
+trace (tested through the runtime, which drives this class). A cross-token `horizon` predictor
+runs at the last MoE layer's router: it updates the request's history, publishes `forecast`
+(the expected step of every (layer, expert)'s next use, for a `policies.Reuse` cache) and
+names the next forward's first `token_ahead_layers` layers' likeliest experts (`hint=False`:
+a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
+Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
+`recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tensorbend.errors import PredictorInputError
+from tensorbend.models import RoutingSpec
+from tensorbend.predictors.base import Lookahead, SourceBatch
+from tensorbend.predictors.horizon_fast import FastHorizon
+from tensorbend.predictors.registry import check_roles
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layer: int
+    expert: int
+    step: int  # forward * L + layer: when the expert is wanted
+    rank: int  # 0 = the most likely of its call
+    hint: bool = True  # a within-token prediction (a cache may plan its eviction on it)
+
+
+@dataclass
+class StepClock:
+    """Logical time: step = forward * L + m, counted over the whole run (all requests)."""
+
+    num_layers: int
+    forward: int = -1
+
+    def begin_forward(self) -> None:
+        self.forward += 1
+
+    def step(self, m: int) -> int:
+        return self.forward * self.num_layers + m
+
+
+@dataclass
+class RoutingHistory:
+    """Routing seen so far: this forward's ids per layer, and the previous forward's last token's."""
+
+    num_layers: int
+    cur: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_TK (CPU)
+    prev: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_K (last token)
+    batch: int = 1
+    """Sequences per forward, in lockstep (their tokens in order): prev then holds each
+    sequence's last token, [B, K]."""
+
+    def begin_prompt(self) -> None:
+        self.cur.clear()
+        self.prev.clear()
+
+    def begin_forward(self) -> None:
+        if self.batch == 1:
+            self.prev.update({m: ids_TK[-1] for m, ids_TK in self.cur.items()})
+        else:
+            B = self.batch
+            self.prev.update(
+                {m: ids.view(B, -1, ids.shape[-1])[:, -1] for m, ids in self.cur.items()}
+            )
+        self.cur.clear()
+
+    def ids_TLK(self) -> torch.Tensor:
+        """This forward's routing, [T, L, K]."""
+        return torch.stack([self.cur[m] for m in range(self.num_layers)], dim=1)
+
+
+class Prefetcher:
+    """Predictions for an engine's source points (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: RoutingSpec,
+        predictor=None,
+        horizon=None,
+        extra: int = 0,
+        token_ahead_layers: int = 1,
+        clock: StepClock | None = None,
+        history: RoutingHistory | None = None,
+    ):
+        """clock/history: shared with a driver that advances them itself (the runtime's
+        Recorder); an engine leaves them None and calls begin_request / on_token_end."""
+        check_roles(
+            None if predictor is None else predictor.kind, None if horizon is None else horizon.kind
+        )
+        self.spec, self.predictor, self.extra = spec, predictor, extra
+        self.token_ahead_layers = token_ahead_layers
+        self.horizon = None if horizon is None else FastHorizon(horizon)
+        self.la: Lookahead | None = None if predictor is None else predictor.lookahead
+        self.ahead = (
+            predictor.ahead if predictor is not None and predictor.recorded_routing else None
+        )
+        self._own_clock = clock is None
+        self.clock = clock or StepClock(spec.num_moe_layers)
+        self.history = history or RoutingHistory(spec.num_moe_layers)
+        self.forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE)
+        self._state = None  # the horizon's per-request history
+        self._new_forward = True
+
+    @property
+    def wants_layer_input(self) -> bool:
+        """Whether observe() before attention does anything (lookahead pre_attn)."""
+        return self.la is not None and self.la.hidden == "layer_input"
+
+    def begin_request(self) -> None:
+        self.history.begin_prompt()
+        self._state = None
+        self._new_forward = True
+
+    def on_token_end(self) -> None:
+        """The forward (a decode token, or a whole prefill) is over."""
+        self._new_forward = True
+
+    def observe(
+        self,
+        layer: int,
+        hidden_TD: torch.Tensor | None = None,
+        routed_ids_TK: torch.Tensor | None = None,
+    ) -> list[Prediction]:
+        """What to prefetch now: before layer `layer`'s attention (hidden_TD = its input, no
+        routed ids) or right after its router (hidden_TD = the router's input, its ids)."""
+        if hidden_TD is not None and hidden_TD.shape[-1] != self.spec.hidden_size:
+            raise PredictorInputError(
+                f"Prefetcher.observe(layer {layer}): expected hidden_TD [..., "
+                f"{self.spec.hidden_size}] (this model's hidden size), found "
+                f"{tuple(hidden_TD.shape)}; pass the router's input or the layer's input"
+            )
+        if self._own_clock and self._new_forward:
+            self.clock.begin_forward()
+            self.history.begin_forward()
+        self._new_forward = False
+        out: list[Prediction] = []
+        if routed_ids_TK is None:
+            if self.wants_layer_input:
+                out += self._within(layer, layer, hidden_TD)
+            return out
+        self.history.cur[layer] = routed_ids_TK.detach().reshape(-1, routed_ids_TK.shape[-1]).cpu()
+        if self.horizon is not None and layer == self.spec.num_moe_layers - 1:
+            out += self._foresee(hidden_TD.reshape(-1, hidden_TD.shape[-1]))
+        la = self.la
+        if la is None or la.hidden != "gate_input":
+            return out
+        if self.ahead is not None or layer + la.distance < self.spec.num_moe_layers:
+            out += self._within(layer, layer + la.distance, hidden_TD)
+        return out
+
+    # ------------------------------------------------------------ helpers
+
+    def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
+        if self.ahead is not None:
+            return self._ranked_pairs(self.ahead(self.clock.step(source)), hint=True)
+        return self._predict(m, hidden_TD.reshape(-1, self.spec.hidden_size))
+
+    def _predict(self, m: int, hidden_TD: torch.Tensor) -> list[Prediction]:
+        """Score target layer m from its source point, as sources_from_rows does offline."""
+        T, K = hidden_TD.shape[0], self.spec.top_k
+        route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
+        src_ids_TK = self.history.cur[route_layer] if route_layer >= 0 else None
+        prev = self.history.prev.get(m)
+        has_prev_T = torch.full((T,), prev is not None, dtype=torch.bool)
+        prev_TK = prev.expand(T, K) if prev is not None else torch.zeros(T, K, dtype=torch.long)
+        if self.la.prev_in_pass and T > 1:  # same_layer: layer m routed every token already
+            prev_TK = torch.cat([prev_TK[:1], self.history.cur[m][:-1]])
+            has_prev_T[1:] = True
+        hidden = hidden_TD.detach().float().cpu()
+        src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
+        with torch.no_grad():
+            scores_TE = self.predictor.scores(m, src).float()
+        ids_TJ = ranked_ids(scores_TE, K + self.extra if T == 1 else K)
+        when = self.clock.step(m)
+        return [
+            Prediction(m, e, when, r) for r, e in enumerate(prefetch_list(ids_TJ, K, self.extra))
+        ]
+
+    def _foresee(self, hidden_TD: torch.Tensor) -> list[Prediction]:
+        """At the last MoE layer's router: update the horizon's request history (a new one at
+        a request's first forward), publish the forecast, name the next forward's experts.
+        With B sequences in lockstep (history.batch), each keeps its own history and the
+        forecasts merge: the soonest expected use of any sequence, and the chance that any
+        uses an expert in the next forward."""
+        L, E, K, B = (
+            self.spec.num_moe_layers,
+            self.spec.num_experts,
+            self.spec.top_k,
+            self.history.batch,
+        )
+        if not self.history.prev or self._state is None:  # a request's first forward
+            self._state = [self.horizon.new_state() for _ in range(B)]
+        f = self.clock.forward
+        hidden_BD = hidden_TD.detach().float().cpu().reshape(B, -1, hidden_TD.shape[-1])[:, -1]
+        ahead, after, first = [], [], []
+        for b in range(B):
+            used_LE = np.zeros((L, E), dtype=np.float32)
+            for m in range(L):
+                used_LE[m, self.history.cur[m].reshape(B, -1, K)[b].flatten().numpy()] = 1.0
+            fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b].numpy(), forward=f)
+            ahead.append(fc[0])
+            after.append(fc[1])
+            first.append(self.horizon.next_forward_probs)
+        if B == 1:
+            self.forecast, first_LE = (f, ahead[0], after[0]), first[0]
+        else:
+            self.forecast = (f, np.min(ahead, axis=0).tolist(), np.min(after, axis=0).tolist())
+            first_LE = 1 - np.prod(1 - np.asarray(first), axis=0)
+        pairs = [
+            ((m, int(e)), (f + 1) * L + m)
+            for m in range(min(self.token_ahead_layers, L))
+            for e in likeliest(first_LE[m], K)
+        ]
+        return self._ranked_pairs(pairs, hint=False)
+
+    @staticmethod
+    def _ranked_pairs(pairs, hint: bool) -> list[Prediction]:
+        return [Prediction(m, e, when, r, hint) for r, ((m, e), when) in enumerate(pairs)]
+
+
+def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
+    """Each token's top-`width` experts, best first, [T, J]; -1 where the score is -inf (no
+    prediction)."""
+    top = scores_TE.topk(min(width, scores_TE.shape[1]), dim=1)
+    return torch.where(top.values > -INF, top.indices, -1)
+
+
+def prefetch_list(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:
+    """The prefetch list for one forward's N tokens at one target layer: one token, its
+    top-(K + extra); several, the union of their top-K by votes (ties by expert id)."""
+    if ids_NJ.shape[0] == 1:
+        row = ids_NJ[0, : top_k + extra]
+        return row[row >= 0].tolist()
+    top = ids_NJ[:, :top_k].flatten()
+    top = top[top >= 0]
+    if top.numel() == 0:
+        return []
+    votes = torch.bincount(top, minlength=int(top.max()) + 1)
+    order = torch.argsort(votes, descending=True, stable=True)
+    return order[: int((votes > 0).sum())].tolist()
+
+
+def likeliest(probs_E, k: int) -> list[int]:
+    """The `k` experts of highest probability (a horizon's next-forward guess), ties by id."""
+    return np.argsort(-np.asarray(probs_E), kind="stable")[:k].tolist()
