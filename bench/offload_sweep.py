@@ -12,7 +12,8 @@ global / per_layer x admission all / frequency); prefetch with no predictor (Pre
 alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its forecasts
 driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
-on top; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
+on top; with `--evictor` (train --predictor evictor) the learned eviction under its shadow
+guard; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
 whole run), run after the caches: past its sight it ranks like the no-prediction cache with
 the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
-    checkpoints = [*a.predictor, a.horizon] if a.horizon else a.predictor
+    checkpoints = [*a.predictor, *(c for c in (a.horizon, a.evictor) if c)]
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
@@ -140,6 +141,8 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
         if ours is not None:
             pc = PolicyConfig("prefetch", admission="predicted", **common)
             plan.append((pc, ours, horizon))
+    if a.evictor:  # the learned eviction under its shadow guard (cache/evictor.py)
+        plan.append((PolicyConfig("evictor", evictor=a.evictor, **common), None, None))
     for h in _names(a.foresights):  # the oracle after the caches: beyond its sight it ranks
         foresight = None if h == "all" else int(h)  # like the best of them (--oracle-beyond)
         for adm in ("all", "predicted") if foresight is None else ("predicted",):
@@ -318,6 +321,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
+    p.add_argument("--evictor", default=None,
+                   help="eviction model (train --predictor evictor): adds the evictor row")  # fmt: skip
     p.add_argument("--allow-seen-split", action="store_true",
                    help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.evaluate import EvalConfig, evaluate, format_table
+from tensorbend.hf import DecodeConfig
 from tensorbend.plots import plot_eval
 from tensorbend.train import TrainConfig, train
 
@@ -94,8 +95,7 @@ def _collect(args, trace: Path) -> None:
         CollectConfig(
             model=args.model,
             out=trace,
-            max_new_tokens=args.max_new_tokens,
-            decode=args.decode,
+            decode=DecodeConfig(decode=args.decode, max_new_tokens=args.max_new_tokens),
             features=("ids", "weights", "gate_input", "layer_input"),
             resume=manifest.is_file(),
         )
