@@ -22,8 +22,8 @@ BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
 
 def section(root: Path) -> str:
-    parts = [_within_token(root), foresight_section(root), offload_section(root), _serving(root),
-             projections_section(root)]  # fmt: skip
+    parts = [_within_token(root), foresight_section(root), offload_section(root),
+             evictor_section(root), _serving(root), projections_section(root)]  # fmt: skip
     return "\n".join(p for p in parts if p)
 
 
@@ -206,6 +206,49 @@ def offload_section(root: Path) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + lines) + "\n" + _reading(root)
+
+
+def evictor_section(root: Path) -> str:
+    """The learned eviction end to end (docs/bench/evictor_run_{model}.json: offload_sweep
+    --evictor, repeated), beside the best no-prediction cache and the horizon alone."""
+    lines = []
+    for name in ("default", "qwen"):
+        rep = load(root, f"docs/bench/evictor_run_{name}.json")
+        if rep is None:
+            continue
+        for entry in rep["links"]:
+            runs = [r for r in entry["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
+            comp = compare(runs)
+            if not comp:
+                continue
+            (c,) = comp.values()
+            cells = []
+            for r in ([x for x in runs if x["policy"] == "evictor"][:1]
+                      + [ours(runs, "horizon only")]):  # fmt: skip
+                o = r and c["runs"][run_label(r)]
+                cells.append("-" if r is None else f"{run_label(r)}: {r['decode_tok_s']:.1f} "
+                             f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))}, "
+                             f"hit {r['demand_hit_rate']:.2f})")  # fmt: skip
+            lines.append(
+                f"| {rep['model']} | x{entry['speedup']:g} | "
+                f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} | "
+                + " | ".join(cells)
+                + f" | {c['full_oracle']['decode_tok_s']:.1f} |"
+            )
+    if not lines:
+        return ""
+    head = [
+        "**The learned eviction end to end** (`tensorbend run --policy evictor`, measured as "
+        "above: 25% cache, held-out prompts, outputs identical to the resident model; the "
+        "learner reads routing only, under its LFRU shadow guard; docs/evictor_run_default.md). "
+        "Cells: decode tok/s (ratio to the best no-prediction cache, median [range] of "
+        "interleaved repeats; share of the byte gap to the full oracle closed; demand hit rate):",
+        "",
+        "| model | link | best no-prediction cache (tok/s) | ours: learned eviction | "
+        "ours: horizon only | full oracle tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + lines) + "\n"
 
 
 NOISE = 0.05  # one-run tok/s ratios inside 1 +- this are ties (twin runs differ by up to 4.6%)
