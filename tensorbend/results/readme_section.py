@@ -156,20 +156,23 @@ def offload_rows(root: Path) -> list[dict]:
     for name in ("default", "qwen", "default_b4"):
         rep = load(root, f"docs/bench/headline_{name}.json")  # the repeated runs, if measured
         rep = rep or load(root, f"docs/bench/offload_{name}.json")
-        if rep is None:
-            continue
-        for entry in rep["links"]:
-            runs = [r for r in entry["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
-            comp = compare(runs)
-            if not comp:
-                continue
-            (c,) = comp.values()
+        for entry, runs, c in _at_quarter(rep):
             row = {"rep": rep, "entry": entry, "cmp": c}
             for which in OURS:
                 r = ours(runs, which)
                 row[which] = r and {"run": r, "label": run_label(r), **c["runs"][run_label(r)]}
             out.append(row)
     return out
+
+
+def _at_quarter(rep: dict | None):
+    """Per link of a sweep: (entry, its runs at 25% cache, their `cache.report.compare`)."""
+    for entry in rep["links"] if rep else ():
+        runs = [r for r in entry["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
+        comp = compare(runs)
+        if comp:
+            (c,) = comp.values()
+            yield entry, runs, c
 
 
 def offload_section(root: Path) -> str:
@@ -214,14 +217,7 @@ def evictor_section(root: Path) -> str:
     lines = []
     for name in ("default", "qwen"):
         rep = load(root, f"docs/bench/evictor_run_{name}.json")
-        if rep is None:
-            continue
-        for entry in rep["links"]:
-            runs = [r for r in entry["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
-            comp = compare(runs)
-            if not comp:
-                continue
-            (c,) = comp.values()
+        for entry, runs, c in _at_quarter(rep):
             cells = []
             for r in ([x for x in runs if x["policy"] == "evictor"][:1]
                       + [ours(runs, "horizon only")]):  # fmt: skip
