@@ -32,6 +32,8 @@ class AgesIndex:
     (t - l' + 1) for l' >= l): a root whose stored line is current is the true lowest, and a
     root whose line is stale is refreshed and the root asked again."""
 
+    tracks_uses = False  # `used` does nothing (IndexedResidentSet skips it)
+
     def __init__(self, rs: ResidentSet):
         assert rs.policy.use_lowers_rank, rs.policy.name
         self.rs = rs

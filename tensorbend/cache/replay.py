@@ -151,20 +151,35 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     out = Replayed()
     L = len(ids_FLK[0]) if ids_FLK else 1
     use, place, victims = rs.use, rs.place, out.victims
+    before = None if _is_base(feed.before, Feed.before) else feed.before  # (skip no-op calls)
+    after = None if _is_base(feed.after, Feed.after) else feed.after
+    misses, now = 0, 0
     for f, layers in enumerate(ids_FLK):
         for m, ids in enumerate(layers):
-            now = f * L + m
-            feed.before(rs, f, m, now, out)
-            pinned: set = set()
+            if before is not None:
+                before(rs, f, m, now, out)
+            pinned: set = set()  # the step's experts used so far: not evictable
+
+            def evictable(k, pinned=pinned):
+                return k not in pinned
+
             for e in ids:
                 key = (m, e)
                 if not use(key, now):
-                    out.misses += 1
-                    placed = place(key, now, None, lambda k, pinned=pinned: k not in pinned)
+                    misses += 1
+                    placed = place(key, now, None, evictable)
                     victims.append((now, key, placed.outcome, placed.victim))
                 pinned.add(key)
-        feed.after(rs, f)
+            now += 1
+        if after is not None:
+            after(rs, f)
+    out.misses += misses
+    assert now == len(ids_FLK) * L
     return out
+
+
+def _is_base(method, base) -> bool:
+    return getattr(method, "__func__", None) is base
 
 
 def steps_by_key(ids_FLK: list) -> dict:

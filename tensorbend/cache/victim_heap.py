@@ -41,30 +41,50 @@ import heapq
 from collections import OrderedDict
 from operator import neg
 
+from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.kinetic import AgesIndex, Evictable
-from tensorbend.cache.policies import INF, Key
-from tensorbend.cache.resident import ResidentSet
+from tensorbend.cache.policies import INF, LRU, Key
+from tensorbend.cache.resident import Placement, ResidentSet
 
 
 class IndexedResidentSet(ResidentSet):
-    """A ResidentSet whose `victim` asks an index chosen by `policy.ranking`."""
+    """A ResidentSet whose `victim` asks an index chosen by `policy.ranking`.
+
+    `use` and `place` are `ResidentSet`'s, flattened (they are the replay's hot path): the same
+    events reach the policy, the admission rule and the index, minus calls to methods that do
+    nothing (the base `touch`, an index that ignores uses)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._now = 0  # the latest step seen (hints carry none)
-        self._index = _INDEXES[self.policy.ranking](self)
-        self._used = self._index.used
+        self._index = index = _INDEXES[self.policy.ranking](self)
+        self._used = index.used if index.tracks_uses else None
+        self._touch = None if _is_base(self.policy.touch, LRU.touch) else self.policy.touch
+        adm_touch = self.admission.touch
+        self._adm_touch = None if _is_base(adm_touch, AdmitAll.touch) else adm_touch
+        self._per_layer = self.pool == "per_layer"
+        self._caps = [self.pool_capacity(p) for p in range(len(self._size))]
+        self._admit_all = type(self.admission) is AdmitAll
+        self._evicted: dict[Key, Placement] = {}  # victim -> Placement("admitted", victim)
 
     def use(self, key: Key, now: int) -> bool:
         if now > self._now:
             self._now = now
-        if ResidentSet.use(self, key, now):  # (not super(): this is the replay's hot path)
-            self._used(key, now)
+        if self._touch is not None:
+            self._touch(key, now)
+        if self._adm_touch is not None:
+            self._adm_touch(key, now)
+        self._seq = seq = self._seq + 1
+        if key in self._recency:
+            self._recency[key] = seq
+            if self._used is not None:
+                self._used(key, now)
             return True
+        self._missed[key] = seq  # its recency once placed: the order of demands
         return False
 
     def hint(self, key: Key, when: int) -> None:
-        super().hint(key, when)
+        self.policy.hint(key, when)
         self._index.hinted(key, self._now)
 
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
@@ -72,26 +92,65 @@ class IndexedResidentSet(ResidentSet):
         self._index.rebuild(self._now)
 
     def place(self, key: Key, now: int, when=None, evictable: Evictable = None):
+        assert key not in self._recency, f"{key} is resident already"
         if now > self._now:
             self._now = now
-        return super().place(key, now, when, evictable)
+        p = key[0] if self._per_layer else 0
+        if self._size[p] < self._caps[p]:
+            self._add(key)
+            return _ADMITTED
+        if self._caps[p] == 0:
+            self._missed.pop(key, None)
+            return _REFUSED
+        victim = self._index.victim(p, self._now, evictable)
+        if victim is None:
+            return _BLOCKED
+        if when is None:
+            ok = self._admit_all or self.admission.admit(key, victim, self.policy, now)
+        else:
+            ok = prefetch_worth(self.policy, victim, when, now)
+        if not ok:
+            self._missed.pop(key, None)
+            return _REFUSED
+        self.remove(victim)
+        self.evictions += 1
+        self._add(key)
+        placed = self._evicted.get(victim)
+        if placed is None:
+            placed = self._evicted[victim] = Placement("admitted", victim)
+        return placed
 
     def victim(self, key: Key, now: int, evictable: Evictable = None) -> Key | None:
         return self._index.victim(self.pool_of(key), max(self._now, now), evictable)
 
     def remove(self, key: Key) -> None:
-        super().remove(key)
+        del self._recency[key]
+        self._size[key[0] if self._per_layer else 0] -= 1
         self._index.drop(key, self._now)
 
     def _add(self, key: Key) -> None:
-        super()._add(key)
+        self._size[key[0] if self._per_layer else 0] += 1
+        seq = self._missed.pop(key, None)
+        if seq is None:
+            self._seq = seq = self._seq + 1
+        self._recency[key] = seq
         self._index.put(key, self._now)
+
+
+_ADMITTED, _REFUSED, _BLOCKED = Placement("admitted"), Placement("refused"), Placement("blocked")
+
+
+def _is_base(method, base) -> bool:
+    """Whether a bound method is `base` itself (a no-op worth not calling)."""
+    return getattr(method, "__func__", None) is base
 
 
 class _StaticIndex:
     """One heap per pool of negated ranks [(-rank, version, key)], each at least the key's
     current rank: a use only lowers a rank, so a used key (its stored recency is stale) is
     re-ranked when it reaches the top; a top whose stored rank is current is the highest."""
+
+    tracks_uses = False  # `used` does nothing (IndexedResidentSet skips it)
 
     def __init__(self, rs: ResidentSet):
         assert rs.policy.use_lowers_rank or rs.policy.ranking == "scheduled", rs.policy.name
@@ -148,6 +207,8 @@ class _RecencyIndex:
     key to the end (it now has the newest recency). A placement is appended too, unless its
     recency is older than the newest there (a demand placed after later uses): such keys wait
     in a heap by recency until used. The victim is the older of the two first evictable keys."""
+
+    tracks_uses = True
 
     def __init__(self, rs: ResidentSet):
         assert rs.policy.use_lowers_rank, rs.policy.name
@@ -208,6 +269,8 @@ class _ScheduledIndex(_StaticIndex):
     groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
     expiry: [(until, version, key)]. A group head's rank is kept for the rest of its step
     unless the head, its version (a use, a placement) or any hint changes it."""
+
+    tracks_uses = True
 
     def __init__(self, rs: ResidentSet):
         super().__init__(rs)
@@ -289,6 +352,8 @@ class _ScheduledIndex(_StaticIndex):
 
 class _ScanIndex:
     """`policy.choose(candidates, now)` over the pool's evictable entries (ranking `scan`)."""
+
+    tracks_uses = False
 
     def __init__(self, rs: ResidentSet):
         self.rs = rs
