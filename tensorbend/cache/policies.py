@@ -248,9 +248,19 @@ class Predicted(LRU):
             visit += L
         if self.layer_hint.get(m, -1) >= visit:
             visit += L  # the predicted set for that visit excludes this expert
-        g = self.log_count.get(key)  # (the count inline: victim search ranks many of these)
+        return visit + self._odds(self.log_count.get(key), now)
+
+    def group_bound(self, group: int, value: tuple, now: int) -> float:
+        """For `cache/victim_heap.py`: at least the first rank field of every key of layer
+        `group` whose group value is `value` or after it (a larger log count). The next
+        visit is at most now + 2L, and the odds only fall as the count rises."""
+        return (now + 2 * self.L) + self._odds(value[0], now)
+
+    def _odds(self, g: float | None, now: int) -> float:
+        """L * (1 - p) / p (p floored at 1e-3) for the use rate p of log count g (None or -inf:
+        never used, p = 0): how far past its layer's next visit an estimate puts the key."""
         p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
-        return visit + L * (1 - p) / max(p, 1e-3)
+        return self.L * (1 - p) / max(p, 1e-3)
 
     def _count(self, key: Key, now: int) -> float:
         g = self.log_count.get(key)
@@ -316,3 +326,7 @@ class Reuse(Predicted):
         m, e = key
         first = (self.forward + 1) * self.L + m  # the step of forecast class 1
         return self.ahead[m][e] if first > now else self.after_first[m][e]
+
+    def group_bound(self, group: int, value: tuple, now: int) -> float:
+        """FLOOR: every key ranks now + 1 first; before a forecast, Predicted's layers."""
+        return now + 1 if group == self.FLOOR else super().group_bound(group, value, now)

@@ -27,8 +27,9 @@ is chosen by the property each policy class declares, `ranking`:
              heads: at most one entry per group, L for a global pool, 1 per layer.
   scan       (cache/evictor.py) the policy chooses among the pool's evictable entries at each
              miss (`policy.choose(candidates, now)`), scoring only those; nothing is indexed.
-  ages       (LFRU) every score count / (age + 1) moves at every step: a kinetic tournament
-             (cache/kinetic.py).
+  ages       (LFRU) every score count / (age + 1) moves at every step, but keys of one count
+             keep their order: buckets by count, walked while a bucket can still hold the
+             lowest score (cache/ages.py).
 
 Every index skips entries that are not evictable (loading or pinned) by setting them aside and
 putting them back. Time (`now`) never goes backwards. tests/test_victim_heap.py replays random
@@ -42,7 +43,7 @@ from collections import OrderedDict
 from operator import neg
 
 from tensorbend.cache.admission import AdmitAll, prefetch_worth
-from tensorbend.cache.kinetic import AgesIndex, Evictable
+from tensorbend.cache.ages import AgesIndex, Evictable
 from tensorbend.cache.policies import INF, LRU, Key
 from tensorbend.cache.resident import Placement, ResidentSet
 
@@ -267,24 +268,38 @@ class _ScheduledIndex(_StaticIndex):
     `policy.schedule(key, recency, now)` -> (until, group, value). heaps[pool]: [(-rank,
     version, key)] for keys outside groups (rank = value), each current until its step;
     groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
-    expiry: [(until, version, key)]. A group head's rank is kept for the rest of its step
-    unless the head, its version (a use, a placement) or any hint changes it."""
+    expiry: [(until, version, key)].
+
+    Of a pool's groups only those whose head could outrank the best so far are ranked:
+    heads[pool] holds (value, version, key, g) with, for every group, an entry at or below
+    its lowest current value (pushed when a key becomes its head; a stale one is replaced by
+    the group's head when it comes up), and `policy.group_bound(g, value, now)` bounds the
+    first rank field of g's keys from that value on, falling as the value grows across the
+    pool's groups. Walking heads in order stops at the first bound below the best rank."""
 
     tracks_uses = True
 
     def __init__(self, rs: ResidentSet):
         super().__init__(rs)
         self.groups: dict[int, dict[int, list]] = {}
+        self.heads: dict[int, list] = {}
         self.expiry: list = []
-        self.memo: dict = {}  # (pool, group) -> (head, its version, its rank) at memo_now
-        self.memo_now: int | None = None
+        self.bound = getattr(rs.policy, "group_bound", None)
 
     def put(self, key: Key, now: int) -> None:
         p, group, item, until = self._entry(key, now)
         if group is None:
             heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
         else:
-            heap = self.groups.setdefault(p, {}).get(group) or self.groups[p].setdefault(group, [])
+            groups = self.groups.get(p) or self.groups.setdefault(p, {})
+            heap = groups.get(group)
+            if heap is None:
+                heap = groups[group] = []
+            if not heap or item < heap[0]:  # a new head (a lower one keeps its entry valid)
+                heads = self.heads.get(p) or self.heads.setdefault(p, [])
+                heapq.heappush(heads, (*item, group))
+                if len(heads) > 4 * self.rs.capacity + 64:
+                    self._reheads(p)
         heapq.heappush(heap, item)
         if len(heap) > 4 * self.rs.capacity + 64:
             _compact(heap, self.version)
@@ -294,13 +309,12 @@ class _ScheduledIndex(_StaticIndex):
     used = put  # a use may raise a rank (NextUse) or move it in time
 
     def hinted(self, key: Key, now: int) -> None:
-        self.memo.clear()  # a hint may move a whole group (Predicted: its layer's next visit)
-        if key in self.rs:
+        if key in self.rs:  # (a hint of an absent key may move a group: ranked at each miss)
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
         """Every rank anew (a forecast): put's entries, heapified at once."""
-        self.heaps, self.groups, self.expiry, self.memo = {}, {}, [], {}
+        self.heaps, self.groups, self.heads, self.expiry = {}, {}, {}, []
         for key in self.rs:
             p, group, item, until = self._entry(key, now)
             if group is None:
@@ -311,9 +325,10 @@ class _ScheduledIndex(_StaticIndex):
                 self.expiry.append((until, item[1], key))
         for heap in [*self.heaps.values(), self.expiry]:
             heapq.heapify(heap)
-        for groups in self.groups.values():
+        for p, groups in self.groups.items():
             for heap in groups.values():
                 heapq.heapify(heap)
+            self._reheads(p)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         expiry, version = self.expiry, self.version
@@ -321,24 +336,38 @@ class _ScheduledIndex(_StaticIndex):
             _, v, key = heapq.heappop(expiry)
             if version[key] == v and key in self.rs:
                 self.put(key, now)
-        if now != self.memo_now:
-            self.memo, self.memo_now = {}, now
-        rank, recency, memo = self.rs.policy.rank, self.rs._recency, self.memo
+        rank, recency = self.rs.policy.rank, self.rs._recency
         best, best_rank = _top(self.heaps.get(pool, []), version, evictable), None
         if best is not None:
             best_rank = rank(best, recency[best], now)
-        for g, heap in self.groups.get(pool, {}).items():
-            key = _top(heap, version, evictable)
-            if key is None:
+        heads = self.heads.get(pool)
+        if not heads:
+            return best
+        groups, bound, aside, seen = self.groups[pool], self.bound, [], set()
+        while heads:
+            value, v, key, g = entry = heads[0]
+            if best is not None and bound(g, value, now) < best_rank[0]:
+                break  # no key of this or any later group outranks best
+            heapq.heappop(heads)
+            if g in seen:
+                continue  # a duplicate
+            heap = groups[g]
+            while heap and version[heap[0][2]] != heap[0][1]:
+                heapq.heappop(heap)  # stale
+            if not heap:
+                continue  # an empty group needs no entry
+            if heap[0][2] != key or heap[0][1] != v:
+                heapq.heappush(heads, (*heap[0], g))  # its head now: back in order
                 continue
-            known = memo.get((pool, g))  # a group head's rank, kept while nothing moved it
-            if known is not None and known[0] == key and known[1] == version[key]:
-                r = known[2]
-            else:
-                r = rank(key, recency[key], now)
-                memo[pool, g] = (key, version[key], r)
-            if best is None or r > best_rank:
-                best, best_rank = key, r
+            aside.append(entry)
+            seen.add(g)
+            k = _top(heap, version, evictable)
+            if k is not None:
+                r = rank(k, recency[k], now)
+                if best is None or r > best_rank:
+                    best, best_rank = k, r
+        for entry in aside:
+            heapq.heappush(heads, entry)
         return best
 
     def _entry(self, key: Key, now: int) -> tuple:
@@ -348,6 +377,15 @@ class _ScheduledIndex(_StaticIndex):
         v = self.version[key] = self.version.get(key, 0) + 1
         item = (tuple(map(neg, value)), v, key) if group is None else (value, v, key)
         return self.rs.pool_of(key), group, item, until
+
+    def _reheads(self, p: int) -> None:
+        """heads[p] anew: each group's current head."""
+        heads = self.heads[p] = []
+        for g, heap in self.groups.get(p, {}).items():
+            _compact(heap, self.version)
+            if heap:
+                heads.append((*heap[0], g))
+        heapq.heapify(heads)
 
 
 class _ScanIndex:
