@@ -49,7 +49,9 @@ Admission rules (which misses are kept) live in cache/admission.py.
 from __future__ import annotations
 
 import bisect
+from itertools import compress
 from math import ceil, exp, log
+from operator import ne
 from typing import ClassVar, Literal
 
 from tensorbend.cache.oracle import INF, Key, sight
@@ -321,6 +323,26 @@ class Reuse(Predicted):
             return switch, self.FLOOR, (recency,)
         until = INF if value == INF else ceil(value) - 1
         return min(switch, until), None, (value, -INF, -recency)
+
+    def forecast_changes(self, old: tuple, now: int) -> tuple[list[Key], list[tuple]]:
+        """For `cache/victim_heap.py`, after `set_forecast`: (keys whose rank at step now
+        may differ from the one under the forecast `old` = (forward, ahead, after_first),
+        the one before; [(step, key)]: keys whose rank holds only until that step, a switch
+        to come). Every other key keeps its rank for as long as it did: a value the same,
+        an old switch still to come is earlier than a new one would be, and one passed
+        re-ranked its key (or will, at the next miss)."""
+        f_old, ahead_old, after_old = old
+        L, moved, until = self.L, [], []
+        E = range(len(self.ahead[0])) if self.ahead else range(0)
+        for m in range(L):
+            ahead, after = self.ahead[m], self.after_first[m]
+            was = ahead_old[m] if (f_old + 1) * L + m > now else after_old[m]
+            if ahead != was:  # (rows compared at once: most agree; then only their switches)
+                moved += [(m, e) for e in compress(E, map(ne, ahead, was))]
+            if ahead != after:
+                step = (self.forward + 1) * L + m
+                until += [(step, (m, e)) for e in compress(E, map(ne, ahead, after))]
+        return moved, until
 
     def _forecast(self, key: Key, now: int) -> float:
         m, e = key

@@ -285,6 +285,7 @@ class _ScheduledIndex(_StaticIndex):
         self.heads: dict[int, list] = {}
         self.expiry: list = []
         self.bound = getattr(rs.policy, "group_bound", None)
+        self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
 
     def put(self, key: Key, now: int) -> None:
         p, group, item, until = self._entry(key, now)
@@ -313,7 +314,25 @@ class _ScheduledIndex(_StaticIndex):
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
-        """Every rank anew (a forecast): put's entries, heapified at once."""
+        """A forecast arrived: the ranks it may have changed anew (`policy.forecast_changes`
+        against a copy of the last forecast), or every rank when there is no such rule."""
+        policy, seen = self.rs.policy, self.seen
+        changes = getattr(policy, "forecast_changes", None)
+        self.seen = policy.forward, [r[:] for r in policy.ahead], [r[:] for r in policy.after_first]
+        if changes is None or seen is None:
+            self.rebuild_all(now)
+            return
+        recency, version, expiry = self.rs._recency, self.version, self.expiry
+        moved, until = changes(seen, now)
+        for key in moved:
+            if key in recency:
+                self.put(key, now)
+        for step, key in until:
+            if key in recency:
+                heapq.heappush(expiry, (step, version[key], key))
+
+    def rebuild_all(self, now: int) -> None:
+        """Every rank anew: put's entries, heapified at once."""
         self.heaps, self.groups, self.heads, self.expiry = {}, {}, {}, []
         for key in self.rs:
             p, group, item, until = self._entry(key, now)
