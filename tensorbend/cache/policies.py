@@ -37,8 +37,9 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   recency     rank is (constant, -recency): LRU
   static      rank(key, ...) changes only when key is used (and then never rises) or placed: LFU
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
-  scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
-              group of keys (one order among them at every step) it moves with
+  scheduled   `schedule(key, recency, now)`: the rank (negated: an order, lowest first) and
+              until which step it holds, or which group of keys (one order among them at
+              every step) it moves with
   scan        `choose(candidates, now)` picks the victim among the evictable entries at each
               full miss (a learned policy scoring only its candidates: cache/evictor.py)
 and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
@@ -147,6 +148,7 @@ class NextUse(LRU):
         assert foresight is None or foresight >= 0
         self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
         self.beyond = beyond if beyond is not None and foresight is not None else LRU()
+        self._steady = type(self.beyond) is LRU
 
     def touch(self, key: Key, now: int) -> None:
         self.beyond.touch(key, now)
@@ -163,18 +165,21 @@ class NextUse(LRU):
         return (self.next_use(key, now), *self.beyond.rank(key, recency, now))
 
     def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
-        """(until, group, value) for `cache/victim_heap.py`: key's rank is `value` (group None)
-        for every step < until. NextUse keys form no group: the next use s moves on at step
-        s; an unseen s comes into sight at the first forward f with f + foresight > s // L.
-        A `beyond` rule other than recency can change its order at any step: then the rank
-        holds for this step only (the index asks again at the next)."""
+        """(until, group, order) for `cache/victim_heap.py`: key's rank is -order (group None:
+        the rank negated, field by field) for every step < until. NextUse keys form no group:
+        the next use s moves on at step s; an unseen s comes into sight at the first forward
+        f with f + foresight > s // L. A `beyond` rule other than recency can change its
+        order at any step: then the rank holds for this step only (the index asks again)."""
         step = self._next_step(key, now)
-        tail = self.beyond.rank(key, recency, now)
-        steady = type(self.beyond) is LRU  # (0, -recency): constant between uses
-        if step == INF or step < self.horizon(now):
-            return (step if steady else min(step, now + 1)), None, (step, *tail)
-        until = min(step, (step // self.L - self.foresight + 1) * self.L)
-        return (until if steady else min(until, now + 1)), None, (INF, *tail)
+        if self._steady:  # (0, -recency): constant between uses
+            tail = (0, recency)
+        else:
+            tail = tuple(-x for x in self.beyond.rank(key, recency, now))
+        f = self.foresight
+        if f is None or step == INF or step < (now // self.L + f) * self.L:  # (horizon)
+            return (step if self._steady else min(step, now + 1)), None, (-step, *tail)
+        until = min(step, (step // self.L - f + 1) * self.L)
+        return (until if self._steady else min(until, now + 1)), None, (-INF, *tail)
 
     def _next_step(self, key: Key, now: int) -> float:
         steps = self.steps_by_key.get(key)
@@ -235,12 +240,12 @@ class Predicted(LRU):
         return (self._estimate(key, now), -self.log_count.get(key, -INF), -recency)
 
     def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
-        """(until, group, value): a predicted key's rank is `value` until its step; the others
-        move with their layer's group m, where `value` orders them (the lowest log count,
+        """(until, group, order): a predicted key's rank is -order until its step; the others
+        move with their layer's group m, where `order` orders them (the lowest log count,
         then the least recent, ranks highest in the group at every step)."""
         h = self.hints.get(key)
         if h is not None and h > now:
-            return h, None, (h, -INF, -recency)
+            return h, None, (-h, INF, recency)  # the rank (h, -INF, -recency), negated
         return INF, key[0], (self.log_count.get(key, -INF), recency)
 
     def _estimate(self, key: Key, now: int) -> float:
@@ -314,7 +319,7 @@ class Reuse(Predicted):
             return super().schedule(key, recency, now)
         hint = self.hints.get(key)
         if hint is not None and hint > now:
-            return hint, None, (hint, -INF, -recency)
+            return hint, None, (-hint, INF, recency)  # the rank, negated
         m, e = key
         first = (self.forward + 1) * self.L + m  # where `ahead` gives way to `after_first`
         switch = first if first > now and self.ahead[m][e] != self.after_first[m][e] else INF
@@ -322,7 +327,7 @@ class Reuse(Predicted):
         if value <= now + 1:
             return switch, self.FLOOR, (recency,)
         until = INF if value == INF else ceil(value) - 1
-        return min(switch, until), None, (value, -INF, -recency)
+        return min(switch, until), None, (-value, INF, recency)
 
     def forecast_changes(self, old: tuple, now: int) -> tuple[list[Key], list[tuple]]:
         """For `cache/victim_heap.py`, after `set_forecast`: (keys whose rank at step now

@@ -263,18 +263,19 @@ class _RecencyIndex:
 
 
 class _ScheduledIndex(_StaticIndex):
-    """Ranks that hold until a known step (heap + expiry heap), and groups ranked by their head.
+    """Ranks that hold until a known step (heap + calendar), and groups ranked by their head.
 
-    `policy.schedule(key, recency, now)` -> (until, group, value). heaps[pool]: [(-rank,
-    version, key)] for keys outside groups (rank = value), each current until its step;
-    groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
-    expiry: [(until, version, key)].
+    `policy.schedule(key, recency, now)` -> (until, group, order). heaps[pool]: [(order,
+    version, key)] for keys outside groups (order = the rank negated), each current until its
+    step; groups[pool][g]: [(order, version, key)], the head ranks highest in g at every step;
+    due: until -> [(version, key)], a calendar (steps come one by one; a heap would cost a
+    log per use).
 
     Of a pool's groups only those whose head could outrank the best so far are ranked:
-    heads[pool] holds (value, version, key, g) with, for every group, an entry at or below
-    its lowest current value (pushed when a key becomes its head; a stale one is replaced by
-    the group's head when it comes up), and `policy.group_bound(g, value, now)` bounds the
-    first rank field of g's keys from that value on, falling as the value grows across the
+    heads[pool] holds (order, version, key, g) with, for every group, an entry at or below
+    its lowest current order (pushed when a key becomes its head; a stale one is replaced by
+    the group's head when it comes up), and `policy.group_bound(g, order, now)` bounds the
+    first rank field of g's keys from that order on, falling as the order grows across the
     pool's groups. Walking heads in order stops at the first bound below the best rank."""
 
     tracks_uses = True
@@ -283,12 +284,20 @@ class _ScheduledIndex(_StaticIndex):
         super().__init__(rs)
         self.groups: dict[int, dict[int, list]] = {}
         self.heads: dict[int, list] = {}
-        self.expiry: list = []
+        self.due: dict[int, list] = {}  # step -> [(version, key)] whose rank runs out then
+        self.done = -1  # due steps up to this one were handled
         self.bound = getattr(rs.policy, "group_bound", None)
         self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
+        self.schedule, self.recency = rs.policy.schedule, rs._recency
+        self.per_layer = rs.pool == "per_layer"
+        self.limit = 4 * rs.capacity + 64  # entries in a heap before its stale ones go
 
     def put(self, key: Key, now: int) -> None:
-        p, group, item, until = self._entry(key, now)
+        until, group, order = self.schedule(key, self.recency[key], now)
+        assert until > now, (key, now, until)
+        v = self.version[key] = self.version.get(key, 0) + 1
+        item = (order, v, key)
+        p = key[0] if self.per_layer else 0
         if group is None:
             heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
         else:
@@ -299,13 +308,18 @@ class _ScheduledIndex(_StaticIndex):
             if not heap or item < heap[0]:  # a new head (a lower one keeps its entry valid)
                 heads = self.heads.get(p) or self.heads.setdefault(p, [])
                 heapq.heappush(heads, (*item, group))
-                if len(heads) > 4 * self.rs.capacity + 64:
+                if len(heads) > self.limit:
                     self._reheads(p)
         heapq.heappush(heap, item)
-        if len(heap) > 4 * self.rs.capacity + 64:
+        if len(heap) > self.limit:
             _compact(heap, self.version)
         if until != INF:
-            heapq.heappush(self.expiry, (until, item[1], key))
+            t = int(until) if until > self.done else self.done + 1  # (a float: earlier is safe)
+            due = self.due.get(t)
+            if due is None:
+                self.due[t] = [(v, key)]
+            else:
+                due.append((v, key))
 
     used = put  # a use may raise a rank (NextUse) or move it in time
 
@@ -322,18 +336,18 @@ class _ScheduledIndex(_StaticIndex):
         if changes is None or seen is None:
             self.rebuild_all(now)
             return
-        recency, version, expiry = self.rs._recency, self.version, self.expiry
+        recency, version, due, done = self.rs._recency, self.version, self.due, self.done
         moved, until = changes(seen, now)
         for key in moved:
             if key in recency:
                 self.put(key, now)
         for step, key in until:
             if key in recency:
-                heapq.heappush(expiry, (step, version[key], key))
+                due.setdefault(step if step > done else done + 1, []).append((version[key], key))
 
     def rebuild_all(self, now: int) -> None:
         """Every rank anew: put's entries, heapified at once."""
-        self.heaps, self.groups, self.heads, self.expiry = {}, {}, {}, []
+        self.heaps, self.groups, self.heads, self.due = {}, {}, {}, {}
         for key in self.rs:
             p, group, item, until = self._entry(key, now)
             if group is None:
@@ -341,8 +355,9 @@ class _ScheduledIndex(_StaticIndex):
             else:
                 self.groups.setdefault(p, {}).setdefault(group, []).append(item)
             if until != INF:
-                self.expiry.append((until, item[1], key))
-        for heap in [*self.heaps.values(), self.expiry]:
+                t = int(until) if until > self.done else self.done + 1
+                self.due.setdefault(t, []).append((item[1], key))
+        for heap in self.heaps.values():
             heapq.heapify(heap)
         for p, groups in self.groups.items():
             for heap in groups.values():
@@ -350,11 +365,17 @@ class _ScheduledIndex(_StaticIndex):
             self._reheads(p)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        expiry, version = self.expiry, self.version
-        while expiry and expiry[0][0] <= now:
-            _, v, key = heapq.heappop(expiry)
-            if version[key] == v and key in self.rs:
-                self.put(key, now)
+        version = self.version
+        if now > self.done:  # the ranks that ran out at the steps since the last search
+            due, recency, put = self.due, self.recency, self.put
+            steps = range(self.done + 1, now + 1)
+            if len(steps) > 64 + len(due):  # a long gap: the due steps alone
+                steps = sorted(t for t in due if t <= now)
+            for t in steps:
+                for v, key in due.pop(t, ()):
+                    if version[key] == v and key in recency:
+                        put(key, now)
+            self.done = now
         rank, recency = self.rs.policy.rank, self.rs._recency
         best, best_rank = _top(self.heaps.get(pool, []), version, evictable), None
         if best is not None:
@@ -391,11 +412,10 @@ class _ScheduledIndex(_StaticIndex):
 
     def _entry(self, key: Key, now: int) -> tuple:
         """(pool, group, heap entry, until) of key's rank from now on; a new version."""
-        until, group, value = self.rs.policy.schedule(key, self.rs._recency[key], now)
+        until, group, order = self.schedule(key, self.recency[key], now)
         assert until > now, (key, now, until)
         v = self.version[key] = self.version.get(key, 0) + 1
-        item = (tuple(map(neg, value)), v, key) if group is None else (value, v, key)
-        return self.rs.pool_of(key), group, item, until
+        return self.rs.pool_of(key), group, (order, v, key), until
 
     def _reheads(self, p: int) -> None:
         """heads[p] anew: each group's current head."""
