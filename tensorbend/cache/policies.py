@@ -216,6 +216,7 @@ class Predicted(LRU):
         self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
         self.log_count: dict[Key, float] = {}  # key -> log(decayed count) referred to step 0
         self._clock = -1  # latest step seen: hints at or before it have passed
+        self._reach_at, self._reach = None, 0
 
     def touch(self, key: Key, now: int) -> None:
         self._clock = max(self._clock, now)
@@ -226,6 +227,7 @@ class Predicted(LRU):
         if old is None or old <= self._clock or when < old:  # the earliest pending prediction
             self.hints[key] = when
         self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
+        self._reach_at = None  # (`group_bound`'s reach, for the step it was computed at)
 
     def next_use(self, key: Key, now: int) -> float:
         h = self.hints.get(key)
@@ -260,8 +262,35 @@ class Predicted(LRU):
     def group_bound(self, group: int, value: tuple, now: int) -> float:
         """For `cache/victim_heap.py`: at least the first rank field of every key of layer
         `group` whose group value is `value` or after it (a larger log count). The next
-        visit is at most now + 2L, and the odds only fall as the count rises."""
-        return (now + 2 * self.L) + self._odds(value[0], now)
+        visit is at most now + L, one predicted without the key one visit later (`_reach`),
+        and the odds only fall as the count rises."""
+        if self._reach_at != now:
+            self._reach_at, self._reach = now, self._farthest_visit(now)
+        return (now + self._reach) + self._odds(value[0], now)
+
+    def _farthest_visit(self, now: int) -> int:
+        """The latest next visit of any layer, less now: L, or more where a prediction for
+        the layer's next visit left some of its experts out (their visit one later)."""
+        L, reach = self.L, self.L
+        for m, h in self.layer_hint.items():
+            if h > now:
+                visit = now - now % L + m
+                if visit <= now:
+                    visit += L
+                if h >= visit and visit - now + L > reach:
+                    reach = visit - now + L
+        return reach
+
+    def group_rank(self, group: int, order: tuple, now: int) -> tuple:
+        """`rank` of the key of layer `group` whose group order is (log count, recency)."""
+        g, recency = order
+        L = self.L
+        visit = now - now % L + group
+        if visit <= now:
+            visit += L
+        if self.layer_hint.get(group, -1) >= visit:
+            visit += L
+        return (visit + self._odds(g, now), -g, -recency)
 
     def _odds(self, g: float | None, now: int) -> float:
         """L * (1 - p) / p (p floored at 1e-3) for the use rate p of log count g (None or -inf:
@@ -357,3 +386,8 @@ class Reuse(Predicted):
     def group_bound(self, group: int, value: tuple, now: int) -> float:
         """FLOOR: every key ranks now + 1 first; before a forecast, Predicted's layers."""
         return now + 1 if group == self.FLOOR else super().group_bound(group, value, now)
+
+    def group_rank(self, group: int, order: tuple, now: int) -> tuple:
+        if group == self.FLOOR:
+            return (now + 1, -INF, -order[0])
+        return super().group_rank(group, order, now)

@@ -276,7 +276,9 @@ class _ScheduledIndex(_StaticIndex):
     its lowest current order (pushed when a key becomes its head; a stale one is replaced by
     the group's head when it comes up), and `policy.group_bound(g, order, now)` bounds the
     first rank field of g's keys from that order on, falling as the order grows across the
-    pool's groups. Walking heads in order stops at the first bound below the best rank."""
+    pool's groups. Walking heads in order stops at the first bound below the best rank; a
+    group's top is ranked by `policy.group_rank(g, order, now)` (its `rank`, from the order),
+    once per step unless it moved (a use, a placement, a hint of its group)."""
 
     tracks_uses = True
 
@@ -287,6 +289,9 @@ class _ScheduledIndex(_StaticIndex):
         self.due: dict[int, list] = {}  # step -> [(version, key)] whose rank runs out then
         self.done = -1  # due steps up to this one were handled
         self.bound = getattr(rs.policy, "group_bound", None)
+        self.group_rank = getattr(rs.policy, "group_rank", None)
+        self.memo: dict = {}  # (pool, group) -> (its top's entry, its rank) at memo_now
+        self.memo_now = -1
         self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
@@ -308,7 +313,7 @@ class _ScheduledIndex(_StaticIndex):
             if not heap or item < heap[0]:  # a new head (a lower one keeps its entry valid)
                 heads = self.heads.get(p) or self.heads.setdefault(p, [])
                 heapq.heappush(heads, (*item, group))
-                if len(heads) > self.limit:
+                if len(heads) > 4 * len(groups) + 16:  # (it is walked at every miss: kept small)
                     self._reheads(p)
         heapq.heappush(heap, item)
         if len(heap) > self.limit:
@@ -324,7 +329,9 @@ class _ScheduledIndex(_StaticIndex):
     used = put  # a use may raise a rank (NextUse) or move it in time
 
     def hinted(self, key: Key, now: int) -> None:
-        if key in self.rs:  # (a hint of an absent key may move a group: ranked at each miss)
+        # a hint, even of an absent key, may move its layer's group (Predicted: the visit)
+        self.memo.pop((key[0] if self.per_layer else 0, key[0]), None)
+        if key in self.recency:
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
@@ -379,11 +386,15 @@ class _ScheduledIndex(_StaticIndex):
         rank, recency = self.rs.policy.rank, self.rs._recency
         best, best_rank = _top(self.heaps.get(pool, []), version, evictable), None
         if best is not None:
+            best = best[-1]
             best_rank = rank(best, recency[best], now)
         heads = self.heads.get(pool)
         if not heads:
             return best
         groups, bound, aside, seen = self.groups[pool], self.bound, [], set()
+        if now != self.memo_now:
+            self.memo, self.memo_now = {}, now
+        memo, group_rank = self.memo, self.group_rank
         while heads:
             value, v, key, g = entry = heads[0]
             if best is not None and bound(g, value, now) < best_rank[0]:
@@ -401,11 +412,16 @@ class _ScheduledIndex(_StaticIndex):
                 continue
             aside.append(entry)
             seen.add(g)
-            k = _top(heap, version, evictable)
-            if k is not None:
-                r = rank(k, recency[k], now)
+            item = _top(heap, version, evictable)
+            if item is not None:
+                known = memo.get((pool, g))  # its rank this step, unless it moved since
+                if known is not None and known[0] is item:
+                    r = known[1]
+                else:
+                    r = group_rank(g, item[0], now)
+                    memo[pool, g] = item, r
                 if best is None or r > best_rank:
-                    best, best_rank = k, r
+                    best, best_rank = item[-1], r
         for entry in aside:
             heapq.heappush(heads, entry)
         return best
@@ -419,12 +435,14 @@ class _ScheduledIndex(_StaticIndex):
 
     def _reheads(self, p: int) -> None:
         """heads[p] anew: each group's current head."""
-        heads = self.heads[p] = []
+        heads, version = [], self.version
         for g, heap in self.groups.get(p, {}).items():
-            _compact(heap, self.version)
+            while heap and version[heap[0][2]] != heap[0][1]:
+                heapq.heappop(heap)  # stale
             if heap:
                 heads.append((*heap[0], g))
         heapq.heapify(heads)
+        self.heads[p] = heads
 
 
 class _ScanIndex:
@@ -465,8 +483,9 @@ def _compact(heap: list, version: dict) -> None:
     heapq.heapify(heap)
 
 
-def _top(heap: list, version: dict, evictable: Evictable) -> Key | None:
-    """The first current, evictable key of a heap of (..., version, key); the rest stay."""
+def _top(heap: list, version: dict, evictable: Evictable) -> tuple | None:
+    """The first current entry of an evictable key in a heap of (..., version, key); the rest
+    stay."""
     aside, found = [], None
     while heap:
         item = heap[0]
@@ -475,9 +494,9 @@ def _top(heap: list, version: dict, evictable: Evictable) -> Key | None:
             heapq.heappop(heap)  # stale
             continue
         if evictable is None or evictable(key):
-            found = key
+            found = item
             break
         aside.append(heapq.heappop(heap))
-    for item in aside:
-        heapq.heappush(heap, item)
+    for entry in aside:
+        heapq.heappush(heap, entry)
     return found
