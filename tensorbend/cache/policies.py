@@ -96,12 +96,17 @@ class LFU(LRU):
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (-self.counts.get(key, 0), -recency)
 
+    def order(self, key: Key, recency: int, now: int) -> tuple:
+        """The rank negated, field by field (`cache/victim_heap.py` keeps heaps of these)."""
+        return (self.counts.get(key, 0), recency)
+
 
 class LFRU(LFU):
     """Frequency damped by age: score = uses / (steps since the last use + 1); lowest leaves."""
 
     name = "lfru"
     ranking: ClassVar[Ranking] = "ages"
+    order = None  # (LFU's: no longer the rank negated)
 
     def __init__(self) -> None:
         super().__init__()

@@ -158,11 +158,13 @@ class _StaticIndex:
         self.rs = rs
         self.heaps: dict[int, list] = {}
         self.version: dict[Key, int] = {}
+        self.order = getattr(rs.policy, "order", None)  # the rank negated, where it says
 
     def put(self, key: Key, now: int) -> None:
         """Key placed, or its rank changed otherwise than by a use (hinted, a forecast)."""
         v = self.version[key] = self.version.get(key, 0) + 1
-        heap = self.heaps.setdefault(self.rs.pool_of(key), [])
+        p = key[0] if self.rs.pool == "per_layer" else 0
+        heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
         heapq.heappush(heap, (self._neg_rank(key, now), v, key))
         if len(heap) > 4 * self.rs.capacity + 64:
             _compact(heap, self.version)
@@ -200,6 +202,8 @@ class _StaticIndex:
         return found
 
     def _neg_rank(self, key: Key, now: int) -> tuple:
+        if self.order is not None:
+            return self.order(key, self.rs._recency[key], now)
         return tuple(map(neg, self.rs.policy.rank(key, self.rs._recency[key], now)))
 
 
