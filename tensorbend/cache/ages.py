@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
 
 from tensorbend.cache.kinetic import Tournament
 from tensorbend.cache.policies import Key
-from tensorbend.cache.resident import ResidentSet
-
-Evictable = Callable[[Key], bool] | None
+from tensorbend.cache.resident import Evictable, ResidentSet
 
 
 class AgesIndex:

@@ -38,6 +38,7 @@ from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.policies import LRU, Key
 
 PoolName = Literal["global", "per_layer"]
+Evictable = Callable[[Key], bool] | None  # which entries a placement may evict (None: any)
 
 
 @dataclass(frozen=True)
