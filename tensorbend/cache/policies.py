@@ -113,7 +113,7 @@ class LFRU(LFU):
         self.last_use: dict[Key, int] = {}
 
     def touch(self, key: Key, now: int) -> None:
-        super().touch(key, now)
+        self.counts[key] = self.counts.get(key, 0) + 1  # (LFU's, inline: every use calls it)
         self.last_use[key] = now
 
     def score(self, key: Key, now: int) -> float:
@@ -174,17 +174,24 @@ class NextUse(LRU):
         the rank negated, field by field) for every step < until. NextUse keys form no group:
         the next use s moves on at step s; an unseen s comes into sight at the first forward
         f with f + foresight > s // L. A `beyond` rule other than recency can change its
-        order at any step: then the rank holds for this step only (the index asks again)."""
-        step = self._next_step(key, now)
-        if self._steady:  # (0, -recency): constant between uses
-            tail = (0, recency)
-        else:
-            tail = tuple(-x for x in self.beyond.rank(key, recency, now))
+        order at any step: then the rank holds for this step only (the index asks again).
+        With recency beyond, the order (-s, 0, recency) is packed in one integer,
+        -s * 2**40 + recency (-2**100 + recency for s unseen), cheaper to compare."""
+        steps = self.steps_by_key.get(key)
+        step = INF
+        if steps:
+            i = bisect.bisect_right(steps, now)
+            if i < len(steps):
+                step = steps[i]
         f = self.foresight
-        if f is None or step == INF or step < (now // self.L + f) * self.L:  # (horizon)
-            return (step if self._steady else min(step, now + 1)), None, (-step, *tail)
-        until = min(step, (step // self.L - f + 1) * self.L)
-        return (until if self._steady else min(until, now + 1)), None, (-INF, *tail)
+        seen = f is None or step == INF or step < (now // self.L + f) * self.L  # (horizon)
+        until = step if seen else min(step, (step // self.L - f + 1) * self.L)
+        if self._steady:  # (0, -recency): constant between uses
+            assert recency < _PACK, recency
+            order = recency - (step * _PACK if seen and step != INF else _UNSEEN)
+            return until, None, order
+        tail = tuple(-x for x in self.beyond.rank(key, recency, now))
+        return min(until, now + 1), None, ((-step if seen else -INF), *tail)
 
     def _next_step(self, key: Key, now: int) -> float:
         steps = self.steps_by_key.get(key)
@@ -192,6 +199,9 @@ class NextUse(LRU):
             return INF
         i = bisect.bisect_right(steps, now)
         return INF if i == len(steps) else steps[i]
+
+
+_PACK, _UNSEEN = 1 << 40, 1 << 100  # NextUse.schedule's packed order: recency < 2**40
 
 
 class Predicted(LRU):
@@ -224,8 +234,11 @@ class Predicted(LRU):
         self._reach_at, self._reach = None, 0
 
     def touch(self, key: Key, now: int) -> None:
-        self._clock = max(self._clock, now)
-        self.log_count[key] = log(self._count(key, now) + 1.0) - now * self._per_step
+        if now > self._clock:
+            self._clock = now
+        g = self.log_count.get(key)  # (the count inline: every use calls it)
+        count = 0.0 if g is None else exp(g + now * self._per_step)
+        self.log_count[key] = log(count + 1.0) - now * self._per_step
 
     def hint(self, key: Key, when: int) -> None:
         old = self.hints.get(key)
@@ -302,10 +315,6 @@ class Predicted(LRU):
         never used, p = 0): how far past its layer's next visit an estimate puts the key."""
         p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
         return self.L * (1 - p) / max(p, 1e-3)
-
-    def _count(self, key: Key, now: int) -> float:
-        g = self.log_count.get(key)
-        return 0.0 if g is None else exp(g + now * self._per_step)
 
 
 class Reuse(Predicted):
