@@ -72,9 +72,9 @@ def test_same_victims_with_admission(name, admission):
 
 def _fuzz(rs: ResidentSet, seed: int, L: int, E: int, forwards: int, gaps: bool = False) -> list:
     """Random demands (placed at once, or after the step's other demands), hints (near, far,
-    repeated), prefetches, pins, failed loads and forecasts (Reuse), in an order the drivers
-    can produce; every placement's result. gaps: forwards skipped at random (up to 200 at
-    a time: the clock jumps)."""
+    between two steps, repeated), prefetches, pins, failed loads and forecasts (Reuse), in an
+    order the drivers can produce; every placement's result. gaps: forwards skipped at random
+    (up to 200 at a time: the clock jumps)."""
     rng, out = random.Random(seed), []
     numbers = [0]
     for _ in range(forwards - 1):
@@ -83,7 +83,9 @@ def _fuzz(rs: ResidentSet, seed: int, L: int, E: int, forwards: int, gaps: bool 
         for m in range(L):
             now = f * L + m
             for _ in range(rng.randrange(3)):
-                rs.hint((rng.randrange(L), rng.randrange(E)), now + rng.choice([1, 2, L, 3 * L]))
+                rs.hint(
+                    (rng.randrange(L), rng.randrange(E)), now + rng.choice([1, 1.5, 2, L, 3 * L])
+                )
             pinned = {(m, e) for e in rng.sample(range(E), 2) if (m, e) in rs}
             later = rng.random() < 0.5  # claim all, then place (placed older than later uses)
             missed = []

@@ -25,6 +25,7 @@ the L layers' heads to rank.
 from __future__ import annotations
 
 import heapq
+from math import ceil
 
 from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.resident import Evictable, ResidentSet
@@ -89,7 +90,9 @@ class ScheduledIndex:
         if len(heap) > self.limit:
             compact(heap, self.version)
         if until != INF:
-            t = int(until) if until > self.done else self.done + 1  # (a float: earlier is safe)
+            t = ceil(until)  # the first step the rank may differ (steps are integers)
+            if t <= self.done:
+                t = self.done + 1
             due = self.due.get(t)
             if due is None:
                 self.due[t] = [(v, key)]
@@ -135,7 +138,7 @@ class ScheduledIndex:
             else:
                 self.groups.setdefault(p, {}).setdefault(group, []).append(item)
             if until != INF:
-                t = int(until) if until > self.done else self.done + 1
+                t = max(ceil(until), self.done + 1)
                 self.due.setdefault(t, []).append((item[1], key))
         for heap in self.heaps.values():
             heapq.heapify(heap)
