@@ -154,9 +154,7 @@ class NextUse(LRU):
         self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
         self.beyond = beyond if beyond is not None and foresight is not None else LRU()
         self._steady = type(self.beyond) is LRU
-
-    def touch(self, key: Key, now: int) -> None:
-        self.beyond.touch(key, now)
+        self.touch = self.beyond.touch  # (all a use tells NextUse; LRU's does nothing)
 
     def next_use(self, key: Key, now: int) -> float:
         step = self._next_step(key, now)
