@@ -15,7 +15,8 @@ is chosen by the property each policy class declares, `ranking`:
 
   recency    (LRU) the rank is -recency: keys in order of use (`_RecencyIndex`).
   static     (LFU) a rank changes only when its key is used or placed, and a use only lowers
-             it: a heap of ranks, a used key re-ranked when it reaches the top.
+             it: a heap of ranks (`policy.order`, the rank negated, where it has one), a used
+             key re-ranked when it reaches the top.
   scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(...)`
              says until which step a rank stays as it is: a heap of ranks and a calendar of
              those steps; ranks that move at every step move together in groups, each a heap
@@ -24,8 +25,8 @@ is chosen by the property each policy class declares, `ranking`:
   scan       (cache/evictor.py) the policy chooses among the pool's evictable entries at each
              miss (`policy.choose(candidates, now)`), scoring only those; nothing is indexed.
   ages       (LFRU) every score count / (age + 1) moves at every step, but keys of one count
-             keep their order: buckets by count, walked while a bucket can still hold the
-             lowest score (cache/ages.py).
+             keep their order: buckets by count, their heads in a kinetic tournament
+             (cache/ages.py, cache/kinetic.py).
 
 Every index skips entries that are not evictable (loading or pinned) by setting them aside and
 putting them back. Time (`now`) never goes backwards. tests/test_victim_heap.py replays random
