@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
-from tensorbend.cache.resident import ResidentSet
+from tensorbend.cache.resident import ResidentSet, inherited
 
 REPLAY_POLICIES = (
     "lru", "lfu", "lfru", "predicted", "prefetch", "reuse", "belady", "belady/h=1", "belady/h=2"
@@ -151,11 +151,12 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     out = Replayed()
     L = len(ids_FLK[0]) if ids_FLK else 1
     use, place, victims = rs.use, rs.place, out.victims
-    before = None if _is_base(feed.before, Feed.before) else feed.before  # (skip no-op calls)
-    after = None if _is_base(feed.after, Feed.after) else feed.after
-    misses, now = 0, 0
+    before = None if inherited(feed.before, Feed.before) else feed.before  # (no-op calls skipped)
+    after = None if inherited(feed.after, Feed.after) else feed.after
+    misses = 0
     for f, layers in enumerate(ids_FLK):
         for m, ids in enumerate(layers):
+            now = f * L + m
             if before is not None:
                 before(rs, f, m, now, out)
             pinned: set = set()  # the step's experts used so far: not evictable
@@ -170,16 +171,10 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
                     placed = place(key, now, None, evictable)
                     victims.append((now, key, placed.outcome, placed.victim))
                 pinned.add(key)
-            now += 1
         if after is not None:
             after(rs, f)
     out.misses += misses
-    assert now == len(ids_FLK) * L
     return out
-
-
-def _is_base(method, base) -> bool:
-    return getattr(method, "__func__", None) is base
 
 
 def steps_by_key(ids_FLK: list) -> dict:

@@ -179,3 +179,8 @@ class ResidentSet:
             self._seq += 1
             seq = self._seq
         self._recency[key] = seq
+
+
+def inherited(method, base) -> bool:
+    """Whether a bound method is `base` itself, not overridden (a no-op a caller may skip)."""
+    return getattr(method, "__func__", None) is base

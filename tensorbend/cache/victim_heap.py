@@ -42,7 +42,7 @@ from operator import neg
 from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.ages import AgesIndex
 from tensorbend.cache.policies import LRU, Key
-from tensorbend.cache.resident import Evictable, Placement, ResidentSet
+from tensorbend.cache.resident import Evictable, Placement, ResidentSet, inherited
 from tensorbend.cache.scheduled import ScheduledIndex, compact
 
 
@@ -58,9 +58,9 @@ class IndexedResidentSet(ResidentSet):
         self._now = 0  # the latest step seen (hints carry none)
         self._index = index = _INDEXES[self.policy.ranking](self)
         self._used = index.used if index.tracks_uses else None
-        self._touch = None if _is_base(self.policy.touch, LRU.touch) else self.policy.touch
+        self._touch = None if inherited(self.policy.touch, LRU.touch) else self.policy.touch
         adm_touch = self.admission.touch
-        self._adm_touch = None if _is_base(adm_touch, AdmitAll.touch) else adm_touch
+        self._adm_touch = None if inherited(adm_touch, AdmitAll.touch) else adm_touch
         self._per_layer = self.pool == "per_layer"
         self._caps = [self.pool_capacity(p) for p in range(len(self._size))]
         self._admit_all = type(self.admission) is AdmitAll
@@ -139,11 +139,6 @@ class IndexedResidentSet(ResidentSet):
 _ADMITTED, _REFUSED, _BLOCKED = Placement("admitted"), Placement("refused"), Placement("blocked")
 
 
-def _is_base(method, base) -> bool:
-    """Whether a bound method is `base` itself (a no-op worth not calling)."""
-    return getattr(method, "__func__", None) is base
-
-
 class _StaticIndex:
     """One heap per pool of negated ranks [(-rank, version, key)], each at least the key's
     current rank: a use only lowers a rank, so a used key (its stored recency is stale) is
@@ -152,7 +147,7 @@ class _StaticIndex:
     tracks_uses = False  # `used` does nothing (IndexedResidentSet skips it)
 
     def __init__(self, rs: ResidentSet):
-        assert rs.policy.use_lowers_rank or rs.policy.ranking == "scheduled", rs.policy.name
+        assert rs.policy.use_lowers_rank, rs.policy.name
         self.rs = rs
         self.heaps: dict[int, list] = {}
         self.version: dict[Key, int] = {}
