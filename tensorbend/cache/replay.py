@@ -108,24 +108,28 @@ class ExactForecast(Feed):
 
     def __init__(self, ids_FLK: list, num_experts: int):
         self.ids, self.L = ids_FLK, len(ids_FLK[0])
-        self.steps = steps_by_key(ids_FLK)
+        # then_F[f][m]: [(e, the step of (m, e)'s next use after its use in forward f)]
+        later: dict = {}
+        self.then_F: list = [None] * len(ids_FLK)
+        for f in range(len(ids_FLK) - 1, -1, -1):
+            rows = self.then_F[f] = []
+            for m, ids in enumerate(ids_FLK[f]):
+                rows.append([(e, later.get((m, e), INF)) for e in ids])
+                for e in ids:
+                    later[m, e] = f * self.L + m
         self.next_LE = [[INF] * num_experts for _ in range(self.L)]
-        self.pos: dict = {}
-        for (m, e), steps in self.steps.items():
-            self.next_LE[m][e] = steps[0]
+        for (m, e), step in later.items():  # (now each key's first use)
+            self.next_LE[m][e] = step
 
     def after(self, rs, f):
-        for m, ids in enumerate(self.ids[f]):
-            for e in ids:  # the keys whose next use was in forward f move on
-                i = self.pos[(m, e)] = self.pos.get((m, e), 0) + 1
-                steps = self.steps[(m, e)]
-                self.next_LE[m][e] = steps[i] if i < len(steps) else INF
+        for row, then in zip(self.next_LE, self.then_F[f], strict=True):
+            for e, step in then:  # the keys whose next use was in forward f move on
+                row[e] = step
         after_LE = [row[:] for row in self.next_LE]
         if f + 1 < len(self.ids):
-            for m, ids in enumerate(self.ids[f + 1]):
-                for e in ids:
-                    i, steps = self.pos.get((m, e), 0) + 1, self.steps[(m, e)]
-                    after_LE[m][e] = steps[i] if i < len(steps) else INF
+            for row, then in zip(after_LE, self.then_F[f + 1], strict=True):
+                for e, step in then:
+                    row[e] = step
         rs.set_forecast(f, [row[:] for row in self.next_LE], after_LE)
 
 
