@@ -1,10 +1,10 @@
-"""A kinetic tournament: LFRU's victim, whose score count / (age + 1) moves at every step.
+"""A kinetic tournament: the lowest LFRU score count / (age + 1), which moves at every step.
 
-Usage (what `cache.victim_heap.IndexedResidentSet` builds for a policy with ranking "ages"):
+Usage (what `cache.ages.AgesIndex` holds per pool, over the heads of its count buckets):
     >>> t = Tournament(capacity=2)
     >>> t.set("a", (3, 0, 1), now=0)   # (count, last use, recency): 3 uses, the last at step 0
     >>> t.set("b", (1, 4, 2), now=4)
-    >>> t.best(now=4, evictable=None, line_of=lambda k: {"a": (3, 0, 1), "b": (1, 4, 2)}[k])
+    >>> t.root(now=4)
     'a'
     >>> t.until[1]                     # the first step at which b's score is the lower
     6
@@ -16,50 +16,7 @@ against 1/3) b leaves. The root knows that from the lines alone, without being a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tensorbend.cache.policies import INF, Key
-from tensorbend.cache.resident import ResidentSet
-
-Evictable = Callable[[Key], bool] | None
-
-
-class AgesIndex:
-    """LFRU: one `Tournament` per pool over the keys' (count, last use, recency).
-
-    A use is not replayed at once. It adds a use and moves the last use later, so the stored
-    line scores below the key's true line at every later step (c / (t - l + 1) < (c + 1) /
-    (t - l' + 1) for l' >= l): a root whose stored line is current is the true lowest, and a
-    root whose line is stale is refreshed and the root asked again."""
-
-    def __init__(self, rs: ResidentSet):
-        assert rs.policy.use_lowers_rank, rs.policy.name
-        self.rs = rs
-        self.trees: dict[int, Tournament] = {}
-
-    def put(self, key: Key, now: int) -> None:
-        p = self.rs.pool_of(key)
-        tree = self.trees.get(p) or self.trees.setdefault(p, Tournament(self.rs.pool_capacity(p)))
-        tree.set(key, self._line(key), now)
-
-    def used(self, key: Key, now: int) -> None:
-        pass
-
-    def hinted(self, key: Key, now: int) -> None:
-        pass
-
-    def rebuild(self, now: int) -> None:
-        pass
-
-    def drop(self, key: Key, now: int) -> None:
-        self.trees[self.rs.pool_of(key)].clear(key, now)
-
-    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        tree = self.trees.get(pool)
-        return None if tree is None else tree.best(now, evictable, self._line)
-
-    def _line(self, key: Key) -> tuple[int, int, int]:
-        return (*self.rs.policy.line(key), self.rs._recency[key])
 
 
 class Tournament:
@@ -105,25 +62,11 @@ class Tournament:
         self.free.append(i)
         self._path(i, False, now)
 
-    def best(self, now: int, evictable: Evictable, line_of) -> Key | None:
-        """The lowest-scoring evictable key at step now (None: none); `line_of(key)` is the
-        current line, which a stored line of a key used since can only undercut."""
+    def root(self, now: int) -> Key | None:
+        """The key of the lowest score at step now (None: empty)."""
         self._refresh(now)
-        aside, found = [], None
-        while (w := self.win[1]) >= 0:
-            key = self.key[w]
-            line = line_of(key)
-            if line != (self.c[w], self.last[w], self.r[w]):
-                self.set(key, line, now)
-                continue
-            if evictable is None or evictable(key):
-                found = key
-                break
-            aside.append(w)
-            self._path(w, False, now)
-        for w in aside:
-            self._path(w, True, now)
-        return found
+        w = self.win[1]
+        return None if w < 0 else self.key[w]
 
     def _path(self, i: int, present: bool, now: int) -> None:
         """Leaf i changed: replay its ancestors, up to the first whose duel came out as before

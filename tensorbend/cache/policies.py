@@ -37,8 +37,9 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   recency     rank is (constant, -recency): LRU
   static      rank(key, ...) changes only when key is used (and then never rises) or placed: LFU
   ages        LFRU: count / (age + 1) from `line(key) -> (count, last use)`
-  scheduled   `schedule(key, recency, now)`: the rank and until which step it holds, or which
-              group of keys (one order among them at every step) it moves with
+  scheduled   `schedule(key, recency, now)`: the rank (negated: an order, lowest first) and
+              until which step it holds, or which group of keys (one order among them at
+              every step) it moves with
   scan        `choose(candidates, now)` picks the victim among the evictable entries at each
               full miss (a learned policy scoring only its candidates: cache/evictor.py)
 and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
@@ -49,7 +50,9 @@ Admission rules (which misses are kept) live in cache/admission.py.
 from __future__ import annotations
 
 import bisect
+from itertools import compress
 from math import ceil, exp, log
+from operator import ne
 from typing import ClassVar, Literal
 
 from tensorbend.cache.oracle import INF, Key, sight
@@ -96,19 +99,24 @@ class LFU(LRU):
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (-self.counts.get(key, 0), -recency)
 
+    def order(self, key: Key, recency: int, now: int) -> tuple:
+        """The rank negated, field by field (`cache/victim_heap.py` keeps heaps of these)."""
+        return (self.counts.get(key, 0), recency)
+
 
 class LFRU(LFU):
     """Frequency damped by age: score = uses / (steps since the last use + 1); lowest leaves."""
 
     name = "lfru"
     ranking: ClassVar[Ranking] = "ages"
+    order = None  # (LFU's: no longer the rank negated)
 
     def __init__(self) -> None:
         super().__init__()
         self.last_use: dict[Key, int] = {}
 
     def touch(self, key: Key, now: int) -> None:
-        super().touch(key, now)
+        self.counts[key] = self.counts.get(key, 0) + 1  # (LFU's, inline: every use calls it)
         self.last_use[key] = now
 
     def score(self, key: Key, now: int) -> float:
@@ -148,9 +156,8 @@ class NextUse(LRU):
         assert foresight is None or foresight >= 0
         self.steps_by_key, self.L, self.foresight = steps_by_key, num_layers, foresight
         self.beyond = beyond if beyond is not None and foresight is not None else LRU()
-
-    def touch(self, key: Key, now: int) -> None:
-        self.beyond.touch(key, now)
+        self._steady = type(self.beyond) is LRU
+        self.touch = self.beyond.touch  # (all a use tells NextUse; LRU's does nothing)
 
     def next_use(self, key: Key, now: int) -> float:
         step = self._next_step(key, now)
@@ -164,18 +171,28 @@ class NextUse(LRU):
         return (self.next_use(key, now), *self.beyond.rank(key, recency, now))
 
     def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
-        """(until, group, value) for `cache/victim_heap.py`: key's rank is `value` (group None)
-        for every step < until. NextUse keys form no group: the next use s moves on at step
-        s; an unseen s comes into sight at the first forward f with f + foresight > s // L.
-        A `beyond` rule other than recency can change its order at any step: then the rank
-        holds for this step only (the index asks again at the next)."""
-        step = self._next_step(key, now)
-        tail = self.beyond.rank(key, recency, now)
-        steady = type(self.beyond) is LRU  # (0, -recency): constant between uses
-        if step == INF or step < self.horizon(now):
-            return (step if steady else min(step, now + 1)), None, (step, *tail)
-        until = min(step, (step // self.L - self.foresight + 1) * self.L)
-        return (until if steady else min(until, now + 1)), None, (INF, *tail)
+        """(until, group, order) for `cache/victim_heap.py`: key's rank is -order (group None:
+        the rank negated, field by field) for every step < until. NextUse keys form no group:
+        the next use s moves on at step s; an unseen s comes into sight at the first forward
+        f with f + foresight > s // L. A `beyond` rule other than recency can change its
+        order at any step: then the rank holds for this step only (the index asks again).
+        With recency beyond, the order (-s, 0, recency) is packed in one integer,
+        -s * 2**40 + recency (-2**100 + recency for s unseen), cheaper to compare."""
+        steps = self.steps_by_key.get(key)
+        step = INF
+        if steps:
+            i = bisect.bisect_right(steps, now)
+            if i < len(steps):
+                step = steps[i]
+        f = self.foresight
+        seen = f is None or step == INF or step < (now // self.L + f) * self.L  # (horizon)
+        until = step if seen else min(step, (step // self.L - f + 1) * self.L)
+        if self._steady:  # (0, -recency): constant between uses
+            assert recency < _PACK, recency
+            order = recency - (step * _PACK if seen and step != INF else _UNSEEN)
+            return until, None, order
+        tail = tuple(-x for x in self.beyond.rank(key, recency, now))
+        return min(until, now + 1), None, ((-step if seen else -INF), *tail)
 
     def _next_step(self, key: Key, now: int) -> float:
         steps = self.steps_by_key.get(key)
@@ -183,6 +200,9 @@ class NextUse(LRU):
             return INF
         i = bisect.bisect_right(steps, now)
         return INF if i == len(steps) else steps[i]
+
+
+_PACK, _UNSEEN = 1 << 40, 1 << 100  # NextUse.schedule's packed order: recency < 2**40
 
 
 class Predicted(LRU):
@@ -212,16 +232,21 @@ class Predicted(LRU):
         self.layer_hint: dict[int, int] = {}  # m -> latest predicted step of layer m
         self.log_count: dict[Key, float] = {}  # key -> log(decayed count) referred to step 0
         self._clock = -1  # latest step seen: hints at or before it have passed
+        self._reach_at, self._reach = None, 0
 
     def touch(self, key: Key, now: int) -> None:
-        self._clock = max(self._clock, now)
-        self.log_count[key] = log(self._count(key, now) + 1.0) - now * self._per_step
+        if now > self._clock:
+            self._clock = now
+        g = self.log_count.get(key)  # (the count inline: every use calls it)
+        count = 0.0 if g is None else exp(g + now * self._per_step)
+        self.log_count[key] = log(count + 1.0) - now * self._per_step
 
     def hint(self, key: Key, when: int) -> None:
         old = self.hints.get(key)
         if old is None or old <= self._clock or when < old:  # the earliest pending prediction
             self.hints[key] = when
         self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
+        self._reach_at = None  # (`group_bound`'s reach, for the step it was computed at)
 
     def next_use(self, key: Key, now: int) -> float:
         h = self.hints.get(key)
@@ -236,12 +261,12 @@ class Predicted(LRU):
         return (self._estimate(key, now), -self.log_count.get(key, -INF), -recency)
 
     def schedule(self, key: Key, recency: int, now: int) -> tuple[float, int | None, tuple]:
-        """(until, group, value): a predicted key's rank is `value` until its step; the others
-        move with their layer's group m, where `value` orders them (the lowest log count,
+        """(until, group, order): a predicted key's rank is -order until its step; the others
+        move with their layer's group m, where `order` orders them (the lowest log count,
         then the least recent, ranks highest in the group at every step)."""
         h = self.hints.get(key)
         if h is not None and h > now:
-            return h, None, (h, -INF, -recency)
+            return h, None, (-h, INF, recency)  # the rank (h, -INF, -recency), negated
         return INF, key[0], (self.log_count.get(key, -INF), recency)
 
     def _estimate(self, key: Key, now: int) -> float:
@@ -251,13 +276,46 @@ class Predicted(LRU):
             visit += L
         if self.layer_hint.get(m, -1) >= visit:
             visit += L  # the predicted set for that visit excludes this expert
-        g = self.log_count.get(key)  # (the count inline: victim search ranks many of these)
-        p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
-        return visit + L * (1 - p) / max(p, 1e-3)
+        return visit + self._odds(self.log_count.get(key), now)
 
-    def _count(self, key: Key, now: int) -> float:
-        g = self.log_count.get(key)
-        return 0.0 if g is None else exp(g + now * self._per_step)
+    def group_bound(self, group: int, value: tuple, now: int) -> float:
+        """For `cache/victim_heap.py`: at least the first rank field of every key of layer
+        `group` whose group value is `value` or after it (a larger log count). The next
+        visit is at most now + L, one predicted without the key one visit later (`_reach`),
+        and the odds only fall as the count rises."""
+        if self._reach_at != now:
+            self._reach_at, self._reach = now, self._farthest_visit(now)
+        return (now + self._reach) + self._odds(value[0], now)
+
+    def _farthest_visit(self, now: int) -> int:
+        """The latest next visit of any layer, less now: L, or more where a prediction for
+        the layer's next visit left some of its experts out (their visit one later)."""
+        L, reach = self.L, self.L
+        for m, h in self.layer_hint.items():
+            if h > now:
+                visit = now - now % L + m
+                if visit <= now:
+                    visit += L
+                if h >= visit and visit - now + L > reach:
+                    reach = visit - now + L
+        return reach
+
+    def group_rank(self, group: int, order: tuple, now: int) -> tuple:
+        """`rank` of the key of layer `group` whose group order is (log count, recency)."""
+        g, recency = order
+        L = self.L
+        visit = now - now % L + group
+        if visit <= now:
+            visit += L
+        if self.layer_hint.get(group, -1) >= visit:
+            visit += L
+        return (visit + self._odds(g, now), -g, -recency)
+
+    def _odds(self, g: float | None, now: int) -> float:
+        """L * (1 - p) / p (p floored at 1e-3) for the use rate p of log count g (None or -inf:
+        never used, p = 0): how far past its layer's next visit an estimate puts the key."""
+        p = 0.0 if g is None else min(1.0, exp(g + now * self._per_step) * (1 - self.decay))
+        return self.L * (1 - p) / max(p, 1e-3)
 
 
 class Reuse(Predicted):
@@ -305,7 +363,7 @@ class Reuse(Predicted):
             return super().schedule(key, recency, now)
         hint = self.hints.get(key)
         if hint is not None and hint > now:
-            return hint, None, (hint, -INF, -recency)
+            return hint, None, (-hint, INF, recency)  # the rank, negated
         m, e = key
         first = (self.forward + 1) * self.L + m  # where `ahead` gives way to `after_first`
         switch = first if first > now and self.ahead[m][e] != self.after_first[m][e] else INF
@@ -313,9 +371,38 @@ class Reuse(Predicted):
         if value <= now + 1:
             return switch, self.FLOOR, (recency,)
         until = INF if value == INF else ceil(value) - 1
-        return min(switch, until), None, (value, -INF, -recency)
+        return min(switch, until), None, (-value, INF, recency)
+
+    def forecast_changes(self, old: tuple, now: int) -> tuple[list[Key], list[tuple]]:
+        """For `cache/victim_heap.py`, after `set_forecast`: (keys whose rank at step now
+        may differ from the one under the forecast `old` = (forward, ahead, after_first),
+        the one before; [(step, key)]: keys whose rank holds only until that step, a switch
+        to come). Every other key keeps its rank for as long as it did: a value the same,
+        an old switch still to come is earlier than a new one would be, and one passed
+        re-ranked its key (or will, at the next miss)."""
+        f_old, ahead_old, after_old = old
+        L, moved, until = self.L, [], []
+        E = range(len(self.ahead[0])) if self.ahead else range(0)
+        for m in range(L):
+            ahead, after = self.ahead[m], self.after_first[m]
+            was = ahead_old[m] if (f_old + 1) * L + m > now else after_old[m]
+            if ahead != was:  # (rows compared at once: most agree; then only their switches)
+                moved += [(m, e) for e in compress(E, map(ne, ahead, was))]
+            if ahead != after:
+                step = (self.forward + 1) * L + m
+                until += [(step, (m, e)) for e in compress(E, map(ne, ahead, after))]
+        return moved, until
 
     def _forecast(self, key: Key, now: int) -> float:
         m, e = key
         first = (self.forward + 1) * self.L + m  # the step of forecast class 1
         return self.ahead[m][e] if first > now else self.after_first[m][e]
+
+    def group_bound(self, group: int, value: tuple, now: int) -> float:
+        """FLOOR: every key ranks now + 1 first; before a forecast, Predicted's layers."""
+        return now + 1 if group == self.FLOOR else super().group_bound(group, value, now)
+
+    def group_rank(self, group: int, order: tuple, now: int) -> tuple:
+        if group == self.FLOOR:
+            return (now + 1, -INF, -order[0])
+        return super().group_rank(group, order, now)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
-from tensorbend.cache.resident import ResidentSet
+from tensorbend.cache.resident import ResidentSet, inherited
 
 REPLAY_POLICIES = (
     "lru", "lfu", "lfru", "predicted", "prefetch", "reuse", "belady", "belady/h=1", "belady/h=2"
@@ -108,24 +108,28 @@ class ExactForecast(Feed):
 
     def __init__(self, ids_FLK: list, num_experts: int):
         self.ids, self.L = ids_FLK, len(ids_FLK[0])
-        self.steps = steps_by_key(ids_FLK)
+        # then_F[f][m]: [(e, the step of (m, e)'s next use after its use in forward f)]
+        later: dict = {}
+        self.then_F: list = [None] * len(ids_FLK)
+        for f in range(len(ids_FLK) - 1, -1, -1):
+            rows = self.then_F[f] = []
+            for m, ids in enumerate(ids_FLK[f]):
+                rows.append([(e, later.get((m, e), INF)) for e in ids])
+                for e in ids:
+                    later[m, e] = f * self.L + m
         self.next_LE = [[INF] * num_experts for _ in range(self.L)]
-        self.pos: dict = {}
-        for (m, e), steps in self.steps.items():
-            self.next_LE[m][e] = steps[0]
+        for (m, e), step in later.items():  # (now each key's first use)
+            self.next_LE[m][e] = step
 
     def after(self, rs, f):
-        for m, ids in enumerate(self.ids[f]):
-            for e in ids:  # the keys whose next use was in forward f move on
-                i = self.pos[(m, e)] = self.pos.get((m, e), 0) + 1
-                steps = self.steps[(m, e)]
-                self.next_LE[m][e] = steps[i] if i < len(steps) else INF
+        for row, then in zip(self.next_LE, self.then_F[f], strict=True):
+            for e, step in then:  # the keys whose next use was in forward f move on
+                row[e] = step
         after_LE = [row[:] for row in self.next_LE]
         if f + 1 < len(self.ids):
-            for m, ids in enumerate(self.ids[f + 1]):
-                for e in ids:
-                    i, steps = self.pos.get((m, e), 0) + 1, self.steps[(m, e)]
-                    after_LE[m][e] = steps[i] if i < len(steps) else INF
+            for row, then in zip(after_LE, self.then_F[f + 1], strict=True):
+                for e, step in then:
+                    row[e] = step
         rs.set_forecast(f, [row[:] for row in self.next_LE], after_LE)
 
 
@@ -151,19 +155,29 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     out = Replayed()
     L = len(ids_FLK[0]) if ids_FLK else 1
     use, place, victims = rs.use, rs.place, out.victims
+    before = None if inherited(feed.before, Feed.before) else feed.before  # (no-op calls skipped)
+    after = None if inherited(feed.after, Feed.after) else feed.after
+    misses = 0
     for f, layers in enumerate(ids_FLK):
         for m, ids in enumerate(layers):
             now = f * L + m
-            feed.before(rs, f, m, now, out)
-            pinned: set = set()
+            if before is not None:
+                before(rs, f, m, now, out)
+            pinned: set = set()  # the step's experts used so far: not evictable
+
+            def evictable(k, pinned=pinned):
+                return k not in pinned
+
             for e in ids:
                 key = (m, e)
                 if not use(key, now):
-                    out.misses += 1
-                    placed = place(key, now, None, lambda k, pinned=pinned: k not in pinned)
+                    misses += 1
+                    placed = place(key, now, None, evictable)
                     victims.append((now, key, placed.outcome, placed.victim))
                 pinned.add(key)
-        feed.after(rs, f)
+        if after is not None:
+            after(rs, f)
+    out.misses += misses
     return out
 
 

@@ -38,6 +38,7 @@ from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.policies import LRU, Key
 
 PoolName = Literal["global", "per_layer"]
+Evictable = Callable[[Key], bool] | None  # which entries a placement may evict (None: any)
 
 
 @dataclass(frozen=True)
@@ -186,3 +187,8 @@ class ResidentSet:
             self._seq += 1
             seq = self._seq
         self._recency[key] = seq
+
+
+def inherited(method, base) -> bool:
+    """Whether a bound method is `base` itself, not overridden (a no-op a caller may skip)."""
+    return getattr(method, "__func__", None) is base

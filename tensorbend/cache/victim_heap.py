@@ -15,20 +15,18 @@ is chosen by the property each policy class declares, `ranking`:
 
   recency    (LRU) the rank is -recency: keys in order of use (`_RecencyIndex`).
   static     (LFU) a rank changes only when its key is used or placed, and a use only lowers
-             it: a heap of ranks, a used key re-ranked when it reaches the top.
+             it: a heap of ranks (`policy.order`, the rank negated, where it has one), a used
+             key re-ranked when it reaches the top.
   scheduled  (NextUse and its bounded oracles, Predicted, Reuse) `policy.schedule(...)`
-             says until which step a rank stays as it is; a heap of ranks plus a heap of those
-             steps, re-ranking a key when its step comes (or when it is used, placed, hinted, or
-             a new forecast arrives). Ranks that move at every step move together in groups
-             (Predicted: one layer's unpredicted experts, whose estimates keep the order of their
-             log counts; Reuse: the experts whose forecast has passed, all "next used at now + 1",
-             ties by recency): each group is a heap in its fixed order, and only its head is
-             ranked at the miss. The victim is the highest rank among the heap's top and the
-             heads: at most one entry per group, L for a global pool, 1 per layer.
+             says until which step a rank stays as it is: a heap of ranks and a calendar of
+             those steps; ranks that move at every step move together in groups, each a heap
+             in its fixed order, of which only heads that can still win are ranked
+             (cache/scheduled.py).
   scan       (cache/evictor.py) the policy chooses among the pool's evictable entries at each
              miss (`policy.choose(candidates, now)`), scoring only those; nothing is indexed.
-  ages       (LFRU) every score count / (age + 1) moves at every step: a kinetic tournament
-             (cache/kinetic.py).
+  ages       (LFRU) every score count / (age + 1) moves at every step, but keys of one count
+             keep their order: buckets by count, their heads in a kinetic tournament
+             (cache/ages.py, cache/kinetic.py).
 
 Every index skips entries that are not evictable (loading or pinned) by setting them aside and
 putting them back. Time (`now`) never goes backwards. tests/test_victim_heap.py replays random
@@ -41,30 +39,51 @@ import heapq
 from collections import OrderedDict
 from operator import neg
 
-from tensorbend.cache.kinetic import AgesIndex, Evictable
-from tensorbend.cache.policies import INF, Key
-from tensorbend.cache.resident import ResidentSet
+from tensorbend.cache.admission import AdmitAll, prefetch_worth
+from tensorbend.cache.ages import AgesIndex
+from tensorbend.cache.policies import LRU, Key
+from tensorbend.cache.resident import Evictable, Placement, ResidentSet, inherited
+from tensorbend.cache.scheduled import ScheduledIndex, compact
 
 
 class IndexedResidentSet(ResidentSet):
-    """A ResidentSet whose `victim` asks an index chosen by `policy.ranking`."""
+    """A ResidentSet whose `victim` asks an index chosen by `policy.ranking`.
+
+    `use` and `place` are `ResidentSet`'s, flattened (they are the replay's hot path): the same
+    events reach the policy, the admission rule and the index, minus calls to methods that do
+    nothing (the base `touch`, an index that ignores uses)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._now = 0  # the latest step seen (hints carry none)
-        self._index = _INDEXES[self.policy.ranking](self)
-        self._used = self._index.used
+        self._index = index = _INDEXES[self.policy.ranking](self)
+        self._used = index.used if index.tracks_uses else None
+        self._touch = None if inherited(self.policy.touch, LRU.touch) else self.policy.touch
+        adm_touch = self.admission.touch
+        self._adm_touch = None if inherited(adm_touch, AdmitAll.touch) else adm_touch
+        self._per_layer = self.pool == "per_layer"
+        self._caps = [self.pool_capacity(p) for p in range(len(self._size))]
+        self._admit_all = type(self.admission) is AdmitAll
+        self._evicted: dict[Key, Placement] = {}  # victim -> Placement("admitted", victim)
 
     def use(self, key: Key, now: int) -> bool:
         if now > self._now:
             self._now = now
-        if ResidentSet.use(self, key, now):  # (not super(): this is the replay's hot path)
-            self._used(key, now)
+        if self._touch is not None:
+            self._touch(key, now)
+        if self._adm_touch is not None:
+            self._adm_touch(key, now)
+        self._seq = seq = self._seq + 1
+        if key in self._recency:
+            self._recency[key] = seq
+            if self._used is not None:
+                self._used(key, now)
             return True
+        self._missed[key] = seq  # its recency once placed: the order of demands
         return False
 
     def hint(self, key: Key, when: int) -> None:
-        super().hint(key, when)
+        self.policy.hint(key, when)
         self._index.hinted(key, self._now)
 
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
@@ -72,20 +91,52 @@ class IndexedResidentSet(ResidentSet):
         self._index.rebuild(self._now)
 
     def place(self, key: Key, now: int, when=None, evictable: Evictable = None):
+        assert key not in self._recency, f"{key} is resident already"
         if now > self._now:
             self._now = now
-        return super().place(key, now, when, evictable)
+        p = key[0] if self._per_layer else 0
+        if self._size[p] < self._caps[p]:
+            self._add(key)
+            return _ADMITTED
+        if self._caps[p] == 0:
+            self._missed.pop(key, None)
+            return _REFUSED
+        victim = self._index.victim(p, self._now, evictable)
+        if victim is None:
+            return _BLOCKED
+        if when is None:
+            ok = self._admit_all or self.admission.admit(key, victim, self.policy, now)
+        else:
+            ok = prefetch_worth(self.policy, victim, when, now)
+        if not ok:
+            self._missed.pop(key, None)
+            return _REFUSED
+        self.remove(victim)
+        self.evictions += 1
+        self._add(key)
+        placed = self._evicted.get(victim)
+        if placed is None:
+            placed = self._evicted[victim] = Placement("admitted", victim)
+        return placed
 
     def victim(self, key: Key, now: int, evictable: Evictable = None) -> Key | None:
         return self._index.victim(self.pool_of(key), max(self._now, now), evictable)
 
     def remove(self, key: Key) -> None:
-        super().remove(key)
+        del self._recency[key]
+        self._size[key[0] if self._per_layer else 0] -= 1
         self._index.drop(key, self._now)
 
     def _add(self, key: Key) -> None:
-        super()._add(key)
+        self._size[key[0] if self._per_layer else 0] += 1
+        seq = self._missed.pop(key, None)
+        if seq is None:
+            self._seq = seq = self._seq + 1
+        self._recency[key] = seq
         self._index.put(key, self._now)
+
+
+_ADMITTED, _REFUSED, _BLOCKED = Placement("admitted"), Placement("refused"), Placement("blocked")
 
 
 class _StaticIndex:
@@ -93,19 +144,23 @@ class _StaticIndex:
     current rank: a use only lowers a rank, so a used key (its stored recency is stale) is
     re-ranked when it reaches the top; a top whose stored rank is current is the highest."""
 
+    tracks_uses = False  # `used` does nothing (IndexedResidentSet skips it)
+
     def __init__(self, rs: ResidentSet):
-        assert rs.policy.use_lowers_rank or rs.policy.ranking == "scheduled", rs.policy.name
+        assert rs.policy.use_lowers_rank, rs.policy.name
         self.rs = rs
         self.heaps: dict[int, list] = {}
         self.version: dict[Key, int] = {}
+        self.order = getattr(rs.policy, "order", None)  # the rank negated, where it says
 
     def put(self, key: Key, now: int) -> None:
         """Key placed, or its rank changed otherwise than by a use (hinted, a forecast)."""
         v = self.version[key] = self.version.get(key, 0) + 1
-        heap = self.heaps.setdefault(self.rs.pool_of(key), [])
+        p = key[0] if self.rs.pool == "per_layer" else 0
+        heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
         heapq.heappush(heap, (self._neg_rank(key, now), v, key))
         if len(heap) > 4 * self.rs.capacity + 64:
-            _compact(heap, self.version)
+            compact(heap, self.version)
 
     def used(self, key: Key, now: int) -> None:
         pass
@@ -140,6 +195,8 @@ class _StaticIndex:
         return found
 
     def _neg_rank(self, key: Key, now: int) -> tuple:
+        if self.order is not None:
+            return self.order(key, self.rs._recency[key], now)
         return tuple(map(neg, self.rs.policy.rank(key, self.rs._recency[key], now)))
 
 
@@ -148,6 +205,8 @@ class _RecencyIndex:
     key to the end (it now has the newest recency). A placement is appended too, unless its
     recency is older than the newest there (a demand placed after later uses): such keys wait
     in a heap by recency until used. The victim is the older of the two first evictable keys."""
+
+    tracks_uses = True
 
     def __init__(self, rs: ResidentSet):
         assert rs.policy.use_lowers_rank, rs.policy.name
@@ -200,95 +259,10 @@ class _RecencyIndex:
         return other
 
 
-class _ScheduledIndex(_StaticIndex):
-    """Ranks that hold until a known step (heap + expiry heap), and groups ranked by their head.
-
-    `policy.schedule(key, recency, now)` -> (until, group, value). heaps[pool]: [(-rank,
-    version, key)] for keys outside groups (rank = value), each current until its step;
-    groups[pool][g]: [(value, version, key)], the head ranks highest in g at every step;
-    expiry: [(until, version, key)]. A group head's rank is kept for the rest of its step
-    unless the head, its version (a use, a placement) or any hint changes it."""
-
-    def __init__(self, rs: ResidentSet):
-        super().__init__(rs)
-        self.groups: dict[int, dict[int, list]] = {}
-        self.expiry: list = []
-        self.memo: dict = {}  # (pool, group) -> (head, its version, its rank) at memo_now
-        self.memo_now: int | None = None
-
-    def put(self, key: Key, now: int) -> None:
-        p, group, item, until = self._entry(key, now)
-        if group is None:
-            heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
-        else:
-            heap = self.groups.setdefault(p, {}).get(group) or self.groups[p].setdefault(group, [])
-        heapq.heappush(heap, item)
-        if len(heap) > 4 * self.rs.capacity + 64:
-            _compact(heap, self.version)
-        if until != INF:
-            heapq.heappush(self.expiry, (until, item[1], key))
-
-    used = put  # a use may raise a rank (NextUse) or move it in time
-
-    def hinted(self, key: Key, now: int) -> None:
-        self.memo.clear()  # a hint may move a whole group (Predicted: its layer's next visit)
-        if key in self.rs:
-            self.put(key, now)
-
-    def rebuild(self, now: int) -> None:
-        """Every rank anew (a forecast): put's entries, heapified at once."""
-        self.heaps, self.groups, self.expiry, self.memo = {}, {}, [], {}
-        for key in self.rs:
-            p, group, item, until = self._entry(key, now)
-            if group is None:
-                self.heaps.setdefault(p, []).append(item)
-            else:
-                self.groups.setdefault(p, {}).setdefault(group, []).append(item)
-            if until != INF:
-                self.expiry.append((until, item[1], key))
-        for heap in [*self.heaps.values(), self.expiry]:
-            heapq.heapify(heap)
-        for groups in self.groups.values():
-            for heap in groups.values():
-                heapq.heapify(heap)
-
-    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        expiry, version = self.expiry, self.version
-        while expiry and expiry[0][0] <= now:
-            _, v, key = heapq.heappop(expiry)
-            if version[key] == v and key in self.rs:
-                self.put(key, now)
-        if now != self.memo_now:
-            self.memo, self.memo_now = {}, now
-        rank, recency, memo = self.rs.policy.rank, self.rs._recency, self.memo
-        best, best_rank = _top(self.heaps.get(pool, []), version, evictable), None
-        if best is not None:
-            best_rank = rank(best, recency[best], now)
-        for g, heap in self.groups.get(pool, {}).items():
-            key = _top(heap, version, evictable)
-            if key is None:
-                continue
-            known = memo.get((pool, g))  # a group head's rank, kept while nothing moved it
-            if known is not None and known[0] == key and known[1] == version[key]:
-                r = known[2]
-            else:
-                r = rank(key, recency[key], now)
-                memo[pool, g] = (key, version[key], r)
-            if best is None or r > best_rank:
-                best, best_rank = key, r
-        return best
-
-    def _entry(self, key: Key, now: int) -> tuple:
-        """(pool, group, heap entry, until) of key's rank from now on; a new version."""
-        until, group, value = self.rs.policy.schedule(key, self.rs._recency[key], now)
-        assert until > now, (key, now, until)
-        v = self.version[key] = self.version.get(key, 0) + 1
-        item = (tuple(map(neg, value)), v, key) if group is None else (value, v, key)
-        return self.rs.pool_of(key), group, item, until
-
-
 class _ScanIndex:
     """`policy.choose(candidates, now)` over the pool's evictable entries (ranking `scan`)."""
+
+    tracks_uses = False
 
     def __init__(self, rs: ResidentSet):
         self.rs = rs
@@ -312,30 +286,6 @@ _INDEXES = {
     "scan": _ScanIndex,
     "recency": _RecencyIndex,
     "static": _StaticIndex,
-    "scheduled": _ScheduledIndex,
+    "scheduled": ScheduledIndex,
     "ages": AgesIndex,
 }
-
-
-def _compact(heap: list, version: dict) -> None:
-    """Drop stale entries (a version that is no longer the key's)."""
-    heap[:] = [item for item in heap if version[item[-1]] == item[-2]]
-    heapq.heapify(heap)
-
-
-def _top(heap: list, version: dict, evictable: Evictable) -> Key | None:
-    """The first current, evictable key of a heap of (..., version, key); the rest stay."""
-    aside, found = [], None
-    while heap:
-        item = heap[0]
-        key = item[-1]
-        if version[key] != item[-2]:
-            heapq.heappop(heap)  # stale
-            continue
-        if evictable is None or evictable(key):
-            found = key
-            break
-        aside.append(heapq.heappop(heap))
-    for item in aside:
-        heapq.heappush(heap, item)
-    return found
