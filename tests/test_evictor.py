@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 
 from tensorbend.cache.evictor import (
     GROUPS,
+    AdmitByPolicy,
     Evictor,
     EvictorModel,
     Features,
@@ -125,3 +126,26 @@ def test_checkpoint_round_trip(tmp_path):
     save_file({"w": np.zeros(2)}, str(tmp_path / "other.safetensors"), metadata={"kind": "horizon"})
     with pytest.raises(CheckpointError, match="expected an evictor checkpoint"):
         EvictorModel.load(str(tmp_path / "other.safetensors"))
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_the_key_being_placed_is_the_one_scored_as_incoming(indexed):
+    """A runtime claims a layer's experts (uses) before its I/O threads place the misses, so
+    the learner must mark the key being placed, not the last one used. A model that scores
+    only the incoming mark, very high, bypasses every miss once the cache is full: no
+    eviction at all, whatever order uses and placements come in."""
+    L, E = 1, 8
+    X = len(feature_names(GROUPS, L))
+    w0 = np.zeros(X)
+    w0[-1] = 100.0  # the incoming column
+    model = EvictorModel(GROUPS, L, np.zeros(X), np.ones(X), w0, np.zeros((X, 2)), np.zeros(2),
+                         np.zeros(2), meta={"prior_K": np.zeros(L * E)})  # fmt: skip
+    cls = IndexedResidentSet if indexed else ResidentSet
+    rs = cls(2, L, Evictor(L, E, model), admission=AdmitByPolicy())
+    refused = 0
+    for step, layer_keys in enumerate([[0, 1], [2, 3], [4, 5], [6, 7]]):
+        keys = [(0, e) for e in layer_keys]
+        missed = [k for k in keys if not rs.use(k, step)]  # the router hook claims them all
+        for k in missed:  # then the I/O thread places them, in order
+            refused += rs.place(k, step).outcome == "refused"
+    assert rs.evictions == 0 and refused == 6 and sorted(rs) == [(0, 0), (0, 1)]

@@ -101,6 +101,8 @@ class IndexedResidentSet(ResidentSet):
         if self._caps[p] == 0:
             self._missed.pop(key, None)
             return _REFUSED
+        if self._scan:  # it scores the key being placed beside the candidates (its bypass)
+            self.policy.incoming(key)
         victim = self._index.victim(p, self._now, evictable)
         if victim is None:
             return _BLOCKED
