@@ -41,7 +41,7 @@ import torch
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
-from tensorbend.cache.report import best_rule, median_row, run_label
+from tensorbend.cache.report import best_rule, median_row, run_label, what_ran
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         resident = _tag(sess.resident_result().to_json(), 1.0)
         speedups = _floats(a.link_speedups)
         link_of = {sp: sess.link(a.link, sp) for sp in speedups}
-        reps: dict[tuple, list[dict]] = {}  # (speedup, frac, label) -> one row per repeat
+        reps: dict[tuple, list[dict]] = {}  # (speedup, frac, what ran) -> one row per repeat
         for rep in range(a.repeats):  # interleaved: every configuration once per repeat
             for speedup in speedups:
                 link = link_of[speedup]
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                             pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
                         r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
                         done.append(r)
-                        reps.setdefault((speedup, frac, r["label"]), []).append(r)
+                        reps.setdefault((speedup, frac, what_ran(r)), []).append(r)
                         print(_row(r), file=sys.stderr)
         for speedup in speedups:
             runs = [resident] + [median_row(rs) for (sp, _, _), rs in reps.items() if sp == speedup]

@@ -13,6 +13,7 @@ from tensorbend.cache.report import (
     compare,
     gap_closed,
     run_label,
+    what_ran,
 )
 from tensorbend.errors import TensorbendError
 from tensorbend.offload.result import RunResult
@@ -69,6 +70,8 @@ def test_labels_say_what_ran_never_a_field_of_an_empty_predictor():
         "on_demand": _row("on_demand", pool="per_layer", admission="frequency"),
     }  # fmt: skip
     assert {k: run_label(r) for k, r in cases.items()} == {k: k for k in cases}
+    # repeats of one configuration pair by what ran, whatever each one's prefetches did
+    assert what_ran(cases["d1:tensorbend [0 prefetches loaded]"]) == "d1:tensorbend"
 
 
 def test_the_best_cache_counts_predicted_eviction_fed_nothing_and_nothing_that_predicts():

@@ -99,6 +99,12 @@ def run_label(row: dict) -> str:
     return name
 
 
+def what_ran(row: dict) -> str:
+    """The run's label without the timing-dependent " [0 prefetches loaded]" note: what pairs
+    a configuration's repeats, and a runtime row with its simulated twin."""
+    return run_label(row).split(" [")[0]
+
+
 def best_no_prediction(rows: list[dict], metric: str = "decode_tok_s") -> dict | None:
     """The no-prediction cache best on `metric` (highest tok/s, fewest of anything else)."""
     peers = [r for r in rows if is_no_prediction_cache(r) and r.get(metric) is not None]
@@ -194,8 +200,9 @@ def _s_per_token(r: dict) -> float:
 
 
 def median_row(rows: list[dict]) -> dict:
-    """One configuration from its interleaved repeats: the first repeat's row with every timing
-    the median of the repeats, and the repeats kept (`decode_tok_s_repeats`)."""
+    """One configuration from its interleaved repeats (paired by `what_ran`): the first repeat's
+    row (its counters, so its label's note) with every timing the median of the repeats, and
+    the repeats kept (`decode_tok_s_repeats`)."""
     out = dict(rows[0])
     if len(rows) == 1:
         return out

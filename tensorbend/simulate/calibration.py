@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.cache.report import run_label
+from tensorbend.cache.report import run_label, what_ran
 from tensorbend.cache.transfers import Link
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.errors import TensorbendError
@@ -352,15 +352,11 @@ def _seconds_per_call(row: dict) -> float:
     return row["predict_s_per_token"] * row["tokens"]["decode"] / max(1, row["predict_calls"])
 
 
-def _what_ran(row: dict) -> str:
-    return run_label(row).split(" [")[0]  # a timing-dependent "[0 prefetches loaded]" aside
-
-
 def _compare(runs: list[dict], sims: list[dict]) -> list[dict]:
     rows = []
     for r in runs:
-        [s] = [x for x in sims if _what_ran(x) == _what_ran(r)]
-        row = {"label": _what_ran(r), "policy": r["policy"], "predictor": r["predictor"],
+        [s] = [x for x in sims if what_ran(x) == what_ran(r)]
+        row = {"label": what_ran(r), "policy": r["policy"], "predictor": r["predictor"],
                "pool": r["pool"], "admission": r["admission"], "horizon": bool(r["horizon"])}  # fmt: skip
         for k in METRICS:
             row[f"runtime_{k}"], row[f"simulated_{k}"] = r[k], s[k]
