@@ -40,12 +40,17 @@ from tensorbend.cache.evictor import (
     feature_names,
 )
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted
 from tensorbend.cache.victim_heap import IndexedResidentSet
 
 DIST_CAP = 4096.0  # steps: a next use farther (or never) counts as this far in soft targets
 ADMISSION_WINDOW = 8  # forwards (the runtime's and the foresight replay's default)
-NO_PREDICTION = {"lru": LRU, "lfu": LFU, "lfru": LFRU}
+NO_PREDICTION = {  # every eviction rule that reads no prediction, built for L MoE layers
+    "lru": lambda L: LRU(),
+    "lfu": lambda L: LFU(),
+    "lfru": lambda L: LFRU(),
+    "prefetch:none": Predicted,  # Predicted eviction fed no predictions (layer-cycle-aware LFU)
+}
 
 
 @dataclass
@@ -235,17 +240,18 @@ def fit_evictor(train: Requests, val: Requests, cache_frac: float = 0.25, rounds
 
 def evaluate_evictor(models: dict, test: Requests, cache_frac: float, guard_window: int = 48,
                      baselines: bool = True) -> dict:  # fmt: skip
-    """Experts read per decode token on `test` for the no-prediction caches, Belady, each model
+    """Experts read per decode token on `test` for the no-prediction caches (`prefetch:none`
+    included: Predicted eviction fed nothing, as everywhere the best cache is chosen), Belady, each model
     (with and without the shadow guard for the one named `evictor`); gap closed against the
     best no-prediction cache and full Belady (the better of with/without bypass)."""
     L, E = test.L, test.E
     slots = round(cache_frac * L * E)
     rows = {}
     if baselines:
-        for name, cls in NO_PREDICTION.items():
+        for name, make in NO_PREDICTION.items():
             for pool in ("global", "per_layer"):
                 for adm in ("all", "frequency"):
-                    rows[f"{name}/{pool}/{adm}"] = replay(test, cls(), slots, pool, adm)
+                    rows[f"{name}/{pool}/{adm}"] = replay(test, make(L), slots, pool, adm)
         steps = test.steps_by_key()
         rows["belady/all"] = replay(test, NextUse(steps, L), slots, admission="all")
         rows["belady/bypass"] = replay(test, NextUse(steps, L), slots, admission="predicted")
