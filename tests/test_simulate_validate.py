@@ -16,7 +16,7 @@ from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.prompts import load_prompts
-from tensorbend.simulate.calibration import METRICS, ValidateConfig, checks, markdown
+from tensorbend.simulate.validation import METRICS, ValidateConfig, checks, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
