@@ -114,7 +114,7 @@ class _StaticIndex:
         pass
 
     def drop(self, key: Key, now: int) -> None:
-        self.version[key] += 1  # its entries go stale
+        self.version[key] = self.version.get(key, 0) + 1  # its entries go stale (if any)
 
     def rebuild(self, now: int) -> None:
         for key in self.rs:
@@ -215,8 +215,11 @@ class _ScheduledIndex(_StaticIndex):
         self.expiry: list = []
         self.memo: dict = {}  # (pool, group) -> (head, its version, its rank) at memo_now
         self.memo_now: int | None = None
+        self.stale = False  # a forecast arrived: every rank is re-made at the next victim
 
     def put(self, key: Key, now: int) -> None:
+        if self.stale:  # the pending rebuild ranks every key from the state it then finds
+            return
         p, group, item, until = self._entry(key, now)
         if group is None:
             heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
@@ -236,7 +239,17 @@ class _ScheduledIndex(_StaticIndex):
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
-        """Every rank anew (a forecast): put's entries, heapified at once."""
+        """Every rank anew (a forecast), made lazily at the next `victim`: a forecast arrives
+        on the compute thread once per forward, a victim is asked for on an I/O thread at a
+        miss (often many forwards later, or never when the cache holds everything). A rebuild
+        at any step is a valid index (the one a fresh index would have), so the victims stay
+        those of the reference scan; uses, placements and hints meanwhile are in the state
+        the rebuild reads and need no entries of their own."""
+        self.stale = True
+
+    def _rebuild(self, now: int) -> None:
+        """put's entries for every key, heapified at once."""
+        self.stale = False
         self.heaps, self.groups, self.expiry, self.memo = {}, {}, [], {}
         for key in self.rs:
             p, group, item, until = self._entry(key, now)
@@ -253,6 +266,8 @@ class _ScheduledIndex(_StaticIndex):
                 heapq.heapify(heap)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        if self.stale:
+            self._rebuild(now)
         expiry, version = self.expiry, self.version
         while expiry and expiry[0][0] <= now:
             _, v, key = heapq.heappop(expiry)
