@@ -150,6 +150,7 @@ class Prefetcher:
         # decode's one-token inputs, made once (read-only: predictors build new tensors)
         self._has_prev_1 = (torch.tensor([False]), torch.tensor([True]))
         self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
+        self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
 
     @property
     def wants_layer_input(self) -> bool:
@@ -222,7 +223,7 @@ class Prefetcher:
             has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
-        with torch.no_grad():
+        with self._no_grad:
             scores_TE = self.predictor.scores(m, src).float()
         if T == 1:
             experts = _token_list(scores_TE, K + self.extra)

@@ -43,6 +43,7 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
+from tensorbend.predictors.residual_fast import fold_layer, score_folded, score_token, token_weights
 from tensorbend.routers import router_scores
 
 OursLoss = Literal["listwise", "bce"]
@@ -208,13 +209,6 @@ class ResidualGatePredictor(PredictorBase):
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         """Fast path (residual_fast.py): equal to `scores_reference` up to float rounding;
         one token (decode) in numpy where it covers the layer."""
-        from tensorbend.predictors.residual_fast import (
-            fold_layer,
-            score_folded,
-            score_token,
-            token_weights,
-        )
-
         if m not in self._fast:
             folded = fold_layer(self, m)
             self._fast[m] = (folded, token_weights(self, folded, m))
