@@ -286,7 +286,8 @@ def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
 def _token_list(scores_1E: torch.Tensor, width: int) -> list[int]:
     """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists."""
     top = scores_1E.topk(min(width, scores_1E.shape[1]), dim=1)  # (ranked_ids' own call)
-    return [e for e, v in zip(top.indices.tolist()[0], top.values.tolist()[0]) if v > -INF]
+    ids_J, values_J = top.indices.tolist()[0], top.values.tolist()[0]
+    return [e for e, v in zip(ids_J, values_J, strict=True) if v > -INF]
 
 
 def prefetch_list(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:

@@ -96,8 +96,10 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
     rows = []
     for name in stacks:
         pred_s = [r.predict_s_per_token for r in got[name]]
-        ratio = [r.decode_tok_s / b.decode_tok_s for r, b in zip(got[name], got["lru"])]
-        lru_share = [s * b.decode_tok_s for s, b in zip(pred_s, got["lru"])]
+        ratio = [
+            r.decode_tok_s / b.decode_tok_s for r, b in zip(got[name], got["lru"], strict=True)
+        ]
+        lru_share = [s * b.decode_tok_s for s, b in zip(pred_s, got["lru"], strict=True)]
         rows.append({
             "stack": name,
             "predict_us_per_token": _median(pred_s) * 1e6,
