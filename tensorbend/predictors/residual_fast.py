@@ -123,7 +123,7 @@ def _one_token_hidden(p, f: FoldedLayer, src: SourceBatch, yh_TH, inv_rms_T1) ->
     parts = []
     if src.src_ids_TK is not None:
         parts.append(src.src_ids_TK[0])
-    has_prev = p.cfg.use_prev and bool(src.has_prev_T.numpy()[0])
+    has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
     if has_prev:
         parts.append(src.prev_ids_TK[0] + p.spec.num_experts)
     h_TH = torch.addcmul(f.b1_prev_H if has_prev else f.b1_H, yh_TH, inv_rms_T1)
@@ -175,7 +175,7 @@ def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
     x_D = src.hidden_TD.float().numpy()[0]
     inv_rms = np.float32(1.0) / np.sqrt(np.dot(x_D, x_D) / x_D.shape[0] + EPS_RMS)
     y_X = x_D @ w.w_cat_DX
-    has_prev = p.cfg.use_prev and bool(src.has_prev_T.numpy()[0])
+    has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
     h_H = (w.b1_prev_H if has_prev else w.b1_H) + y_X[:H] * inv_rms
     parts = [] if src.src_ids_TK is None else [src.src_ids_TK.numpy()[0]]
     if has_prev:
@@ -201,7 +201,7 @@ def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
                 g_E = _group_limited(p.spec, g_E)
         d_E = g_E - np.add.reduce(g_E) / E  # standardise: unbiased std, as torch.std_mean
         out_E = out_E + w.alpha * (d_E / (np.sqrt(np.dot(d_E, d_E) / (E - 1)) + EPS_STD))
-    return torch.from_numpy(out_E)[None]
+    return torch.from_numpy(out_E.reshape(1, E))
 
 
 def _group_limited(spec, s_E: np.ndarray) -> np.ndarray:
