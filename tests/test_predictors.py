@@ -199,19 +199,24 @@ def test_spec_gate_same_layer_is_the_exact_router(real_trace):
         assert r["recall_at_k"] == pytest.approx(1.0, abs=1e-3), r["phase"]
 
 
+def _perturbed_ours(trace, tmp_path, la: str):
+    """Ours trained briefly on `trace`, its correction made non-trivial; the trace's rows."""
+    out = tmp_path / f"{la}.safetensors"
+    train(
+        TrainConfig(trace=trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
+        progress=False,
+    )
+    p = load_predictor(out)
+    with torch.no_grad():
+        p.net.W2.normal_(0, 0.3)
+        p.net.alpha.fill_(0.7)
+    p._fast = {}
+    return p, Trace.open(trace).load(p.lookahead.features)
+
+
 def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
     for la in ("d1", "pre_attn"):
-        out = tmp_path / f"{la}.safetensors"
-        train(
-            TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
-            progress=False,
-        )
-        p = load_predictor(out)
-        with torch.no_grad():  # make the correction non-trivial
-            p.net.W2.normal_(0, 0.3)
-            p.net.alpha.fill_(0.7)
-        p._fast = {}
-        rows = Trace.open(real_trace).load(p.lookahead.features)
+        p, rows = _perturbed_ours(real_trace, tmp_path, la)
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
             assert src.has_prev_T.any() and not src.has_prev_T.all()
@@ -227,17 +232,7 @@ def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_pat
     from tensorbend.predictors.residual_fast import score_folded
 
     for la in ("d1", "pre_attn"):
-        out = tmp_path / f"{la}.safetensors"
-        train(
-            TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
-            progress=False,
-        )
-        p = load_predictor(out)
-        with torch.no_grad():  # make the correction non-trivial
-            p.net.W2.normal_(0, 0.3)
-            p.net.alpha.fill_(0.7)
-        p._fast = {}
-        rows = Trace.open(real_trace).load(p.lookahead.features)
+        p, rows = _perturbed_ours(real_trace, tmp_path, la)
         width = p.spec.top_k + 2
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
