@@ -147,6 +147,10 @@ class Prefetcher:
         self.forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE)
         self._state = None  # the horizon's per-request history
         self._new_forward = True
+        # decode's one-token inputs, made once (read-only: predictors build new tensors)
+        self._has_prev_1 = (torch.tensor([False]), torch.tensor([True]))
+        self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
+        self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
 
     @property
     def wants_layer_input(self) -> bool:
@@ -208,20 +212,25 @@ class Prefetcher:
         route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
         src_ids_TK = self.history.cur[route_layer] if route_layer >= 0 else None
         prev = self.history.prev.get(m)
-        has_prev_T = torch.full((T,), prev is not None, dtype=torch.bool)
-        prev_TK = prev.expand(T, K) if prev is not None else torch.zeros(T, K, dtype=torch.long)
+        if T == 1:  # decode, the hot path: no tensor made here (~2-10 us of dispatch each)
+            has_prev_T = self._has_prev_1[prev is not None]
+            prev_TK = prev.view(1, K) if prev is not None else self._no_prev_1K
+        else:
+            has_prev_T = torch.full((T,), prev is not None, dtype=torch.bool)
+            prev_TK = prev.expand(T, K) if prev is not None else torch.zeros(T, K, dtype=torch.long)
         if self.la.prev_in_pass and T > 1:  # same_layer: layer m routed every token already
             prev_TK = torch.cat([prev_TK[:1], self.history.cur[m][:-1]])
             has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
-        with torch.no_grad():
+        with self._no_grad:
             scores_TE = self.predictor.scores(m, src).float()
-        ids_TJ = ranked_ids(scores_TE, K + self.extra if T == 1 else K)
+        if T == 1:
+            experts = _token_list(scores_TE, K + self.extra)
+        else:
+            experts = prefetch_list(ranked_ids(scores_TE, K), K, self.extra)
         when = self.clock.step(m)
-        return [
-            Prediction(m, e, when, r) for r, e in enumerate(prefetch_list(ids_TJ, K, self.extra))
-        ]
+        return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 
     def _foresee(self, hidden_TD: torch.Tensor) -> list[Prediction]:
         """At the last MoE layer's router: update the horizon's request history (a new one at
@@ -238,13 +247,15 @@ class Prefetcher:
         if not self.history.prev or self._state is None:  # a request's first forward
             self._state = [self.horizon.new_state() for _ in range(B)]
         f = self.clock.forward
-        hidden_BD = hidden_TD.detach().float().cpu().reshape(B, -1, hidden_TD.shape[-1])[:, -1]
+        D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
+        hidden_BD = hidden_TD.detach().float().cpu().numpy().reshape(B, -1, D)[:, -1]
+        ids_L_BN = [self.history.cur[m].numpy().reshape(B, -1) for m in range(L)]
         ahead, after, first = [], [], []
         for b in range(B):
             used_LE = np.zeros((L, E), dtype=np.float32)
             for m in range(L):
-                used_LE[m, self.history.cur[m].reshape(B, -1, K)[b].flatten().numpy()] = 1.0
-            fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b].numpy(), forward=f)
+                used_LE[m, ids_L_BN[m][b]] = 1.0
+            fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b], forward=f)
             ahead.append(fc[0])
             after.append(fc[1])
             first.append(self.horizon.next_forward_probs)
@@ -270,6 +281,13 @@ def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
     prediction)."""
     top = scores_TE.topk(min(width, scores_TE.shape[1]), dim=1)
     return torch.where(top.values > -INF, top.indices, -1)
+
+
+def _token_list(scores_1E: torch.Tensor, width: int) -> list[int]:
+    """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists."""
+    top = scores_1E.topk(min(width, scores_1E.shape[1]), dim=1)  # (ranked_ids' own call)
+    ids_J, values_J = top.indices.tolist()[0], top.values.tolist()[0]
+    return [e for e, v in zip(ids_J, values_J, strict=True) if v > -INF]
 
 
 def prefetch_list(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:

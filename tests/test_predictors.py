@@ -199,19 +199,24 @@ def test_spec_gate_same_layer_is_the_exact_router(real_trace):
         assert r["recall_at_k"] == pytest.approx(1.0, abs=1e-3), r["phase"]
 
 
+def _perturbed_ours(trace, tmp_path, la: str):
+    """Ours trained briefly on `trace`, its correction made non-trivial; the trace's rows."""
+    out = tmp_path / f"{la}.safetensors"
+    train(
+        TrainConfig(trace=trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
+        progress=False,
+    )
+    p = load_predictor(out)
+    with torch.no_grad():
+        p.net.W2.normal_(0, 0.3)
+        p.net.alpha.fill_(0.7)
+    p._fast = {}
+    return p, Trace.open(trace).load(p.lookahead.features)
+
+
 def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
     for la in ("d1", "pre_attn"):
-        out = tmp_path / f"{la}.safetensors"
-        train(
-            TrainConfig(trace=real_trace, out=out, predictor="tensorbend", lookahead=la, epochs=2),
-            progress=False,
-        )
-        p = load_predictor(out)
-        with torch.no_grad():  # make the correction non-trivial
-            p.net.W2.normal_(0, 0.3)
-            p.net.alpha.fill_(0.7)
-        p._fast = {}
-        rows = Trace.open(real_trace).load(p.lookahead.features)
+        p, rows = _perturbed_ours(real_trace, tmp_path, la)
         for m in p.lookahead.targets(p.spec.num_moe_layers):
             src = sources_from_rows(rows, p.lookahead, m)
             assert src.has_prev_T.any() and not src.has_prev_T.all()
@@ -219,6 +224,25 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
             for i in range(0, len(src), 7):  # the one-token (decode) path
                 one = src.row(i)
                 assert torch.allclose(p.scores(m, one), p.scores_reference(m, one), atol=1e-4)
+
+
+def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_path):
+    """Decode scores one token in numpy (residual_fast.score_token): the same scores as the
+    torch fast path up to rounding, and the same top-(K + 2) experts in the same order."""
+    from tensorbend.predictors.residual_fast import score_folded
+
+    for la in ("d1", "pre_attn"):
+        p, rows = _perturbed_ours(real_trace, tmp_path, la)
+        width = p.spec.top_k + 2
+        for m in p.lookahead.targets(p.spec.num_moe_layers):
+            src = sources_from_rows(rows, p.lookahead, m)
+            for i in range(len(src)):
+                one = src.row(i)
+                fast = p.scores(m, one)
+                assert p._fast[m][1] is not None  # the numpy path covers this router
+                torch_path = score_folded(p, p._fast[m][0], m, one)
+                assert torch.allclose(fast, torch_path, atol=1e-5)
+                assert fast.topk(width).indices.tolist() == torch_path.topk(width).indices.tolist()
 
 
 def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):

@@ -169,3 +169,18 @@ def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand()
     # 0.768) would order them the other way; layer 1: e3 (0.961), e2 (0.954). After the
     # decode forward, both layers: e3 (0.916), e2 (0.903), e1 (0.890), e0 (0.875).
     assert ranked_by_forward == [[(0, 1), (0, 2), (1, 3), (1, 2)], [(0, 3), (0, 2), (1, 3), (1, 2)]]
+
+
+def test_the_one_token_list_is_the_ranked_rows_list():
+    """Decode's list (prefetch._token_list, one topk and two lists) equals the general rule
+    (ranked_ids then prefetch_list) on fixed scores, -inf (no guess) included."""
+    from tensorbend.prefetch import _token_list, prefetch_list, ranked_ids
+
+    g = torch.Generator().manual_seed(3)
+    for extra in (0, 2):
+        for n_inf in (0, 3, 7, 8):
+            scores_1E = torch.randn(1, 8, generator=g)
+            scores_1E[0, torch.randperm(8, generator=g)[:n_inf]] = -float("inf")
+            want = prefetch_list(ranked_ids(scores_1E, 4 + extra), 4, extra)
+            assert _token_list(scores_1E, 4 + extra) == want
+            assert len(want) == min(4 + extra, 8 - n_inf)

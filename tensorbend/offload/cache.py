@@ -135,6 +135,12 @@ class ExpertCache:
         with self._cond:
             self.resident.hint(key, when)
 
+    def hint_many(self, hints: list[tuple[Key, int]]) -> None:
+        """hint() for each (key, when) in order, under one lock round-trip."""
+        with self._cond:
+            for key, when in hints:
+                self.resident.hint(key, when)
+
     def new_request(self) -> None:
         """A new request (prompt) begins: the policy's request-level state resets."""
         with self._cond:

@@ -9,8 +9,8 @@ Usage (the session does this per policy run):
 Hooks go through `models.RouterHooks`. At MoE layer s's router the layer's own demand loads
 are queued first (`on_route`), then `prefetch.Prefetcher.observe` (the same API an engine
 calls) names the predictions: every one is queued as a prefetch in rank order and,
-when it is a within-token prediction (`hint`), hinted to the cache; a horizon's forecast goes
-to the cache's `Reuse` policy. The runtime's Recorder advances the shared clock and routing
+when it is a within-token prediction (`hint`), hinted to the cache (a call's hints before its
+prefetches); a horizon's forecast goes to the cache's `Reuse` policy. The runtime's Recorder advances the shared clock and routing
 history, so the Prefetcher's inputs are exactly those `sources_from_rows` builds offline
 (tested).
 """
@@ -109,12 +109,17 @@ class PredictionHooks:
             self.observed.append((inputs, preds, (pf.clock.forward, first, pf.forecast)))
         if pf.forecast is not before and self.cache is not None:
             self.cache.set_forecast(*pf.forecast)
-        for p in preds:
-            self._queue(p)
+        if preds:
+            self._queue(preds)
 
-    def _queue(self, p: Prediction) -> None:
-        key = (p.layer, p.expert)
-        if p.hint and self.cache is not None:
-            self.cache.hint(key, p.step)
+    def _queue(self, preds: list[Prediction]) -> None:
+        """The call's hints, then its prefetches in rank order: one lock round-trip each (a
+        few us apiece otherwise, per prediction). Hints first, as in the simulator, whose I/O
+        starts only after the whole call: a load started for one prediction never evicts
+        another of the same call for want of its hint."""
+        if self.cache is not None:
+            hints = [((p.layer, p.expert), p.step) for p in preds if p.hint]
+            if hints:
+                self.cache.hint_many(hints)
         if self.loader is not None:
-            self.loader.prefetch(key, p.rank, p.step)
+            self.loader.prefetch_many([((p.layer, p.expert), p.rank, p.step) for p in preds])

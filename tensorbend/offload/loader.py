@@ -4,6 +4,7 @@ Usage (the session does this per policy run):
     loader = Loader(store, cache, threads=2, max_backlog_s=0.5 * link.seconds(nbytes))
     loader.demand((m, e))                       # the router of layer m asked for expert e
     loader.prefetch((m, e), priority=0, when=step)   # a prediction for step `when`
+    loader.prefetch_many([((m, e), 0, step), ...])   # several, one lock round-trip
     loader.cancel_stale(now)                    # layer `now` started: older prefetches are moot
     loader.close()
 
@@ -62,6 +63,20 @@ class Loader:
             self.cache.stats.prefetch_issued += 1
             self._cond.notify()
             return True
+
+    def prefetch_many(self, requests: list[tuple[Key, float, int]]) -> int:
+        """prefetch() for each (key, priority, when) in order, under one lock round-trip;
+        returns how many were queued."""
+        queued = 0
+        with self._cond:
+            entries, queue = self.cache.entries, self.queue
+            for key, priority, when in requests:
+                if key not in entries and queue.prefetch(key, when, priority):
+                    queued += 1
+            if queued:
+                self.cache.stats.prefetch_issued += queued
+                self._cond.notify(queued)
+        return queued
 
     def cancel_stale(self, now: int) -> None:
         """Drop queued prefetches for steps that have started (their use is now or past)."""

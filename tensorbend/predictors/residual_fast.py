@@ -13,18 +13,26 @@ with the matmul, so it is applied to the product. A one-token batch (decode) doe
 gather over [source experts | previous experts + E]. Tests check equality with the
 reference on real traces, in batch and one token at a time.
 
+A one-token batch is scored in numpy (`TokenWeights`, `score_token`): the runtime scores one
+token per target layer per decode step, where torch's ~5-10 us dispatch per op is most of the
+cost of matrices this small. Same operations, same order; float rounding may differ from the
+torch path, the top-k lists it yields do not on real traces (tested). Source-router scores
+(use_src_scores) keep the torch path.
+
 Shapes: T tokens, D hidden, E experts, K top-k, H correction width.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tensorbend.predictors.base import SourceBatch
-from tensorbend.predictors.ops import rms_inverse, standardise
+from tensorbend.predictors.ops import EPS_RMS, EPS_STD, rms_inverse, standardise
 from tensorbend.routers import scores_from_logits
 
 
@@ -115,7 +123,7 @@ def _one_token_hidden(p, f: FoldedLayer, src: SourceBatch, yh_TH, inv_rms_T1) ->
     parts = []
     if src.src_ids_TK is not None:
         parts.append(src.src_ids_TK[0])
-    has_prev = p.cfg.use_prev and bool(src.has_prev_T[0])
+    has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
     if has_prev:
         parts.append(src.prev_ids_TK[0] + p.spec.num_experts)
     h_TH = torch.addcmul(f.b1_prev_H if has_prev else f.b1_H, yh_TH, inv_rms_T1)
@@ -123,6 +131,90 @@ def _one_token_hidden(p, f: FoldedLayer, src: SourceBatch, yh_TH, inv_rms_T1) ->
         return h_TH
     idx_N = parts[0] if len(parts) == 1 else torch.cat(parts)
     return h_TH + f.w_ids_2EH.index_select(0, idx_N.long()).sum(0)
+
+
+@dataclass
+class TokenWeights:
+    """A FoldedLayer as float32 numpy arrays, for scoring one token (`score_token`)."""
+
+    w_cat_DX: np.ndarray  # only the W1 hidden rows and the target router are used
+    w_ids_2EH: np.ndarray
+    b1_H: np.ndarray
+    b1_prev_H: np.ndarray
+    w2_HE: np.ndarray
+    b2_E: np.ndarray
+    alpha: np.float32
+    bias_E: np.ndarray | None  # the router's logit bias
+    correction_E: np.ndarray | None  # sigmoid_bias: added after the sigmoid
+
+
+def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
+    """f in numpy, or None when `score_token` does not cover it (the torch path scores it)."""
+    if f.w_src_score_EH is not None:
+        return None
+    a = lambda t: None if t is None else t.detach().float().numpy()  # noqa: E731
+    H, E = p.H, p.spec.num_experts
+    return TokenWeights(
+        w_cat_DX=np.ascontiguousarray(a(f.w_cat_DX)[:, : H + E]),
+        w_ids_2EH=a(f.w_ids_2EH),
+        b1_H=a(f.b1_H),
+        b1_prev_H=a(f.b1_prev_H),
+        w2_HE=np.ascontiguousarray(a(f.w2_HE)),
+        b2_E=a(f.b2_E),
+        alpha=np.float32(f.alpha),
+        bias_E=a(f.router.get(f"layers.{m}.bias")),
+        correction_E=a(f.router.get(f"layers.{m}.correction_bias")),
+    )
+
+
+def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
+    """[1, E] scores of a one-token batch: score_folded's operations in numpy."""
+    H, E = p.H, p.spec.num_experts
+    # (tensor.numpy()[0], np.dot, np.add.reduce: np.mean/std and torch indexing cost ~2-10 us
+    # a call in Python wrappers, more than the arithmetic here)
+    x_D = src.hidden_TD.float().numpy()[0]
+    inv_rms = np.float32(1.0) / np.sqrt(np.dot(x_D, x_D) / x_D.shape[0] + EPS_RMS)
+    y_X = x_D @ w.w_cat_DX
+    has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
+    h_H = (w.b1_prev_H if has_prev else w.b1_H) + y_X[:H] * inv_rms
+    parts = [] if src.src_ids_TK is None else [src.src_ids_TK.numpy()[0]]
+    if has_prev:
+        parts.append(src.prev_ids_TK.numpy()[0] + E)
+    if parts:
+        idx_N = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        h_H = h_H + np.add.reduce(w.w_ids_2EH[idx_N], axis=0)
+    # exact GELU (erf form, as F.gelu): numpy has no erf, math.erf over H values is cheap
+    erf_H = np.fromiter(map(math.erf, (h_H * _INV_SQRT2).tolist()), np.float32, count=H)
+    out_E = w.b2_E + (np.float32(0.5) * h_H * (np.float32(1.0) + erf_H)) @ w.w2_HE
+    if p.cfg.use_gate:
+        logits_E = y_X[H : H + E]
+        if p.lookahead.hidden == "layer_input":  # a residual: RMS-normalise like the layer
+            logits_E = logits_E * inv_rms
+        if w.bias_E is not None:
+            logits_E = logits_E + w.bias_E
+        g_E = logits_E
+        if p.spec.router_kind in ("sigmoid_bias", "group_limited"):  # others: the logits
+            g_E = np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * logits_E))
+            if w.correction_E is not None:  # (sigmoid in tanh form: no overflow)
+                g_E = g_E + w.correction_E
+            if p.spec.router_kind == "group_limited":
+                g_E = _group_limited(p.spec, g_E)
+        d_E = g_E - np.add.reduce(g_E) / E  # standardise: unbiased std, as torch.std_mean
+        out_E = out_E + w.alpha * (d_E / (np.sqrt(np.dot(d_E, d_E) / (E - 1)) + EPS_STD))
+    return torch.from_numpy(out_E.reshape(1, E))
+
+
+def _group_limited(spec, s_E: np.ndarray) -> np.ndarray:
+    """routers.scores_from_logits' group limit: experts outside the top groups (by the sum
+    of their two best scores) lose 1e4."""
+    G = spec.n_group
+    group_G = np.sort(s_E.reshape(G, -1), axis=1)[:, -2:].sum(1)
+    out_G = np.ones(G, dtype=bool)
+    out_G[np.argsort(-group_G, kind="stable")[: spec.topk_group]] = False
+    return np.where(np.repeat(out_G, s_E.shape[0] // G), s_E - np.float32(1e4), s_E)
+
+
+_INV_SQRT2 = np.float32(1 / math.sqrt(2))
 
 
 def _router_rest(router_params: dict, layer: int) -> dict[str, torch.Tensor]:

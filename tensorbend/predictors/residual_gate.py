@@ -43,6 +43,7 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
+from tensorbend.predictors.residual_fast import fold_layer, score_folded, score_token, token_weights
 from tensorbend.routers import router_scores
 
 OursLoss = Literal["listwise", "bce"]
@@ -175,7 +176,7 @@ class ResidualGatePredictor(PredictorBase):
         E, D = spec.num_experts, spec.hidden_size
         self.layout = FeatureLayout(D, E, cfg.use_src_scores)
         self.net = _Net(len(self.targets), self.layout.width, H, E).eval()
-        self._fast: dict = {}  # target layer -> residual_fast.FoldedLayer
+        self._fast: dict = {}  # target layer -> (FoldedLayer, TokenWeights | None)
 
     @classmethod
     def fit(cls, spec, la, data: TrainData, cfg: ResidualGateConfig | None = None, progress=False):
@@ -206,12 +207,15 @@ class ResidualGatePredictor(PredictorBase):
         return p
 
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
-        """Fast path (residual_fast.py): equal to `scores_reference` up to float rounding."""
-        from tensorbend.predictors.residual_fast import fold_layer, score_folded
-
+        """Fast path (residual_fast.py): equal to `scores_reference` up to float rounding;
+        one token (decode) in numpy where it covers the layer."""
         if m not in self._fast:
-            self._fast[m] = fold_layer(self, m)
-        return score_folded(self, self._fast[m], m, src)
+            folded = fold_layer(self, m)
+            self._fast[m] = (folded, token_weights(self, folded, m))
+        folded, token = self._fast[m]
+        if token is not None and len(src) == 1:
+            return score_token(self, token, src)
+        return score_folded(self, folded, m, src)
 
     def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
         """The training-time computation (tests compare the fast path against it)."""

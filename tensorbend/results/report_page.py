@@ -137,7 +137,25 @@ def _cost(root: Path) -> str:
         "within-token predictor's time is mostly per-call overhead of small tensor ops; the "
         "horizon's work grows with MoE layers x experts (about 120x zoo:default's on "
         "Kimi-K2.5), so its cost does not stay the same on a large model. The projections "
-        "below charge prediction zero seconds.\n"
+        f"below charge prediction zero seconds.{_in_runtime(rep.get('in_runtime'))}\n"
+    )
+
+
+def _in_runtime(rt: dict | None) -> str:
+    """The same stacks measured inside the offload runtime (absent from older JSON)."""
+    if rt is None:
+        return ""
+    rows = "; ".join(
+        f"{r['stack']} {r['predict_us_per_token']:.0f} us ({r['share_of_resident_step']:.1%}; "
+        f"decode tok/s x{r['tok_s_ratio_vs_lru']:.2f} of lru, "
+        f"{r['tok_s_ratio_range'][0]:.2f}-{r['tok_s_ratio_range'][1]:.2f})"
+        for r in rt["results"]
+    )
+    return (
+        " Inside the runtime (`OffloadSession.run_policy`, every expert cached, no link cap, "
+        f"{rt['repeats']} repeats interleaved with lru; seconds in the prediction hooks per "
+        f"decode token, prefill's calls included, over the resident decode step of "
+        f"{rt['resident_decode_step_ms']:.2f} ms): {rows}."
     )
 
 
