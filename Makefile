@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-evictor bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -51,6 +51,8 @@ bench-traces: setup
 		test -f $(BENCH)/$$m/horizon_routing.safetensors || $(PY) -m tensorbend train \
 			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing \
 			--out $(BENCH)/$$m/horizon_routing.safetensors; \
+		test -f $(BENCH)/$$m/evictor.safetensors || $(PY) -m tensorbend train --quiet \
+			--trace $(BENCH)/$$m/trace --predictor evictor --out $(BENCH)/$$m/evictor.safetensors; \
 	done
 
 bench-accuracy: bench-traces
@@ -90,6 +92,8 @@ bench-timing: bench-traces
 	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/bench/predictor_cost.json > /dev/null
+	$(PY) -m bench.replay_speed --json docs/bench/replay_speed.json \
+		--doc docs/bench/replay_speed.md > /dev/null
 	$(PY) -m bench.capture_overhead --json docs/bench/capture_overhead.json > /dev/null
 	$(PY) -m bench.trace_io --json docs/bench/trace_io.json > /dev/null
 
@@ -104,6 +108,15 @@ bench-headline: bench-traces
 			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 			--out docs/bench/headline_$$m --doc docs/headline_$$m.md > /dev/null; \
 	done
+
+# The learned eviction end to end beside every no-prediction cache and the horizon (run alone).
+bench-evictor: bench-traces
+	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
+		--predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--evictor $(BENCH)/default/evictor.safetensors --baselines "" --fracs 0.25 \
+		--foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
+		--out docs/bench/evictor_run_default --doc docs/evictor_run_default.md > /dev/null
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 bench-serve: bench-traces
