@@ -64,6 +64,7 @@ class ScheduledIndex:
         self.memo: dict = {}  # (pool, group) -> (its top's entry, its rank) at memo_now
         self.memo_now = -1
         self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
+        self.pending = False  # a forecast not applied yet (at the next victim search)
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
         self.limit = 4 * rs.capacity + 64  # entries in a heap before its stale ones go
@@ -111,8 +112,18 @@ class ScheduledIndex:
             self.put(key, now)
 
     def rebuild(self, now: int) -> None:
-        """A forecast arrived: the ranks it may have changed anew (`policy.forecast_changes`
-        against a copy of the last forecast), or every rank when there is no such rule."""
+        """A forecast arrived: applied at the next victim search (`_apply_forecast`). A
+        forecast comes on the compute thread once per forward, under the cache's lock; a
+        victim is asked for on an I/O thread, at a miss, often forwards later (or never, when
+        the cache holds everything), so the work leaves the critical path, and several
+        forecasts in between cost one application. Uses, placements and hints meanwhile rank
+        their keys under the policy's newest forecast, as a fresh entry would."""
+        self.pending = True
+
+    def _apply_forecast(self, now: int) -> None:
+        """The ranks the newest forecast may have changed anew (`policy.forecast_changes`
+        against a copy of the last applied one), or every rank when there is no such rule."""
+        self.pending = False
         policy, seen = self.rs.policy, self.seen
         changes = getattr(policy, "forecast_changes", None)
         self.seen = policy.forward, [r[:] for r in policy.ahead], [r[:] for r in policy.after_first]
@@ -148,6 +159,8 @@ class ScheduledIndex:
             self._reheads(p)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
+        if self.pending:
+            self._apply_forecast(now)
         version = self.version
         if now > self.done:  # the ranks that ran out at the steps since the last search
             due, recency, put = self.due, self.recency, self.put
