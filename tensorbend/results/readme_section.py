@@ -233,7 +233,41 @@ def evictor_section(root: Path) -> str:
             )
     if not lines:
         return ""
-    head = [
+    return "\n".join(_evictor_head() + lines) + "\n" + _evictor_reading(root)
+
+
+def _evictor_reading(root: Path) -> str:
+    """What the learned-eviction rows say, from their numbers: bytes and stall against the
+    best no-prediction cache, and the time per token outside the stall (its own cost)."""
+    parts, slower = [], []
+    for name in ("default", "qwen"):
+        rep = load(root, f"docs/bench/evictor_run_{name}.json")
+        for entry, runs, c in _at_quarter(rep):
+            ev = next((r for r in runs if r["policy"] == "evictor"), None)
+            best = next((r for r in runs if run_label(r) == c["best_no_prediction_cache"]), None)
+            if ev is None or best is None:
+                continue
+            other = [1 / r["decode_tok_s"] - r["stall_s_per_token"] for r in (ev, best)]
+            ratios = c["runs"][run_label(ev)].get("vs_best_cache_repeats") or [
+                c["runs"][run_label(ev)]["vs_best_cache"]
+            ]
+            slower.append(max(ratios) < 1)
+            parts.append(
+                f"{rep['model']} x{entry['speedup']:g}: {1 - ev['bytes_read_per_token'] / best['bytes_read_per_token']:.0%} "
+                f"fewer bytes and {(best['stall_s_per_token'] - ev['stall_s_per_token']) * 1e3:.1f} ms "
+                f"less stall per token than {run_label(best)}, but {(other[0] - other[1]) * 1e3:.1f} ms "
+                "more of the rest (compute, the learner's own work)"
+            )
+    if not parts:
+        return ""
+    verdict = ("slower than the best cache without prediction in every row (every repeat)"
+               if all(slower) else f"slower in {sum(slower)} of {len(slower)} rows")  # fmt: skip
+    return ("\nThe learned eviction saves bytes and stall, and loses them again to its own cost: "
+            + "; ".join(parts) + f". It is {verdict}.\n")  # fmt: skip
+
+
+def _evictor_head() -> list[str]:
+    return [
         "**The learned eviction end to end** (`tensorbend run --policy evictor`, measured as "
         "above: 25% cache, held-out prompts, outputs identical to the resident model; the "
         "learner reads routing only, under its LFRU shadow guard; docs/evictor_run_default.md). "
@@ -244,7 +278,6 @@ def evictor_section(root: Path) -> str:
         "ours: horizon only | full oracle tok/s |",
         "|---|---|---|---|---|---|",
     ]
-    return "\n".join(head + lines) + "\n"
 
 
 NOISE = 0.05  # one-run tok/s ratios inside 1 +- this are ties (twin runs differ by up to 4.6%)
