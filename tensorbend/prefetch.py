@@ -40,7 +40,7 @@ routed ids (its router input as `hidden_TD`) for target s + N; `same_layer` at l
 The inputs it sees are exactly what `predictors.base.sources_from_rows` builds offline from a
 trace (tested through the runtime, which drives this class). A cross-token `horizon` predictor
 runs at the last MoE layer's router: it updates the request's history, publishes `forecast`
-(the expected step of every (layer, expert)'s next use, for a `policies.Reuse` cache) and
+(the expected step of every (layer, expert)'s next use, for a `predicted.Reuse` cache) and
 names the next forward's first `token_ahead_layers` layers' likeliest experts (`hint=False`:
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of

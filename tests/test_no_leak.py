@@ -203,7 +203,8 @@ def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
     no oracle before forward CUT + 1 starts, are the same with the future scrambled; from
     forward CUT + 1 on they differ (the replay does read what it is given)."""
     from tensorbend import foresight
-    from tensorbend.cache.policies import NextUse, Reuse
+    from tensorbend.cache.policies import NextUse
+    from tensorbend.cache.predicted import Reuse
 
     spec, pred, rows, scrambled = request_pair
     L, log = spec.num_moe_layers, []

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tensorbend.cache.admission import AdmitFrequent
-from tensorbend.cache.policies import LFU, LRU, NextUse, Predicted
+from tensorbend.cache.policies import LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.errors import StoreError
 from tensorbend.offload.cache import CacheConfig, ExpertCache

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tensorbend.cache.admission import AdmitAll, AdmitFrequent, AdmitPredicted, make_admission
-from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.resident import ResidentSet
 
 

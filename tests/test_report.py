@@ -6,7 +6,8 @@ import pytest
 from test_simulate import calibration, planted, sim  # noqa: F401  (planted is a fixture)
 
 from tensorbend.cache.config import POLICIES, PolicyConfig, make_eviction, no_prediction
-from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.report import (
     ROW_KEYS,
     best_no_prediction,

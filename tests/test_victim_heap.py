@@ -15,7 +15,8 @@ import pytest
 
 from tensorbend.cache.admission import make_admission
 from tensorbend.cache.kinetic import Tournament
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet

@@ -36,7 +36,8 @@ from typing import Literal, get_args
 
 from tensorbend.cache.admission import AdmissionName, make_admission
 from tensorbend.cache.evictor import AdmitByPolicy, learned_eviction
-from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.resident import PoolName, ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError

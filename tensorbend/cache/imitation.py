@@ -40,7 +40,8 @@ from tensorbend.cache.evictor import (
     feature_names,
 )
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted
 from tensorbend.cache.victim_heap import IndexedResidentSet
 
 DIST_CAP = 4096.0  # steps: a next use farther (or never) counts as this far in soft targets

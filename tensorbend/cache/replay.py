@@ -30,7 +30,8 @@ import random
 from dataclasses import dataclass, field
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse, Predicted, Reuse
+from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
+from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.resident import ResidentSet, inherited
 
 REPLAY_POLICIES = (

@@ -116,7 +116,7 @@ class ResidentSet:
         self.policy.new_request()
 
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
-        """A cross-token forecast (passed to the policy: `policies.Reuse.set_forecast`)."""
+        """A cross-token forecast (passed to the policy: `predicted.Reuse.set_forecast`)."""
         self.policy.set_forecast(forward, ahead_LE, after_first_LE)
 
     def place(

@@ -147,7 +147,7 @@ class ExpertCache:
             self.resident.new_request()
 
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
-        """A cross-token forecast for the policy (policies.Reuse.set_forecast)."""
+        """A cross-token forecast for the policy (predicted.Reuse.set_forecast)."""
         with self._cond:
             self.resident.set_forecast(forward, ahead_LE, after_first_LE)
 

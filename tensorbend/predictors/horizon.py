@@ -25,7 +25,7 @@ offset of the next use (a request that ends first counts as later), on the train
 stopped on val. Linear in monotone recency features, classes still own intervals of age, so a
 routing that cycles across tokens is learned exactly (tested).
 
-How it is used: `cache.policies.Reuse` turns a forecast into the expected step of every
+How it is used: `cache.predicted.Reuse` turns a forecast into the expected step of every
 cached expert's next use and evicts the farthest (Belady with predicted distances);
 `AdmitPredicted` bypasses a miss expected back later than the victim; the runtime prefetches
 the first layers' likeliest experts of the next forward during the last layers of this one.
@@ -139,7 +139,7 @@ class Forecast:
 
     def next_use_steps(self, forward: int, num_layers: int) -> tuple[list, list]:
         """For a forecast made after `forward`: the expected step of every (m, e)'s next use
-        (step = forward * L + m), as nested lists [L][E] for `policies.Reuse`: with every class
+        (step = forward * L + m), as nested lists [L][E] for `predicted.Reuse`: with every class
         still ahead, and once layer m of the next forward has passed without it (class 1
         dropped, the rest renormalised)."""
         h = self.first_use_LEJ.shape[-1] - 1

@@ -52,7 +52,7 @@ class LayerWork:
         default_factory=list
     )  # (target layer, ranked ids)
     at_router: list[tuple[int, list[int]]] = field(default_factory=list)
-    forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE) for policies.Reuse
+    forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE) for predicted.Reuse
     ahead: list[tuple[int, list[int]]] = field(default_factory=list)  # prefetched, not hinted
 
 
