@@ -10,12 +10,11 @@ What is measured and how: `tensorbend/cache/replay_speed.py`.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.replay_speed import SpeedConfig, markdown, measure
-from tensorbend.results import command
+from tensorbend.results import command, emit
 
 
 def main(argv=None) -> int:
@@ -34,13 +33,9 @@ def main(argv=None) -> int:
         policies=tuple(a.policies.split(",")),
     )
     result = measure(cfg, command("replay_speed", argv))
-    text = json.dumps(result, indent=2)
-    if a.json:
-        atomic_write_text(Path(a.json), text + "\n")
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(result))
-    print(text)
-    return 0
+    return emit(result, a.json)
 
 
 if __name__ == "__main__":

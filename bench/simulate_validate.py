@@ -15,12 +15,12 @@ table. The bar: every configuration within 15% on tok/s, stall and bytes per tok
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import TensorbendError
+from tensorbend.results import command, emit
 from tensorbend.simulate.validation import ValidateConfig, markdown, validate
 
 _DEFAULT = ValidateConfig()
@@ -43,15 +43,10 @@ def main(argv=None) -> int:
     except TensorbendError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args = sys.argv[1:] if argv is None else argv
-    out["command"] = " ".join(["python -m bench.simulate_validate", *args])
-    text = json.dumps(out, indent=2)
-    if a.json:
-        atomic_write_text(Path(a.json), text + "\n")
+    out["command"] = command("simulate_validate", argv)
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(out))
-    print(text)
-    return 0
+    return emit(out, a.json)
 
 
 def _parser() -> argparse.ArgumentParser:

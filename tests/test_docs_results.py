@@ -161,10 +161,7 @@ def test_report_is_its_json_rendered():
 
 def test_cli_reference_is_the_clis_own_help():
     """docs/cli.md and README's command-line block are what `--help` prints today."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    import cli_reference
+    from tools import cli_reference
 
     assert cli_reference.reference() == (ROOT / "docs" / "cli.md").read_text(), (
         "run `python tools/cli_reference.py`"

@@ -4,14 +4,14 @@
 >>> SOURCES
 ('csv', 'vllm', 'sglang')
 
-config.py holds `ImportConfig` (the `trace import` flags); one reader module per format
+source.py holds `ImportConfig` (the `trace import` flags); one reader module per format
 (csv.py, vllm.py, sglang.py: `source_files`, `read_prompts`) yields reader.py's
 `ImportedPrompt`s; sink.py checks their sizes and writes the trace; importer.py
 (`import_trace`) ties them together. Formats and the engine versions they were read from:
 docs/import.md.
 """
 
-from tensorbend.importers.config import SOURCES, ImportConfig, Source
 from tensorbend.importers.importer import ImportResult, import_trace
+from tensorbend.importers.source import SOURCES, ImportConfig, Source
 
 __all__ = ["SOURCES", "ImportConfig", "ImportResult", "Source", "import_trace"]

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from tensorbend.errors import TraceError
-from tensorbend.importers.config import ImportConfig
 from tensorbend.importers.reader import ImportedPrompt, by_prompt, iter_files
+from tensorbend.importers.source import ImportConfig
 
 COLUMNS = ("prompt_id", "layer", "position", "expert_ids")
 _PHASES = {"prefill": 0, "0": 0, "decode": 1, "1": 1}

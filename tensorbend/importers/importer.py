@@ -38,8 +38,8 @@ from tensorbend.errors import TraceError
 from tensorbend.importers import csv as csv_reader
 from tensorbend.importers import sglang as sglang_reader
 from tensorbend.importers import vllm as vllm_reader
-from tensorbend.importers.config import ImportConfig
 from tensorbend.importers.sink import Sink
+from tensorbend.importers.source import ImportConfig
 from tensorbend.trace import MANIFEST
 
 READERS = {"csv": csv_reader, "vllm": vllm_reader, "sglang": sglang_reader}

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from tensorbend.errors import TraceError
-from tensorbend.importers.config import ImportConfig
 from tensorbend.importers.reader import ImportedPrompt, iter_files
+from tensorbend.importers.source import ImportConfig
 
 EXTEND, DECODE, MIXED = 1, 2, 3  # sglang ForwardMode values
 STALE_PASSES = 8

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from tensorbend.errors import TraceError
-from tensorbend.importers.config import ImportConfig
 from tensorbend.importers.reader import ImportedPrompt, iter_files
+from tensorbend.importers.source import ImportConfig
 
 SUFFIXES = (".json", ".jsonl", ".npz")
 

@@ -208,7 +208,7 @@ class HorizonState:
         return (1 - rate_LE) / rate_LE
 
 
-class _Net(torch.nn.Module):
+class _HorizonNet(torch.nn.Module):
     def __init__(self, L: int, E: int, J: int, D: int, width: int, uses_hidden: bool):
         super().__init__()
         self.w_LJX = torch.nn.Parameter(torch.zeros(L, J, NUM_FEATURES))
@@ -242,7 +242,7 @@ class HorizonPredictor:
     def __init__(self, spec: RoutingSpec, cfg: HorizonConfig):
         self.spec, self.cfg = spec, cfg
         L, E, D = spec.num_moe_layers, spec.num_experts, spec.hidden_size
-        self.net = _Net(L, E, cfg.foresight + 1, D, cfg.width, cfg.uses_hidden).eval()
+        self.net = _HorizonNet(L, E, cfg.foresight + 1, D, cfg.width, cfg.uses_hidden).eval()
         self.history: list[dict] = []
         self.rows: dict[str, int] = {}  # fit_dataset: rows it was trained and early-stopped on
 

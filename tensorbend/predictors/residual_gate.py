@@ -147,7 +147,7 @@ def width_for_budget(D: int, E: int, want: int, frac: float, src_scores: bool = 
     return max(1, min(want, cap))
 
 
-class _Net(torch.nn.Module):
+class _CorrectionNet(torch.nn.Module):
     """Per-target-layer parameters stacked over layers: [Lt, ...]."""
 
     def __init__(self, Lt: int, width: int, H: int, E: int):
@@ -175,7 +175,7 @@ class ResidualGatePredictor(PredictorBase):
         self.targets = list(la.targets(spec.num_moe_layers))
         E, D = spec.num_experts, spec.hidden_size
         self.layout = FeatureLayout(D, E, cfg.use_src_scores)
-        self.net = _Net(len(self.targets), self.layout.width, H, E).eval()
+        self.net = _CorrectionNet(len(self.targets), self.layout.width, H, E).eval()
         self._fast: dict = {}  # target layer -> (FoldedLayer, TokenWeights | None)
 
     @classmethod

@@ -238,7 +238,7 @@ def evictor_section(root: Path) -> str:
 
 def _evictor_reading(root: Path) -> str:
     """What the learned-eviction rows say, from their numbers: bytes and stall against the
-    best no-prediction cache, and the time per token outside the stall (its own cost)."""
+    best no-prediction cache, and the time per token outside the stall."""
     parts, slower = [], []
     for name in ("default", "qwen"):
         rep = load(root, f"docs/bench/evictor_run_{name}.json")
@@ -256,13 +256,14 @@ def _evictor_reading(root: Path) -> str:
                 f"{rep['model']} x{entry['speedup']:g}: {1 - ev['bytes_read_per_token'] / best['bytes_read_per_token']:.0%} "
                 f"fewer bytes and {(best['stall_s_per_token'] - ev['stall_s_per_token']) * 1e3:.1f} ms "
                 f"less stall per token than {run_label(best)}, but {(other[0] - other[1]) * 1e3:.1f} ms "
-                "more of the rest (compute, the learner's own work)"
+                "more per token outside the stall"
             )
     if not parts:
         return ""
     verdict = ("slower than the best cache without prediction in every row (every repeat)"
                if all(slower) else f"slower in {sum(slower)} of {len(slower)} rows")  # fmt: skip
-    return ("\nThe learned eviction saves bytes and stall, and loses them again to its own cost: "
+    return ("\nThe learned eviction saves bytes and stall, and spends more time outside the stall "
+            "(compute, its own scoring and the rest; not profiled): "
             + "; ".join(parts) + f". It is {verdict}.\n")  # fmt: skip
 
 

@@ -130,7 +130,7 @@ def _cost(root: Path) -> str:
     met = "met" if rep["stack_ratio"] <= rep["target_ratio"] else "not met"
     return (
         "Cost of the prediction stack per decode token, through the prefetch API an engine "
-        f"calls (bench/predictor_cost.py, {rep['threads']} thread, side by side with the "
+        f"calls (`python -m bench.predictor_cost`, {rep['threads']} thread, side by side with the "
         f"resident decode forward of {rep['decode_forward_ms']:.2f} ms): {rows}. Target "
         f"{rep['target_ratio']:.0%} of a decode step for the whole stack: {met}. Timed outside "
         "the runtime on random inputs (hooks, locks and queueing not included). The "

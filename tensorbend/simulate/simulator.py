@@ -274,7 +274,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
         epc = EPConfig(cfg.ep_degree, cfg.ep_placement)
         res.ep = ep_report(rankeds[auto:], rows, fwds, tr.spec.num_experts, epc)
     if cfg.plots is not None:
-        from tensorbend.simulate.plots import plot_results
+        from tensorbend.simulate.figures import plot_results
 
         plot_results(res, cfg.plots)
     res.seconds = round(time.perf_counter() - t0, 2)
