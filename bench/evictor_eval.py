@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
-from tensorbend.cache.evictor import GROUPS, Evictor, EvictorModel
+from tensorbend.cache.evictor import Evictor, EvictorModel
+from tensorbend.cache.features import GROUPS
 from tensorbend.cache.imitation import (
     evaluate_evictor,
     fit_evictor,

@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tensorbend.cache.evictor import (
-    GROUPS,
-    AdmitByPolicy,
-    Evictor,
-    EvictorModel,
-    Features,
-    ShadowGuard,
-    feature_names,
-)
+from tensorbend.cache.evictor import AdmitByPolicy, Evictor, EvictorModel, ShadowGuard
+from tensorbend.cache.features import GROUPS, Features, FoldedScore, feature_names
 from tensorbend.cache.imitation import Requests, fit_evictor, replay
 from tensorbend.cache.policies import LFRU, NextUse
 from tensorbend.cache.resident import ResidentSet
@@ -149,3 +142,26 @@ def test_the_key_being_placed_is_the_one_scored_as_incoming(indexed):
         for k in missed:  # then the I/O thread places them, in order
             refused += rs.place(k, step).outcome == "refused"
     assert rs.evictions == 0 and refused == 6 and sorted(rs) == [(0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("groups", [GROUPS, ("recency", "history", "request"), ("layer",)])
+def test_folded_score_equals_the_model_score(groups):
+    """Run time scores through FoldedScore (normalisation folded into the weights, one-hot
+    layer columns into a per-layer table): the same scores as EvictorModel.score on the full
+    feature matrix, for random weights and a random history."""
+    L, E = 3, 5
+    rng = np.random.default_rng(1)
+    X, H = len(feature_names(groups, L)), 6
+    model = EvictorModel(groups, L, rng.normal(size=X), rng.uniform(0.5, 2, X), rng.normal(size=X),
+                         rng.normal(size=(X, H)), rng.normal(size=H), rng.normal(size=H))  # fmt: skip
+    f = Features(L, E, prior_K=rng.normal(size=L * E))
+    for now in range(40):
+        f.touch((now % L, int(rng.integers(E))), now)
+    idx_C = np.array([0, 4, 7, 11, 14, 2])
+    x_CX = f.matrix(idx_C, 41, groups)
+    x_CX[4:, -1] = 1.0
+    folded = FoldedScore(model).score(f, idx_C, 41, incoming=4)
+    np.testing.assert_allclose(folded, model.score(x_CX), rtol=1e-10, atol=1e-10)
+    s0_K, s1_K = FoldedScore(model).score_all(f, 41)  # every key, as a resident / the missed key
+    np.testing.assert_allclose(np.r_[s0_K[idx_C[:4]], s1_K[idx_C[4:]]], folded, rtol=1e-10)
+    assert x_CX.shape == (6, X) and np.ptp(model.score(x_CX)) > 0  # not a constant score

@@ -169,7 +169,8 @@ def random_evictor(path, L: int, E: int, seed: int = 0):
     drivers must make the same decisions whatever it scores)."""
     import numpy as np
 
-    from tensorbend.cache.evictor import GROUPS, EvictorModel, feature_names
+    from tensorbend.cache.evictor import EvictorModel
+    from tensorbend.cache.features import GROUPS, feature_names
 
     rng = np.random.default_rng(seed)
     X, H = len(feature_names(GROUPS, L)), 8

@@ -16,16 +16,9 @@ At each miss that finds its pool full, the policy scores only the candidates: fe
 declared `scan`: the victim index asks `choose(candidates, now)` once per full miss (C <= pool
 size + 1; no per-step re-ranking). `next_use` is None: the score is not a step.
 
-Feature groups (`GROUPS`; a model is trained with a subset, the ablation rows drop one each):
-  recency    log(1 + forwards since the last use), capped at 64
-  history    used at the last 4 visits of its layer (the last tokens' routing there)
-  frequency  log(1 + decayed use count) for decays 0.5, 0.8, 0.95 per forward
-  request    log(1 + uses in this request), used in this request at all
-  layer      forwards until its layer comes round again (a global pool cycles through layers),
-             one-hot layer
-  prior      log share of the key's uses on the train split (a per-key constant)
-plus always: 1 for the missed key (the bypass candidate). All of them exist for a routing-only
-trace (no hidden state is read), so the same learner serves imported traces.
+Features and their groups (`GROUPS`, each model trained with a subset): `cache/features.py`;
+every one exists for a routing-only trace, so the same learner serves imported traces. At run
+time a decision scores through `FoldedScore` (the same scores, one smaller matrix product).
 
 The shadow guard (`ShadowGuard`) replays a no-prediction cache (LFRU, global pool, TinyLFU
 admission: the best no-prediction cache on both bundled models) on the same demands, as a
@@ -50,91 +43,11 @@ from typing import ClassVar
 import numpy as np
 
 from tensorbend.cache.admission import AdmitAll, AdmitFrequent
+from tensorbend.cache.features import GROUPS, Features, FoldedScore
 from tensorbend.cache.policies import LFRU, LRU, Key, Ranking
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError
-
-GROUPS = ("recency", "history", "frequency", "request", "layer", "prior")
-DECAYS = (0.5, 0.8, 0.95)  # per forward
-HISTORY = 4  # visits of a layer
-AGE_CAP = 64.0  # forwards
-NEVER = -(10**9)
-
-
-def feature_names(groups: tuple[str, ...], num_layers: int) -> list[str]:
-    """Column names of `Features.matrix` for these groups (the order of GROUPS)."""
-    names = {
-        "recency": ["log_age"],
-        "history": [f"used_visit-{j}" for j in range(HISTORY)],
-        "frequency": [f"log_count@{d}" for d in DECAYS],
-        "request": ["log_request_uses", "used_in_request"],
-        "layer": ["visit_in", *[f"layer={m}" for m in range(num_layers)]],
-        "prior": ["log_prior"],
-    }
-    return [n for g in GROUPS if g in groups for n in names[g]] + ["incoming"]
-
-
-class Features:
-    """Per-key history as arrays [K], updated at every demand use; features of any keys now."""
-
-    def __init__(self, num_layers: int, num_experts: int, prior_K: np.ndarray | None = None):
-        self.L, self.E = num_layers, num_experts
-        K = num_layers * num_experts
-        self.last = np.full(K, NEVER, dtype=np.int64)  # step of the last use
-        self.count_DK = np.zeros((len(DECAYS), K))  # decayed counts at `stamp`
-        self.stamp = np.zeros(K, dtype=np.int64)
-        self.request = np.zeros(K)
-        self.visits_KH = np.full((K, HISTORY), NEVER, dtype=np.int64)  # forwards of last uses
-        self.prior = np.zeros(K) if prior_K is None else np.asarray(prior_K, dtype=np.float64)
-        self.layer_K = np.repeat(np.arange(num_layers), num_experts)
-        self.log_decay_D = np.log(np.array(DECAYS))[:, None] / num_layers  # per step
-
-    def index(self, key: Key) -> int:
-        return key[0] * self.E + key[1]
-
-    def touch(self, key: Key, now: int) -> None:
-        k = key[0] * self.E + key[1]
-        dt = now - self.stamp[k]
-        self.count_DK[:, k] = self.count_DK[:, k] * np.exp(self.log_decay_D[:, 0] * dt) + 1.0
-        self.stamp[k] = now
-        self.last[k] = now
-        self.request[k] += 1
-        f = now // self.L
-        row = self.visits_KH[k]
-        if row[0] != f:
-            row[1:] = row[:-1].copy()
-            row[0] = f
-
-    def new_request(self) -> None:
-        self.request[:] = 0.0
-
-    def matrix(self, idx_C: np.ndarray, now: int, groups: tuple[str, ...]) -> np.ndarray:
-        """Features [C, X] of keys idx_C at step now (columns: `feature_names`); the last
-        column (incoming) is 0 here: the caller marks the missed key."""
-        L, cols = self.L, []
-        layer_C = self.layer_K[idx_C]
-        if "recency" in groups:
-            age = np.minimum((now - self.last[idx_C]) / L, AGE_CAP)
-            cols.append(np.log1p(age)[:, None])
-        if "history" in groups:
-            visit_C = now // L - (layer_C > now % L)  # the latest forward that ran layer m
-            j_H = np.arange(HISTORY)
-            cols.append((self.visits_KH[idx_C][:, :, None] == (visit_C[:, None] - j_H)[:, None, :])
-                        .any(1).astype(np.float64))  # fmt: skip
-        if "frequency" in groups:
-            dt = (now - self.stamp[idx_C])[None, :]
-            cols.append(np.log1p(self.count_DK[:, idx_C] * np.exp(self.log_decay_D * dt)).T)
-        if "request" in groups:
-            r = self.request[idx_C]
-            cols.append(np.stack([np.log1p(r), (r > 0).astype(np.float64)], 1))
-        if "layer" in groups:
-            visit_in = ((layer_C - now % L - 1) % L + 1) / L
-            cols.append(np.concatenate([visit_in[:, None], np.eye(L)[layer_C]], 1))
-        if "prior" in groups:
-            cols.append(self.prior[idx_C][:, None])
-        cols.append(np.zeros((len(idx_C), 1)))
-        return np.concatenate(cols, 1)
 
 
 @dataclass
@@ -208,14 +121,20 @@ class Evictor(LFRU):
         self.model = model
         self.groups = model.groups if model is not None else groups
         self.features = Features(num_layers, num_experts, prior_K)
+        self.folded = FoldedScore(model) if model is not None else None
         self.last_key: Key | None = None  # the latest demand: the missed key at a place()
-        self.scores: dict[Key, float] = {}  # of the latest decision
+        self.scores: dict[Key, float] = {}  # of the latest decision (training's path)
         self.log: list | None = None
+        self._scored_at: int | None = None  # run time: the step s0_K / s1_K were scored at
+        self._s0_K = self._s1_K = None  # every key's score as a resident / as the missed key
+        self._decision: tuple | None = None  # (missed key, victim, scored as the missed key?)
 
     def touch(self, key: Key, now: int) -> None:
-        super().touch(key, now)
+        if self.model is None:  # (ranks as LFRU)
+            super().touch(key, now)
         self.features.touch(key, now)
         self.last_key = key
+        self._scored_at = None
 
     def bind(self, rs: ResidentSet) -> None:
         """Called by the resident set that uses it (ranking `scan`); the evictor needs nothing."""
@@ -228,11 +147,26 @@ class Evictor(LFRU):
 
     def new_request(self) -> None:
         self.features.new_request()
+        self._scored_at = None
 
     def choose(self, cands: list[Key], now: int) -> Key:
-        """The victim among the evictable residents `cands`; scores the missed key too."""
+        """The victim among the evictable residents `cands`; scores the missed key too.
+
+        At run time (a model, no log) every key is scored once per step and kept until a use
+        or a new request changes a feature: the misses of one step (a runtime places them
+        after the layer's uses) then cost a lookup each, and a key's score never depends on
+        which keys were scored with it."""
+        E = self.features.E
+        if self.log is None and self.folded is not None:
+            if self._scored_at != now:
+                self._s0_K, self._s1_K = self.folded.score_all(self.features, now)
+                self._scored_at = now
+            idx_C = np.fromiter((m * E + e for m, e in cands), np.int64, len(cands))
+            victim = cands[int(np.argmax(self._s0_K[idx_C]))]
+            self._decision = (self.last_key, victim, self.last_key not in cands)
+            return victim
         keys = cands + [self.last_key] if self.last_key not in cands else list(cands)
-        idx_C = np.fromiter((k[0] * self.features.E + k[1] for k in keys), np.int64, len(keys))
+        idx_C = np.fromiter((m * E + e for m, e in keys), np.int64, len(keys))
         x_CX = self.features.matrix(idx_C, now, self.groups)
         x_CX[len(cands) :, -1] = 1.0
         if self.log is not None:
@@ -246,6 +180,14 @@ class Evictor(LFRU):
 
     def admit(self, key: Key, victim: Key, now: int) -> bool:
         """Belady's bypass on scores: keep the miss unless it outscores the victim."""
+        if self._decision is not None:
+            scored, chosen, as_incoming = self._decision
+            self._decision = None
+            if key != scored or victim != chosen:
+                return True  # (not the decision just made: keep, as below)
+            E = self.features.E
+            s_key = (self._s1_K if as_incoming else self._s0_K)[key[0] * E + key[1]]
+            return bool(s_key <= self._s0_K[victim[0] * E + victim[1]])
         s = self.scores
         return key not in s or victim not in s or s[key] <= s[victim]
 

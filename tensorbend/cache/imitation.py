@@ -31,14 +31,8 @@ import numpy as np
 import torch
 
 from tensorbend.cache.admission import make_admission
-from tensorbend.cache.evictor import (
-    GROUPS,
-    AdmitByPolicy,
-    Evictor,
-    EvictorModel,
-    ShadowGuard,
-    feature_names,
-)
+from tensorbend.cache.evictor import AdmitByPolicy, Evictor, EvictorModel, ShadowGuard
+from tensorbend.cache.features import GROUPS, feature_names
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
 from tensorbend.cache.predicted import Predicted
