@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from tensorbend.cache.heaps import first_live
 from tensorbend.cache.kinetic import Tournament
 from tensorbend.cache.policies import Key
 from tensorbend.cache.resident import Evictable, ResidentSet
@@ -191,18 +192,12 @@ class _Ordered:
                 break
         if not late:
             return found
-        aside, other = [], None
-        while late:
-            value, key = late[0]
-            if key in inline or order.get(key) != value:
-                heapq.heappop(late)  # left, or moved since
-            elif evictable is None or evictable(key):
-                other = key
-                break
-            else:
-                aside.append(heapq.heappop(late))
-        for item in aside:
-            heapq.heappush(late, item)
+
+        def stale(item: tuple) -> bool:  # its key left, or moved since
+            return item[1] in inline or order.get(item[1]) != item[0]
+
+        item = first_live(late, stale, evictable)
+        other = None if item is None else item[1]
         if other is None or (found is not None and order[found] < order[other]):
             return found
         return other

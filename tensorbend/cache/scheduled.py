@@ -28,6 +28,7 @@ import heapq
 from heapq import heappush
 from math import ceil
 
+from tensorbend.cache.heaps import compact, first_live
 from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.resident import Evictable, ResidentSet
 
@@ -70,6 +71,12 @@ class ScheduledIndex:
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
         self.limit = 4 * rs.capacity + 64  # entries in a heap before its stale ones go
+        version = self.version
+
+        def stale(item: tuple) -> bool:  # an entry whose key was re-ranked or left since
+            return version[item[-1]] != item[-2]
+
+        self.stale = stale
 
     def put(self, key: Key, now: int) -> None:
         until, group, order = self.schedule(key, self.recency[key], now)
@@ -177,7 +184,7 @@ class ScheduledIndex:
                         put(key, now)
             self.done = now
         rank, recency = self.rs.policy.rank, self.rs._recency
-        best, best_rank = top_entry(self.heaps[pool], version, evictable), None
+        best, best_rank = first_live(self.heaps[pool], self.stale, evictable), None
         if best is not None:
             best = best[-1]
             best_rank = rank(best, recency[best], now)
@@ -205,7 +212,7 @@ class ScheduledIndex:
                 continue
             aside.append(entry)
             seen.add(g)
-            item = top_entry(heap, version, evictable)
+            item = first_live(heap, self.stale, evictable)
             if item is not None:
                 known = memo.get((pool, g))  # its rank this step, unless it moved since
                 if known is not None and known[0] is item:
@@ -236,28 +243,3 @@ class ScheduledIndex:
                 heads.append((*heap[0], g))
         heapq.heapify(heads)
         self.heads[p] = heads
-
-
-def compact(heap: list, version: dict) -> None:
-    """Drop stale entries (a version that is no longer the key's)."""
-    heap[:] = [item for item in heap if version[item[-1]] == item[-2]]
-    heapq.heapify(heap)
-
-
-def top_entry(heap: list, version: dict, evictable: Evictable) -> tuple | None:
-    """The first current entry of an evictable key in a heap of (..., version, key); the rest
-    stay."""
-    aside, found = [], None
-    while heap:
-        item = heap[0]
-        key = item[-1]
-        if version[key] != item[-2]:
-            heapq.heappop(heap)  # stale
-            continue
-        if evictable is None or evictable(key):
-            found = item
-            break
-        aside.append(heapq.heappop(heap))
-    for entry in aside:
-        heapq.heappush(heap, entry)
-    return found

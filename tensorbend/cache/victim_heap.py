@@ -41,9 +41,10 @@ from operator import neg
 
 from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.ages import AgesIndex
+from tensorbend.cache.heaps import compact, first_live
 from tensorbend.cache.policies import LRU, Key
 from tensorbend.cache.resident import Evictable, Placement, ResidentSet, inherited
-from tensorbend.cache.scheduled import ScheduledIndex, compact
+from tensorbend.cache.scheduled import ScheduledIndex
 
 
 class IndexedResidentSet(ResidentSet):
@@ -276,18 +277,14 @@ class _RecencyIndex:
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         order, late = self.order.get(pool, ()), self.late.get(pool, [])
         first = next((k for k in order if evictable is None or evictable(k)), None)
-        recency, aside, other = self.rs._recency, [], None
-        while late:
-            r, key = late[0]
-            if key in order or recency.get(key) != r:
-                heapq.heappop(late)  # used since, or left
-            elif evictable is None or evictable(key):
-                other = key
-                break
-            else:
-                aside.append(heapq.heappop(late))
-        for item in aside:
-            heapq.heappush(late, item)
+        recency, other = self.rs._recency, None
+        if late:
+
+            def stale(item: tuple) -> bool:  # its key used since, or left
+                return item[1] in order or recency.get(item[1]) != item[0]
+
+            item = first_live(late, stale, evictable)
+            other = None if item is None else item[1]
         if other is None or (first is not None and recency[first] < recency[other]):
             return first
         return other
