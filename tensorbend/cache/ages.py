@@ -20,8 +20,10 @@ the victim is the lowest (score, r) among the buckets' first evictable keys: nev
 other buckets (one leaf per count), whose duels change winner at most once.
 
 A use moves its key to the end of the next count's bucket ((now, r) is the latest there): the
-tournament replays a leaf only when a bucket's head changes (its head used or evicted, a
-bucket filled), rarely, as heads are the oldest keys. A placement whose (l, r) is not after its
+tournament replays a leaf when a bucket gets a leaf (filled) or an earlier head (a late
+placement); a head that leaves (used or evicted) only ever gives way to a later key, so its
+leaf may lag behind, never lead, and is caught up (or cleared, the bucket empty) when it comes
+up as the root. A placement whose (l, r) is not after its
 bucket's last key (a demand placed after later uses of its step, a prefetch of a key used long
 ago) waits in the bucket's heap instead.
 """
