@@ -20,8 +20,10 @@ the victim is the lowest (score, r) among the buckets' first evictable keys: nev
 other buckets (one leaf per count), whose duels change winner at most once.
 
 A use moves its key to the end of the next count's bucket ((now, r) is the latest there): the
-tournament replays a leaf only when a bucket's head changes (its head used or evicted, a
-bucket filled), rarely, as heads are the oldest keys. A placement whose (l, r) is not after its
+tournament replays a leaf when a bucket gets a leaf (filled) or an earlier head (a late
+placement); a head that leaves (used or evicted) only ever gives way to a later key, so its
+leaf may lag behind, never lead, and is caught up (or cleared, the bucket empty) when it comes
+up as the root. A placement whose (l, r) is not after its
 bucket's last key (a demand placed after later uses of its step, a prefetch of a key used long
 ago) waits in the bucket's heap instead.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from tensorbend.cache.heaps import first_live
 from tensorbend.cache.kinetic import Tournament
 from tensorbend.cache.policies import Key
 from tensorbend.cache.resident import Evictable, ResidentSet
@@ -59,27 +62,32 @@ class AgesIndex:
             self.trees[p] = Tournament(self.rs.pool_capacity(p))
             self.leaf[p] = {}
         bucket = buckets.get(c) or buckets.setdefault(c, _Ordered())
-        bucket.add(key, (last, self.rs._recency[key]))
+        line = (last, self.rs._recency[key])
+        bucket.add(key, line)
         self.where[key] = c
         if c:
-            self._sync(p, c, now)
+            held = self.leaf[p].get(c)
+            if held is None or line < held:  # a new head, before what the leaf holds
+                self._set(p, c, line, now)
 
     def used(self, key: Key, now: int) -> None:
-        """A hit: count + 1, last use now, the newest recency: the end of the next bucket."""
+        """A hit: count + 1, last use now, the newest recency: the end of the next bucket.
+        The bucket it leaves keeps its leaf (a head that left only ever gives way to a later
+        one: the leaf may lag, never lead; `victim` catches it up when it comes up)."""
         p = key[0] if self.per_layer else 0
-        c = self.where[key]
+        where = self.where
+        c = where[key]
         buckets = self.buckets[p]
-        bucket = buckets[c]
-        head = bucket.first(None) == key
-        bucket.discard(key)
-        if head and c:
-            self._sync(p, c, now)
-        nxt = buckets.get(c + 1) or buckets.setdefault(c + 1, _Ordered())
-        filled = not nxt
-        nxt.append(key, (now, self.rs._recency[key]))
-        self.where[key] = c + 1
-        if filled:
-            self._sync(p, c + 1, now)
+        buckets[c].discard(key)
+        c += 1
+        nxt = buckets.get(c)
+        if nxt is None:
+            nxt = buckets[c] = _Ordered()
+        line = (now, self.rs._recency[key])
+        nxt.append(key, line)
+        where[key] = c
+        if c not in self.leaf[p]:
+            self._set(p, c, line, now)
 
     def hinted(self, key: Key, now: int) -> None:
         pass
@@ -89,12 +97,7 @@ class AgesIndex:
 
     def drop(self, key: Key, now: int) -> None:
         p = key[0] if self.per_layer else 0
-        c = self.where.pop(key)
-        bucket = self.buckets[p][c]
-        head = bucket.first(None) == key
-        bucket.discard(key)
-        if head and c:
-            self._sync(p, c, now)
+        self.buckets[p][self.where.pop(key)].discard(key)  # (its leaf may lag: `used`)
 
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         buckets = self.buckets.get(pool)
@@ -113,6 +116,14 @@ class AgesIndex:
             if key is None:
                 bucket = buckets[c]
                 key = bucket.first(None)
+                if key is None:  # emptied since: its leaf goes
+                    del leaf[c]
+                    tree.clear(c, now)
+                    continue
+                line = bucket.order[key]
+                if line != leaf[c]:  # its head left since: the leaf catches up
+                    self._set(pool, c, line, now)
+                    continue
                 if evictable is not None and not evictable(key):
                     # a pinned or loading head: the bucket's first evictable key stands in
                     aside.append(c)
@@ -129,18 +140,17 @@ class AgesIndex:
             tree.set(c, (c, *leaf[c]), now)
         return found
 
-    def _sync(self, p: int, c: int, now: int) -> None:
-        """Bucket c's leaf anew (its head changed, or it emptied)."""
-        bucket, tree, leaf = self.buckets[p][c], self.trees[p], self.leaf[p]
-        head = bucket.first(None) if bucket else None
-        if head is None:
-            if leaf.pop(c, None) is not None:
-                tree.clear(c, now)
-            return
-        line = bucket.order[head]
-        if leaf.get(c) != line:
-            leaf[c] = line
-            tree.set(c, (c, *line), now)
+    def _set(self, p: int, c: int, line: tuple, now: int) -> None:
+        """Bucket c's leaf holds `line` (at or before its head's); when the tree is full, the
+        leaves of emptied buckets go first (fewer non-empty buckets than slots)."""
+        tree, leaf = self.trees[p], self.leaf[p]
+        if c not in leaf and not tree.free:
+            buckets = self.buckets[p]
+            for gone in [g for g in leaf if not buckets[g]]:
+                del leaf[gone]
+                tree.clear(gone, now)
+        leaf[c] = line
+        tree.set(c, (c, *line), now)
 
 
 class _Ordered:
@@ -184,18 +194,12 @@ class _Ordered:
                 break
         if not late:
             return found
-        aside, other = [], None
-        while late:
-            value, key = late[0]
-            if key in inline or order.get(key) != value:
-                heapq.heappop(late)  # left, or moved since
-            elif evictable is None or evictable(key):
-                other = key
-                break
-            else:
-                aside.append(heapq.heappop(late))
-        for item in aside:
-            heapq.heappush(late, item)
+
+        def stale(item: tuple) -> bool:  # its key left, or moved since
+            return item[1] in inline or order.get(item[1]) != item[0]
+
+        item = first_live(late, stale, evictable)
+        other = None if item is None else item[1]
         if other is None or (found is not None and order[found] < order[other]):
             return found
         return other

@@ -155,27 +155,20 @@ def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed
     feed = feed or Feed()
     out = Replayed()
     L = len(ids_FLK[0]) if ids_FLK else 1
-    use, place, victims = rs.use, rs.place, out.victims
+    step, victims = rs.demand_step, out.victims
     before = None if inherited(feed.before, Feed.before) else feed.before  # (no-op calls skipped)
     after = None if inherited(feed.after, Feed.after) else feed.after
+    E = 1 + max((max(ids) for layers in ids_FLK for ids in layers if ids), default=0)
+    keys_LE = [[(m, e) for e in range(E)] for m in range(L)]  # one tuple per key, made once
     misses = 0
     for f, layers in enumerate(ids_FLK):
+        now = f * L
         for m, ids in enumerate(layers):
-            now = f * L + m
             if before is not None:
                 before(rs, f, m, now, out)
-            pinned: set = set()  # the step's experts used so far: not evictable
-
-            def evictable(k, pinned=pinned):
-                return k not in pinned
-
-            for e in ids:
-                key = (m, e)
-                if not use(key, now):
-                    misses += 1
-                    placed = place(key, now, None, evictable)
-                    victims.append((now, key, placed.outcome, placed.victim))
-                pinned.add(key)
+            row = keys_LE[m]
+            misses += step([row[e] for e in ids], now, victims)
+            now += 1
         if after is not None:
             after(rs, f)
     out.misses += misses

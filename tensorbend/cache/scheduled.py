@@ -25,8 +25,10 @@ the L layers' heads to rank.
 from __future__ import annotations
 
 import heapq
+from heapq import heappush
 from math import ceil
 
+from tensorbend.cache.heaps import compact, first_live
 from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.resident import Evictable, ResidentSet
 
@@ -53,10 +55,11 @@ class ScheduledIndex:
 
     def __init__(self, rs: ResidentSet):
         self.rs = rs
-        self.heaps: dict[int, list] = {}
+        self.pools = range(len(rs._size))
+        self.heaps: list[list] = [[] for _ in self.pools]  # per pool
         self.version: dict[Key, int] = {}
-        self.groups: dict[int, dict[int, list]] = {}
-        self.heads: dict[int, list] = {}
+        self.groups: list[dict[int, list]] = [{} for _ in self.pools]
+        self.heads: list[list] = [[] for _ in self.pools]
         self.due: dict[int, list] = {}  # step -> [(version, key)] whose rank runs out then
         self.done = -1  # due steps up to this one were handled
         self.bound = getattr(rs.policy, "group_bound", None)
@@ -68,28 +71,35 @@ class ScheduledIndex:
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
         self.limit = 4 * rs.capacity + 64  # entries in a heap before its stale ones go
+        version = self.version
+
+        def stale(item: tuple) -> bool:  # an entry whose key was re-ranked or left since
+            return version[item[-1]] != item[-2]
+
+        self.stale = stale
 
     def put(self, key: Key, now: int) -> None:
         until, group, order = self.schedule(key, self.recency[key], now)
         assert until > now, (key, now, until)
-        v = self.version[key] = self.version.get(key, 0) + 1
+        version = self.version
+        v = version[key] = version.get(key, 0) + 1
         item = (order, v, key)
         p = key[0] if self.per_layer else 0
         if group is None:
-            heap = self.heaps.get(p) or self.heaps.setdefault(p, [])
+            heap = self.heaps[p]
         else:
-            groups = self.groups.get(p) or self.groups.setdefault(p, {})
+            groups = self.groups[p]
             heap = groups.get(group)
             if heap is None:
                 heap = groups[group] = []
             if not heap or item < heap[0]:  # a new head (a lower one keeps its entry valid)
-                heads = self.heads.get(p) or self.heads.setdefault(p, [])
-                heapq.heappush(heads, (*item, group))
+                heads = self.heads[p]
+                heappush(heads, (*item, group))
                 if len(heads) > 4 * len(groups) + 16:  # (it is walked at every miss: kept small)
                     self._reheads(p)
-        heapq.heappush(heap, item)
+        heappush(heap, item)
         if len(heap) > self.limit:
-            compact(heap, self.version)
+            compact(heap, version)
         if until != INF:
             t = ceil(until)  # the first step the rank may differ (steps are integers)
             if t <= self.done:
@@ -141,19 +151,20 @@ class ScheduledIndex:
 
     def rebuild_all(self, now: int) -> None:
         """Every rank anew: put's entries, heapified at once."""
-        self.heaps, self.groups, self.heads, self.due = {}, {}, {}, {}
+        self.heaps, self.due = [[] for _ in self.pools], {}
+        self.groups, self.heads = [{} for _ in self.pools], [[] for _ in self.pools]
         for key in self.rs:
             p, group, item, until = self._entry(key, now)
             if group is None:
-                self.heaps.setdefault(p, []).append(item)
+                self.heaps[p].append(item)
             else:
-                self.groups.setdefault(p, {}).setdefault(group, []).append(item)
+                self.groups[p].setdefault(group, []).append(item)
             if until != INF:
                 t = max(ceil(until), self.done + 1)
                 self.due.setdefault(t, []).append((item[1], key))
-        for heap in self.heaps.values():
+        for heap in self.heaps:
             heapq.heapify(heap)
-        for p, groups in self.groups.items():
+        for p, groups in enumerate(self.groups):
             for heap in groups.values():
                 heapq.heapify(heap)
             self._reheads(p)
@@ -173,11 +184,11 @@ class ScheduledIndex:
                         put(key, now)
             self.done = now
         rank, recency = self.rs.policy.rank, self.rs._recency
-        best, best_rank = top_entry(self.heaps.get(pool, []), version, evictable), None
+        best, best_rank = first_live(self.heaps[pool], self.stale, evictable), None
         if best is not None:
             best = best[-1]
             best_rank = rank(best, recency[best], now)
-        heads = self.heads.get(pool)
+        heads = self.heads[pool]
         if not heads:
             return best
         groups, bound, aside, seen = self.groups[pool], self.bound, [], set()
@@ -201,7 +212,7 @@ class ScheduledIndex:
                 continue
             aside.append(entry)
             seen.add(g)
-            item = top_entry(heap, version, evictable)
+            item = first_live(heap, self.stale, evictable)
             if item is not None:
                 known = memo.get((pool, g))  # its rank this step, unless it moved since
                 if known is not None and known[0] is item:
@@ -225,35 +236,10 @@ class ScheduledIndex:
     def _reheads(self, p: int) -> None:
         """heads[p] anew: each group's current head."""
         heads, version = [], self.version
-        for g, heap in self.groups.get(p, {}).items():
+        for g, heap in self.groups[p].items():
             while heap and version[heap[0][2]] != heap[0][1]:
                 heapq.heappop(heap)  # stale
             if heap:
                 heads.append((*heap[0], g))
         heapq.heapify(heads)
         self.heads[p] = heads
-
-
-def compact(heap: list, version: dict) -> None:
-    """Drop stale entries (a version that is no longer the key's)."""
-    heap[:] = [item for item in heap if version[item[-1]] == item[-2]]
-    heapq.heapify(heap)
-
-
-def top_entry(heap: list, version: dict, evictable: Evictable) -> tuple | None:
-    """The first current entry of an evictable key in a heap of (..., version, key); the rest
-    stay."""
-    aside, found = [], None
-    while heap:
-        item = heap[0]
-        key = item[-1]
-        if version[key] != item[-2]:
-            heapq.heappop(heap)  # stale
-            continue
-        if evictable is None or evictable(key):
-            found = item
-            break
-        aside.append(heapq.heappop(heap))
-    for entry in aside:
-        heapq.heappush(heap, entry)
-    return found

@@ -41,9 +41,10 @@ from operator import neg
 
 from tensorbend.cache.admission import AdmitAll, prefetch_worth
 from tensorbend.cache.ages import AgesIndex
+from tensorbend.cache.heaps import compact, first_live
 from tensorbend.cache.policies import LRU, Key
 from tensorbend.cache.resident import Evictable, Placement, ResidentSet, inherited
-from tensorbend.cache.scheduled import ScheduledIndex, compact
+from tensorbend.cache.scheduled import ScheduledIndex
 
 
 class IndexedResidentSet(ResidentSet):
@@ -81,6 +82,38 @@ class IndexedResidentSet(ResidentSet):
             return True
         self._missed[key] = seq  # its recency once placed: the order of demands
         return False
+
+    def demand_step(self, keys: list, now: int, out: list) -> int:
+        """`ResidentSet.demand_step`, its uses flattened (`use`, inline)."""
+        if now > self._now:
+            self._now = now
+        touch, adm_touch, used = self._touch, self._adm_touch, self._used
+        recency, missed, place = self._recency, self._missed, self.place
+        pinned: set = set()
+        evictable = None  # (made at the first miss)
+        misses = 0
+        for key in keys:
+            if touch is not None:
+                touch(key, now)
+            if adm_touch is not None:
+                adm_touch(key, now)
+            self._seq = seq = self._seq + 1
+            if key in recency:
+                recency[key] = seq
+                if used is not None:
+                    used(key, now)
+            else:
+                missed[key] = seq
+                misses += 1
+                if evictable is None:
+
+                    def evictable(k, pinned=pinned):
+                        return k not in pinned
+
+                placed = place(key, now, None, evictable)
+                out.append((now, key, placed.outcome, placed.victim))
+            pinned.add(key)
+        return misses
 
     def hint(self, key: Key, when: int) -> None:
         self.policy.hint(key, when)
@@ -244,18 +277,14 @@ class _RecencyIndex:
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         order, late = self.order.get(pool, ()), self.late.get(pool, [])
         first = next((k for k in order if evictable is None or evictable(k)), None)
-        recency, aside, other = self.rs._recency, [], None
-        while late:
-            r, key = late[0]
-            if key in order or recency.get(key) != r:
-                heapq.heappop(late)  # used since, or left
-            elif evictable is None or evictable(key):
-                other = key
-                break
-            else:
-                aside.append(heapq.heappop(late))
-        for item in aside:
-            heapq.heappush(late, item)
+        recency, other = self.rs._recency, None
+        if late:
+
+            def stale(item: tuple) -> bool:  # its key used since, or left
+                return item[1] in order or recency.get(item[1]) != item[0]
+
+            item = first_live(late, stale, evictable)
+            other = None if item is None else item[1]
         if other is None or (first is not None and recency[first] < recency[other]):
             return first
         return other
