@@ -42,6 +42,8 @@ bench-traces: setup
 		--out $(BENCH)/default/trace $(TRACE_FLAGS) --quiet
 	test -f $(BENCH)/qwen/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:qwen3moe-tiny \
 		--out $(BENCH)/qwen/trace $(TRACE_FLAGS) --quiet
+	test -f $(BENCH)/deep/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:dsv3-deep \
+		--out $(BENCH)/deep/trace $(TRACE_FLAGS) --quiet
 	for m in default qwen; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
@@ -64,7 +66,7 @@ bench-accuracy: bench-traces
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/projections.json --doc docs/projections.md > /dev/null
-	$(PY) -m bench.zoo_card $(BENCH)/default/trace $(BENCH)/qwen/trace \
+	$(PY) -m bench.zoo_card $(BENCH)/default/trace $(BENCH)/qwen/trace $(BENCH)/deep/trace \
 		--json docs/zoo_card.json --doc docs/zoo_card.md > /dev/null
 	$(PY) -m bench.train_memory --trace $(BENCH)/default/trace \
 		--json docs/bench/train_memory.json --doc docs/bench/train_memory.md > /dev/null
@@ -98,7 +100,8 @@ bench-timing: bench-traces
 	$(PY) -m bench.trace_io --json docs/bench/trace_io.json > /dev/null
 
 # The headline end-to-end comparison: 25% cache, every no-prediction cache and ours (fixed
-# configurations), 3 interleaved repeats, both links (run alone on the machine).
+# configurations), 3 interleaved repeats, both links, and 4 sequences in lockstep at the x1
+# link (run alone on the machine).
 bench-headline: bench-traces
 	for m in default qwen; do \
 		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
@@ -108,6 +111,12 @@ bench-headline: bench-traces
 			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 			--out docs/bench/headline_$$m --doc docs/headline_$$m.md > /dev/null; \
 	done
+	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
+		--predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --baselines "" \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 8 --max-new-tokens 48 --batch 4 \
+		--link-speedups 1 --out docs/bench/headline_default_b4 \
+		--doc docs/headline_default_b4.md > /dev/null
 
 # The learned eviction end to end beside every no-prediction cache and the horizon (run alone).
 bench-evictor: bench-traces

@@ -119,6 +119,11 @@ def test_seed_study_table_matches_its_json():
             "docs/headline_qwen.md",
         ),
         (
+            "tensorbend.results.offload_page",
+            "docs/bench/headline_default_b4.json",
+            "docs/headline_default_b4.md",
+        ),
+        (
             "tensorbend.results.serve_memory_page",
             "docs/bench/serve_memory.json",
             "docs/serve_memory.md",

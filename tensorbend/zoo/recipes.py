@@ -91,6 +91,13 @@ SIZES = {
         moe_intermediate_size=64, dense_intermediate_size=384, vocab_size=8192, seq_len=256,
         batch_size=8, lr=2e-3,
     ),
+    # the realistic-routing benchmark model: DeepSeek-V2-Lite's routing shape (64 experts, top-6)
+    # over twice the MoE depth of `small`, narrow experts so it stays ~45 MB and trains on 2 cores
+    "deep": ZooSize(
+        hidden_size=128, moe_layers=12, num_heads=4, head_dim=32, num_experts=64, top_k=6,
+        moe_intermediate_size=32, dense_intermediate_size=384, vocab_size=8192, seq_len=256,
+        batch_size=8, lr=2e-3,
+    ),
     # for a GPU or a long CPU run
     "medium": ZooSize(
         hidden_size=256, moe_layers=8, num_heads=8, head_dim=32, num_experts=64, top_k=6,
