@@ -31,6 +31,9 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     best = max(runs[k]["decode_tok_s"] for k in ("lru", "lfru/adm=frequency", "prefetch:none"))
     for r in runs.values():  # the ratio over the best of the three caches without prediction
         assert r["vs_best_cache"] == r["decode_tok_s"] / best
+        assert r["repeats"] == 1 and r["ratio"] == f"{r['vs_best_cache']:.2f}x"  # --quick: once
+        assert f"({r['ratio']} best cache)" in text
+    assert "one run each, no repeats" in text  # (the full demo: medians of 3 [range])
     assert (out / "report" / "plots" / "recall_by_layer.png").is_file()  # changes output
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json")}
     assert main(["demo", "--quick", "--out", str(out)]) == 0  # a re-run reuses every step
