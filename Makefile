@@ -114,16 +114,17 @@ bench-headline: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --baselines "" \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 8 --max-new-tokens 48 --batch 4 \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 48 --batch 4 \
 		--link-speedups 1 --out docs/bench/headline_default_b4 \
 		--doc docs/headline_default_b4.md > /dev/null
 
-# The learned eviction end to end beside every no-prediction cache and the horizon (run alone).
+# The learned eviction end to end beside every no-prediction cache and the horizon, at the x1
+# link (run alone; about 14 min here).
 bench-evictor: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
-		--evictor $(BENCH)/default/evictor.safetensors --baselines "" --fracs 0.25 \
+		--evictor $(BENCH)/default/evictor.safetensors --baselines "" --fracs 0.25 --link-speedups 1 \
 		--foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 		--out docs/bench/evictor_run_default --doc docs/evictor_run_default.md > /dev/null
 
