@@ -4,7 +4,7 @@ Usage:
     f = Features(num_layers=L, num_experts=E, prior_K=prior)
     f.touch((m, e), now)                       # at every demand use (now: the layer step)
     x_CX = f.matrix(idx_C, now, GROUPS)        # features of keys idx_C (= m * E + e), [C, X]
-    s_C = FoldedScore(model).score(f, idx_C, now, incoming_C)   # == model.score(x_CX)
+    s0_K, s1_K = FoldedScore(model).score_all(f, now)   # every key as a resident / as the miss
 
 Shape legend: C candidates of one eviction decision, X features (`feature_names`), D the
 count decays, H history visits / hidden width, K = L * E keys.
@@ -170,15 +170,6 @@ class FoldedScore:
         self.w2_H = model.w2_H
         self.groups = model.groups
         self.incoming_w1_H, self.incoming_w0 = self.W1_YH[-1], self.w0_Y[-1]
-
-    def score(self, feats: Features, idx_C: np.ndarray, now: int, incoming: int) -> np.ndarray:
-        """Scores [C] of keys idx_C, the rows from `incoming` on marked as the missed key."""
-        x_CY = feats.dense(idx_C, now, self.groups)
-        x_CY[incoming:, -1] = 1.0
-        layer_C = feats.layer_K[idx_C]
-        h_CH = x_CY @ self.W1_YH + self.T1_LH[layer_C]
-        np.maximum(h_CH, 0.0, out=h_CH)
-        return x_CY @ self.w0_Y + self.t0_L[layer_C] + h_CH @ self.w2_H
 
     def score_all(self, feats: Features, now: int) -> tuple[np.ndarray, np.ndarray]:
         """Every key's score [K] as a resident and as the missed key (incoming = 1)."""

@@ -7,7 +7,7 @@ Usage:
     >>> [m["name"] for m in list_models()]
     ['dsv3-deep', 'dsv3-tiny', 'qwen3moe-tiny']
 
-A bundled model is a standard HF checkpoint directory (config.json, model.safetensors,
+A bundled model is a standard HF checkpoint directory (config.json, model.safetensors or shards,
 tokenizer files) plus `model_card.json`. `zoo:default` names DEFAULT_MODEL.
 """
 
