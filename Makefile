@@ -44,7 +44,7 @@ bench-traces: setup
 		--out $(BENCH)/qwen/trace $(TRACE_FLAGS) --quiet
 	test -f $(BENCH)/deep/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:dsv3-deep \
 		--out $(BENCH)/deep/trace $(TRACE_FLAGS) --quiet
-	for m in default qwen; do \
+	for m in default qwen deep; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
 		test -f $(BENCH)/$$m/horizon_routing_hidden.safetensors || $(PY) -m tensorbend train \
@@ -58,9 +58,13 @@ bench-traces: setup
 	done
 
 bench-accuracy: bench-traces
-	for m in default qwen; do \
+	for m in default qwen deep; do \
 		$(PY) -m bench.foresight_eval --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m \
 			--json docs/foresight_$$m.json --doc docs/foresight_$$m.md > /dev/null; \
+		$(PY) -m bench.evictor_eval --trace $(BENCH)/$$m/trace \
+			--foresight-json docs/foresight_$$m.json --rounds 2 --ablation-rounds 0 \
+			--train-requests 60 --models runs/evictor/$$m --json docs/evictor_$$m.json \
+			--doc docs/evictor_$$m.md > /dev/null; \
 	done
 	$(PY) -m bench.projections --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \

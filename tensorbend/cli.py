@@ -67,6 +67,15 @@ def _cmd_trace_info(args) -> int:
     return 0
 
 
+def _cmd_trace_resplit(args) -> int:
+    from tensorbend.resplit import resplit
+
+    topics = tuple(t.strip() for t in args.test_topics.split(",") if t.strip())
+    record = resplit(Path(args.trace_dir), Path(args.out), topics)
+    print(_format_summary(record))
+    return 0
+
+
 def _cmd_train(args) -> int:
     from tensorbend.train import TrainConfig, train
 
@@ -194,6 +203,13 @@ def _build_parser() -> argparse.ArgumentParser:
     ti = _verb(tsub, "info", _cmd_trace_info, "summary of a trace directory", quiet=False)
     ti.add_argument("trace_dir", help="trace directory (from `collect`)")
     ti.add_argument("--json", action="store_true", help="print JSON (keys in docs/formats.md)")
+    tr = _verb(tsub, "resplit", _cmd_trace_resplit,
+               "split a trace's prompts by topic (held-out domains)", quiet=False)  # fmt: skip
+    tr.add_argument("trace_dir", help="trace directory (from `collect`); not modified")
+    tr.add_argument("--test-topics", required=True,
+                    help="comma-separated topics: all their prompts become the test split; "
+                    "the other topics keep train/val, their test prompts are left unused")  # fmt: skip
+    tr.add_argument("--out", required=True, help="new trace directory (shards hard-linked)")
     from tensorbend.importers import ImportConfig
 
     tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")

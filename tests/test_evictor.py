@@ -37,6 +37,22 @@ def test_belady_labels_by_hand():
     assert replay(req, LFRU(), slots=2)["experts_per_token"] == 5 / 5
 
 
+def test_label_reservoir_keeps_a_sample_of_the_full_set():
+    # the capped rollout takes the same decisions (the policy does not see the cap) and keeps
+    # exactly max_labels of them, each one identical to a decision of the uncapped rollout
+    rng = np.random.default_rng(3)
+    req = _requests(rng.integers(0, 6, 200).tolist(), E=6)
+    full = replay(req, Evictor(1, 6), slots=3, admission="policy", label=True)
+    capped = replay(req, Evictor(1, 6), slots=3, admission="policy", label=True, max_labels=7)
+    assert capped["labelled"] == full["labelled"] == len(full["decisions"]) > 7
+    assert capped["experts_per_token"] == full["experts_per_token"]
+    assert len(capped["decisions"]) == 7
+    as_bytes = lambda d: (d[0].tobytes(), d[1].tobytes())  # noqa: E731
+    seen = {as_bytes(d) for d in full["decisions"]}
+    assert all(as_bytes(d) in seen for d in capped["decisions"])
+    assert len({as_bytes(d) for d in capped["decisions"]}) > 1
+
+
 def test_features_by_hand():
     f = Features(num_layers=2, num_experts=2)
     for now, key in [(0, (0, 1)), (2, (0, 1)), (3, (1, 0)), (6, (0, 1))]:

@@ -337,3 +337,40 @@ def test_evaluation_streamed_by_shard_equals_scoring_all_rows_at_once(ckpt, tmp_
         for a, b in zip(r.per_layer, whole["per_layer"], strict=True):
             assert a["tokens"] == b["tokens"]
             assert a["recall_at_k"] == pytest.approx(b["recall_at_k"], abs=1e-6)
+
+
+def test_resplit_by_topic_tests_on_unseen_topics_only(ckpt, tmp_path, capsys):
+    from tensorbend.resplit import UNUSED
+
+    _collect(ckpt, tmp_path / "t")
+    src = Trace.open(tmp_path / "t")
+    before = (tmp_path / "t" / "manifest.json").read_bytes()
+    assert main(["trace", "resplit", str(tmp_path / "t"), "--test-topics", "prose",
+                 "--out", str(tmp_path / "d")]) == 0  # fmt: skip
+    assert (tmp_path / "t" / "manifest.json").read_bytes() == before  # the source untouched
+    view = Trace.open(tmp_path / "d")
+    for p, q in zip(src.prompts, view.prompts, strict=True):
+        assert p["id"] == q["id"]
+        if p["topic"] == "prose":
+            assert q["split"] == "test"
+        else:
+            assert q["split"] == (UNUSED if p["split"] == "test" else p["split"])
+    # the test rows are exactly the prose prompts' rows, equal to the source's
+    rows = view.load(("ids",), split="test")
+    idx = sorted(set(rows["prompt_index_T"].tolist()))
+    assert [view.prompts[i]["topic"] for i in idx] == ["prose"] * 6
+    whole = src.load(("ids",))
+    keep = torch.isin(whole["prompt_index_T"], torch.tensor(idx))
+    assert torch.equal(rows["expert_ids_TLK"], whole["expert_ids_TLK"][keep])
+    assert view.manifest["resplit"]["test_topics"] == ["prose"]
+    capsys.readouterr()
+    assert main(["trace", "resplit", str(tmp_path / "t"), "--test-topics", "poetry",
+                 "--out", str(tmp_path / "e")]) != 0  # fmt: skip
+    assert (
+        "poetry not found; its prompts' topics are: code (6), prose (6)" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "e").exists()
+    assert main(["trace", "resplit", str(tmp_path / "t"), "--test-topics", "code",
+                 "--out", str(tmp_path / "d")]) != 0  # fmt: skip
+    assert "a trace is there already" in capsys.readouterr().err
+    assert Trace.open(tmp_path / "d").manifest["resplit"]["test_topics"] == ["prose"]

@@ -100,10 +100,13 @@ def load_requests(trace_dir: str, split: str) -> Requests:
 
 
 def replay(req: Requests, policy, slots: int, pool: str = "global", admission: str = "all",
-           label: bool = False) -> dict:  # fmt: skip
+           label: bool = False, max_labels: int | None = None, seed: int = 0) -> dict:  # fmt: skip
     """The demand replay (module docstring). admission: all | frequency | predicted | policy.
     Returns experts_per_token, good_decisions (victims next used no sooner than Belady's
-    choice among the residents) and, with label, the decisions [(x [C, X], next use [C])]."""
+    choice among the residents) and, with label, the decisions [(x [C, X] float32, next use
+    [C])]: all of them, or a uniform sample of max_labels kept while rolling out (reservoir
+    sampling, so memory stays bounded however long the replay), and `labelled` (how many
+    decisions there were)."""
     L, E = req.L, req.E
     adm = (
         AdmitByPolicy() if admission == "policy" else make_admission(admission, L, ADMISSION_WINDOW)
@@ -119,8 +122,9 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
     for (m, e), s in steps.items():
         nxt_K[m * E + e] = s[0]
     starts = set(req.starts)
-    reads = decode = good = evictions = 0
+    reads = decode = good = evictions = labelled = 0
     decisions = []
+    rng = np.random.default_rng(seed)
     ids_F = [[np.flatnonzero(req.used_FLE[f, m]).tolist() for m in range(L)]
              for f in range(len(req.phases))]  # fmt: skip
     for f, phase in enumerate(req.phases):
@@ -148,8 +152,16 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
                     good += nxt_K[v[0] * E + v[1]] >= far
                 if label and full and learner.log:
                     x_CX, keys = learner.log.pop()
+                    labelled += 1
+                    if max_labels is None or len(decisions) < max_labels:
+                        slot = len(decisions)
+                        decisions.append(None)
+                    else:  # reservoir: keep this one with probability max_labels / labelled
+                        slot = int(rng.integers(labelled))
+                        if slot >= max_labels:
+                            continue
                     y_C = np.array([nxt_K[c[0] * E + c[1]] - now for c in keys])
-                    decisions.append((x_CX.astype(np.float32), y_C))
+                    decisions[slot] = (x_CX.astype(np.float32), y_C)
         decode += is_decode
     out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions,
            "good_decisions": good / evictions if evictions else None}  # fmt: skip
@@ -157,7 +169,7 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
         out["guard"] = {"learner_windows": policy.learner_windows,
                         "lost_windows": policy.lost_windows, "switches": policy.switches}  # fmt: skip
     if label:
-        out["decisions"] = decisions
+        out["decisions"], out["labelled"] = decisions, labelled
     return out
 
 
@@ -216,14 +228,14 @@ def fit_evictor(train: Requests, val: Requests, cache_frac: float = 0.25, rounds
     for r in range(rounds + 1):
         t0 = time.perf_counter()
         out = replay(train, Evictor(L, E, model, prior, groups), slots, admission="policy",
-                     label=True)  # fmt: skip
-        new = out["decisions"]
-        keep = rng.choice(len(new), min(len(new), max_decisions // (rounds + 1)), replace=False)
-        pool += [new[i] for i in keep]
+                     label=True, max_labels=max_decisions // (rounds + 1),
+                     seed=int(rng.integers(2**31)))  # fmt: skip
+        pool += out["decisions"]
         model = fit_model(pool, groups, L, seed=seed + r)
         v = replay(val, Evictor(L, E, model, prior), slots, admission="policy")
         log.append({"round": r, "train_experts_per_token": out["experts_per_token"],
                     "train_good_decisions": out["good_decisions"], "decisions": len(pool),
+                    "labelled": out["labelled"],
                     "val_experts_per_token": v["experts_per_token"],
                     "seconds": time.perf_counter() - t0})  # fmt: skip
         if best is None or v["experts_per_token"] < best[0]:
