@@ -36,6 +36,7 @@ from tensorbend.cache.imitation import (
     summarize,
 )
 from tensorbend.results import command
+from tensorbend.trace import read_manifest
 
 
 def main(argv=None) -> int:
@@ -47,6 +48,9 @@ def main(argv=None) -> int:
            "test_requests": len(test.starts), "rounds": a.rounds,
            "ablation_rounds": a.ablation_rounds, "guard_window": a.guard_window, "fits": {},
            "results": []}  # fmt: skip
+    resplit = read_manifest(Path(a.trace)).get("resplit")
+    if resplit:  # test = prompts of topics the learner never saw
+        out["resplit"] = resplit
     # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger
     plan = {"evictor": (GROUPS, a.rounds), "evictor-dagger": (GROUPS, 0)}
     if not a.no_ablations:

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     tr = Trace.open(a.trace)
     out = {"trace": a.trace, "model": tr.info()["model"], "decode_mode": tr.info()["decode_mode"],
            "split": "test", "command": command("foresight_eval", argv), "runs": []}  # fmt: skip
-    for inputs in INPUTS:
+    if "resplit" in tr.manifest:  # test = prompts of topics the predictors never saw
+        out["resplit"] = tr.manifest["resplit"]
+    for inputs in a.inputs.split(","):
         ckpt = Path(a.out) / f"horizon_{inputs.replace('+', '_')}.safetensors"
         if not ckpt.is_file():
             train(TrainConfig(trace=Path(a.trace), out=ckpt, predictor="horizon", inputs=inputs),
@@ -62,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True)
     p.add_argument("--out", required=True, help="directory for the horizon checkpoints")
     p.add_argument("--fracs", default="0.125,0.25,0.5")
+    p.add_argument("--inputs", default=",".join(INPUTS),
+                   help="horizon input configurations to train (when missing) and score")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p

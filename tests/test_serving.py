@@ -58,6 +58,15 @@ def test_store_from_shards_equals_model_and_generate_equals_resident(family, tmp
         c["totals"]["bytes_read"] > 0 and c["cache_slots"] < spec.num_moe_layers * spec.num_experts
     )
     assert sum(layer["misses"] for layer in c["per_layer"]) == c["totals"]["misses"]
+    # the prediction hooks run at every MoE layer of every forward, attributed to its phase:
+    # two without a KV cache (generate's prefill, the whole-sequence check), then one decode
+    # forward per new token but the last
+    L = spec.num_moe_layers
+    assert c["predict_calls"] == (2 + c["decode"]["tokens"]) * L
+    assert c["decode_predict_calls"] == c["decode"]["tokens"] * L
+    assert (
+        0 < c["decode_predict_s"] < c["predict_s"] and 0 <= c["predict_queue_s"] <= c["predict_s"]
+    )
     handle.close()
     with pytest.raises(tensorbend.TensorbendError, match="closed"):
         model(ids)

@@ -61,9 +61,11 @@ class Recorder:
         history: RoutingHistory,
         cache=None,
         record_routing: bool = False,
+        hooks=None,
     ):
         self.model, self.clock, self.history = model, clock, history
         self.cache, self.record_routing = cache, record_routing
+        self.hooks = hooks  # PredictionHooks: told each forward's phase
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.gen = Generation()
 
@@ -72,6 +74,8 @@ class Recorder:
         self.clock.begin_forward()
         self.history.begin_forward()
         before = self.cache.stats.copy() if self.cache is not None else None
+        if self.hooks is not None:
+            self.hooks.phase = phase
         self._sync()
         t0 = time.perf_counter()
         out = self.model(**kwargs)

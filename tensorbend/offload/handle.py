@@ -126,7 +126,10 @@ class OffloadHandle:
             "totals": dict(vars(stats)),
             "predict_s": self.hooks.predict_s,
             "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
+            "decode_predict_s": self.hooks.decode_predict_s,
+            "predict_queue_s": self.hooks.queue_s,
             "predict_calls": self.hooks.predict_calls,
+            "decode_predict_calls": self.hooks.decode_predict_calls,
             "expert_compute": self.compute.rows(),
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
@@ -140,8 +143,7 @@ class OffloadHandle:
     def reset(self) -> None:
         """Zero every counter; the cache's contents and the policy's state stay."""
         self.cache.reset_counters()
-        self.hooks.predict_s = 0.0
-        self.hooks.predict_calls = 0
+        self.hooks.reset_counters()
         self.gen = Generation()
         self.compute = ExpertCompute()
 
@@ -191,6 +193,7 @@ class OffloadHandle:
         self.gen.tokens["decode" if filled else "prefill"] += real
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.hooks.phase = "decode" if filled else "prefill"
         self._phase = (
             "decode" if filled else "prefill",
             self.cache.stats.copy(),

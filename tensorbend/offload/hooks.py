@@ -70,6 +70,10 @@ class PredictionHooks:
         self.observed: list | None = None  # (inputs, predictions) per call, when recording
         self.predict_s = 0.0  # wall seconds inside the Prefetcher and queueing, this run
         self.predict_calls = 0  # hook calls that predicted (one per source point and forward)
+        self.phase = "decode"  # of the forward running (set by whoever runs forwards)
+        self.decode_predict_s = 0.0  # the part of predict_s spent in decode forwards
+        self.decode_predict_calls = 0  # the part of predict_calls made in decode forwards
+        self.queue_s = 0.0  # the part of predict_s spent handing forecasts, hints, prefetches over
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
             model, spec, on_route=self._route,
@@ -96,8 +100,16 @@ class PredictionHooks:
         try:
             self._predict(m, hidden, ids_TK)
         finally:
-            self.predict_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.predict_s += dt
+            if self.phase == "decode":
+                self.decode_predict_s += dt
+                self.decode_predict_calls += 1
             self.predict_calls += 1
+
+    def reset_counters(self) -> None:
+        self.predict_s = self.decode_predict_s = self.queue_s = 0.0
+        self.predict_calls = self.decode_predict_calls = 0
 
     def _predict(self, m: int, hidden, ids_TK) -> None:
         pf = self.prefetcher
@@ -107,10 +119,12 @@ class PredictionHooks:
             inputs = (m, hidden.detach().cpu().clone(),
                       None if ids_TK is None else ids_TK.detach().cpu().clone())  # fmt: skip
             self.observed.append((inputs, preds, (pf.clock.forward, first, pf.forecast)))
+        t0 = time.perf_counter()
         if pf.forecast is not before and self.cache is not None:
             self.cache.set_forecast(*pf.forecast)
         if preds:
             self._queue(preds)
+        self.queue_s += time.perf_counter() - t0
 
     def _queue(self, preds: list[Prediction]) -> None:
         """The call's hints, then its prefetches in rank order: one lock round-trip each (a

@@ -39,7 +39,10 @@ class RunResult:
     token_ahead_layers (with a horizon: next-forward MoE layers prefetched, else null),
     batch (sequences decoded together in lockstep; per-token numbers count every sequence's),
     predict_s_per_token (seconds inside the prediction hooks per decode token, measured in
-    the runtime: Prefetcher, predictor, queueing and hints; null for the resident row);
+    the runtime: Prefetcher, predictor, queueing and hints; null for the resident row),
+    decode_predict_s_per_token (the same, counting only the calls of decode forwards: the
+    share of a decode step), predict_queue_s_per_token (the part of predict_s_per_token spent
+    handing forecasts, hints and prefetches to the cache and the loader);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
     (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy
@@ -83,6 +86,8 @@ class RunResult:
     token_ahead_layers: int | None = None
     batch: int = 1
     predict_s_per_token: float | None = None
+    decode_predict_s_per_token: float | None = None
+    predict_queue_s_per_token: float | None = None
     oracle_beyond: str | None = None
     predict_calls: int | None = None
     expert_compute: list | None = None

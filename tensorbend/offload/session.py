@@ -172,6 +172,8 @@ class OffloadSession:
         result = dataclasses.replace(
             result,
             predict_s_per_token=handle.hooks.predict_s / decode if decode else None,
+            decode_predict_s_per_token=handle.hooks.decode_predict_s / decode if decode else None,
+            predict_queue_s_per_token=handle.hooks.queue_s / decode if decode else None,
             predict_calls=handle.hooks.predict_calls,
             expert_compute=handle.compute.rows(),
         )
@@ -192,7 +194,8 @@ class OffloadSession:
 
     def _generate(self, hooks: PredictionHooks, cache=None) -> Generation:
         self.clock.forward = -1
-        rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None)
+        rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None,
+                       hooks=hooks)  # fmt: skip
         with contextlib.nullcontext() if cache is not None else hooks:  # a handle's: entered
             return generate(self.model, self.inputs, self.cfg.decode, self.eos, rec,
                             self.cfg.progress, self.cfg.batch, self.pad)  # fmt: skip

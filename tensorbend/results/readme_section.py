@@ -22,8 +22,9 @@ BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
 
 def section(root: Path) -> str:
-    parts = [_within_token(root), foresight_section(root), offload_section(root),
-             evictor_section(root), _serving(root), projections_section(root)]  # fmt: skip
+    parts = [_within_token(root), foresight_section(root), evictor_replay_section(root),
+             offload_section(root), evictor_section(root), _serving(root),
+             projections_section(root)]  # fmt: skip
     return "\n".join(p for p in parts if p)
 
 
@@ -94,12 +95,25 @@ def stale(rep: dict) -> bool:
     return "oracle_ceiling" not in rep["runs"][0]
 
 
+# The replays' JSON per trace: the bundled models' test splits, then their held-out topics
+# (`tensorbend trace resplit`: fitted on the other topics, tested on every prompt of these).
+TRACES = ("default", "qwen", "deep", "default_domain", "deep_domain")
+MODEL_OF = {"default": "zoo:default", "qwen": "zoo:qwen3moe-tiny", "deep": "zoo:dsv3-deep"}
+
+
+def _tested_on(rep: dict) -> str:
+    """The test prompts of a replay: the test split, or the held-out topics."""
+    r = rep.get("resplit")
+    return "test split" if r is None else "unseen topics: " + ", ".join(r["test_topics"])
+
+
 def foresight_section(root: Path) -> str:
-    lines, old = [], []
-    for name in ("default", "qwen"):
+    lines, old, docs = [], [], []
+    for name in TRACES:
         rep = load(root, f"docs/foresight_{name}.json")
         if rep is None:
             continue
+        docs.append(f"docs/foresight_{name}.md")
         if stale(rep):
             old.append(f"docs/foresight_{name}.json ({rep['model']})")
             continue
@@ -109,7 +123,7 @@ def foresight_section(root: Path) -> str:
             epf = lambda n, rp=r["replay"]: rp[n]["experts_per_token"]  # noqa: E731
             best, nxt = r["best_no_prediction"], r["oracle_ceiling"]["2"]
             lines.append(
-                f"| {rep['model']} | {r['inputs']} | {epf(best):.2f} ({best}) | "
+                f"| {rep['model']} | {_tested_on(rep)} | {r['inputs']} | {epf(best):.2f} ({best}) | "
                 f"{epf(r['best_reuse']):.2f} | {epf(nxt):.2f} | {epf(r['full_oracle']):.2f} | "
                 f"{r['gap_closed']:.0%} |"
             )
@@ -119,15 +133,63 @@ def foresight_section(root: Path) -> str:
         "**Across tokens** (the `horizon` predictor's forecasts driving eviction; demand-only "
         "replay of held-out test prompts at 25% cache, experts read per decode token; the "
         "oracle ranks and admits like the best no-prediction cache beyond what it knows; "
-        "docs/foresight_default.md, docs/foresight_qwen.md):",
+        "unseen topics: trained on the other topics' prompts, tested on every prompt of "
+        f"these; {', '.join(docs)}):",
         "",
-        "| model | inputs | best no-prediction cache | ours (horizon) | oracle knowing the next "
-        "token | full oracle | gap closed |",
-        "|---|---|---|---|---|---|---|",
+        "| model | tested on | inputs | best no-prediction cache | ours (horizon) | oracle "
+        "knowing the next token | full oracle | gap closed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     tail = [""] + [f"Not shown: {o} predates the oracle ceiling and `prefetch:none` in the "
                    "replay; `make bench-accuracy` regenerates it." for o in old]  # fmt: skip
     return "\n".join(head + lines + (tail if old else [])) + "\n"
+
+
+def evictor_replay_section(root: Path) -> str:
+    """The eviction learner in the demand replay (docs/evictor_{trace}.json, bench/evictor_eval.py)
+    at 25% cache: beside the best no-prediction cache, the horizon's forecasts and Belady."""
+    lines, docs, old = [], [], []
+    for name in TRACES:
+        rep = load(root, f"docs/evictor_{name}.json")
+        res = next((r for r in rep["results"] if r["cache_frac"] == 0.25), None) if rep else None
+        if res is None:
+            continue
+        if not any(n.startswith("prefetch:none") for n in res["replay"]):
+            old.append(f"docs/evictor_{name}.json")  # (its best cache omits prefetch:none)
+            continue
+        docs.append(f"docs/evictor_{name}.md")
+        rows, best = res["replay"], res["best_no_prediction"]
+        model = rep.get("model") or MODEL_OF[name.removesuffix("_domain")]
+        good = rows["evictor"].get("good_decisions")
+        lines.append(
+            f"| {model} | {_tested_on(rep)} | {rows[best]['experts_per_token']:.2f} ({best}) | "
+            f"{_replay_cell(rows, 'evictor')} | {_replay_cell(rows, 'evictor+shadow')} | "
+            f"{_replay_cell(rows, 'horizon reuse')} | "
+            f"{rows[res['full_oracle']]['experts_per_token']:.2f} | "
+            f"{'-' if good is None else f'{good:.2f}'} |"
+        )
+    if not lines and not old:
+        return ""
+    head = [
+        "**The eviction learner in the replay** (imitating Belady on its own cache states; it "
+        "reads routing only, so it runs on imported traces too; the same demand-only replay "
+        "of held-out prompts at 25% cache, one global pool; experts read per decode token "
+        "(share of the best-cache-to-Belady gap closed); good decisions: evictions whose "
+        f"victim is next used no sooner than Belady's choice; {', '.join(docs)}):",
+        "",
+        "| model | tested on | best no-prediction cache | ours: learner | ours: learner + "
+        "shadow guard | ours: horizon (routing+hidden) | full Belady | learner's good decisions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    tail = [""] + [f"Not shown: {o} predates `prefetch:none` among the no-prediction caches; "
+                   "`make bench-accuracy` regenerates it." for o in old]  # fmt: skip
+    return "\n".join(head + lines + (tail if old else [])) + "\n"
+
+
+def _replay_cell(rows: dict, name: str) -> str:
+    if name not in rows:
+        return "-"
+    return f"{rows[name]['experts_per_token']:.2f} ({_pct(rows[name].get('gap_closed'))})"
 
 
 OURS = {  # one configuration each, fixed before the runs (never the best of several)

@@ -145,9 +145,17 @@ def _in_runtime(rt: dict | None) -> str:
     """The same stacks measured inside the offload runtime (absent from older JSON)."""
     if rt is None:
         return ""
+
+    def decode_only(r: dict) -> str:  # (absent from older JSON)
+        if "decode_predict_us_per_token" not in r:
+            return ""
+        return (f"; decode forwards' calls only {r['decode_predict_us_per_token']:.0f} us, "
+                f"{r['decode_share_of_resident_step']:.1%}; handing predictions to the cache "
+                f"and loader {r['queue_us_per_token']:.0f} us of the whole")  # fmt: skip
+
     rows = "; ".join(
-        f"{r['stack']} {r['predict_us_per_token']:.0f} us ({r['share_of_resident_step']:.1%}; "
-        f"decode tok/s x{r['tok_s_ratio_vs_lru']:.2f} of lru, "
+        f"{r['stack']} {r['predict_us_per_token']:.0f} us ({r['share_of_resident_step']:.1%}"
+        f"{decode_only(r)}; decode tok/s x{r['tok_s_ratio_vs_lru']:.2f} of lru, "
         f"{r['tok_s_ratio_range'][0]:.2f}-{r['tok_s_ratio_range'][1]:.2f})"
         for r in rt["results"]
     )
