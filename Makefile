@@ -33,6 +33,8 @@ lint: setup
 # Every published number, regenerated (docs/ and docs/bench/). The accuracy part is
 # deterministic; the timing part must run alone on the machine (nothing else on the cores).
 BENCH := runs/bench
+# Held-out domains: predictors fitted on the other topics' prompts, tested on these topics'.
+DOMAIN_TOPICS := multilingual,poetry,python,tables
 TRACE_FLAGS := --decode teacher --max-new-tokens 64 --features ids weights gate_input layer_input
 
 bench: bench-accuracy bench-timing
@@ -63,8 +65,22 @@ bench-accuracy: bench-traces
 			--json docs/foresight_$$m.json --doc docs/foresight_$$m.md > /dev/null; \
 		$(PY) -m bench.evictor_eval --trace $(BENCH)/$$m/trace \
 			--foresight-json docs/foresight_$$m.json --rounds 2 --ablation-rounds 0 \
+			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
 			--train-requests 60 --models runs/evictor/$$m --json docs/evictor_$$m.json \
 			--doc docs/evictor_$$m.md > /dev/null; \
+	done
+	for m in default deep; do \
+		test -f $(BENCH)/$${m}_domain/trace/manifest.json || $(PY) -m tensorbend trace resplit \
+			$(BENCH)/$$m/trace --test-topics $(DOMAIN_TOPICS) --out $(BENCH)/$${m}_domain/trace; \
+		$(PY) -m bench.foresight_eval --trace $(BENCH)/$${m}_domain/trace \
+			--out $(BENCH)/$${m}_domain --inputs routing+hidden --fracs 0.25 \
+			--json docs/foresight_$${m}_domain.json --doc docs/foresight_$${m}_domain.md > /dev/null; \
+		$(PY) -m bench.evictor_eval --trace $(BENCH)/$${m}_domain/trace \
+			--foresight-json docs/foresight_$${m}_domain.json --fracs 0.25 --rounds 2 \
+			--ablation-rounds 0 --train-requests 60 --no-ablations \
+			--horizon $(BENCH)/$${m}_domain/horizon_routing_hidden.safetensors \
+			--models runs/evictor/$${m}_domain --json docs/evictor_$${m}_domain.json \
+			--doc docs/evictor_$${m}_domain.md > /dev/null; \
 	done
 	$(PY) -m bench.projections --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \

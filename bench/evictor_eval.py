@@ -42,7 +42,7 @@ from tensorbend.trace import read_manifest
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     t0 = time.perf_counter()
-    train, val, test = (load_requests(a.trace, s) for s in ("train", "val", "test"))
+    train, val, test = (load_requests(a.trace, s, a.horizon) for s in ("train", "val", "test"))
     train, test = train.subset(a.train_requests), test.subset(a.test_requests)
     out = {"trace": a.trace, "split": "test", "command": command("evictor_eval", argv), "train_requests": len(train.starts),
            "test_requests": len(test.starts), "rounds": a.rounds,
@@ -53,6 +53,9 @@ def main(argv=None) -> int:
         out["resplit"] = resplit
     # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger
     plan = {"evictor": (GROUPS, a.rounds), "evictor-dagger": (GROUPS, 0)}
+    if a.horizon:  # the learner that also reads the horizon's forecasts
+        plan["evictor+forecast"] = (GROUPS + ("forecast",), a.rounds)
+        out["horizon"] = a.horizon
     if not a.no_ablations:
         for g in GROUPS:
             plan[f"evictor-{g}"] = (tuple(x for x in GROUPS if x != g), a.ablation_rounds)
@@ -138,7 +141,10 @@ def format_doc(out: dict) -> str:
         "on round-0 (LFRU) states only; `evictor-GROUP` the learner without one input group, "
         f"fitted with {out.get('ablation_rounds', 0)} on-policy rounds (compare with "
         "`evictor-dagger` when that is 0); `horizon reuse` the horizon predictor's forecasts "
-        "(routing + hidden state) as eviction, from the foresight bench's JSON.",
+        "(routing + hidden state) as eviction, from the foresight bench's JSON; "
+        "`evictor+forecast` (with `--horizon`) the learner that also reads that horizon's "
+        "forecast of each next use (feature group `forecast`), and `evictor+forecast+shadow` "
+        "it under the guard.",
         "",
     ]
     for res in out["results"]:
@@ -147,7 +153,8 @@ def format_doc(out: dict) -> str:
                   "| policy | experts / token | gap closed | good decisions |",
                   "|---|---|---|---|"]  # fmt: skip
         best = res["best_no_prediction"]
-        order = [best, "horizon reuse", "evictor", "evictor+shadow", "evictor/no-model",
+        order = [best, "horizon reuse", "evictor", "evictor+shadow", "evictor+forecast",
+                 "evictor+forecast+shadow", "evictor/no-model",
                  *sorted(n for n in rows if n.startswith("evictor-")), "belady/all",
                  "belady/bypass"]  # fmt: skip
         for n in order:
@@ -180,6 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--test-requests", type=int, default=10**9, help="(a smoke run: fewer)")
     p.add_argument("--guard-window", type=int, default=48, help="forwards")
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--horizon", default=None,
+                   help="horizon checkpoint: adds the learner reading its forecasts")  # fmt: skip
     p.add_argument("--models", default=None,
                    help="folder of NAME.safetensors: a model found there is loaded, not fitted; "
                    "one fitted is saved there")  # fmt: skip

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
-    checkpoints = [*a.predictor, *(c for c in (a.horizon, a.evictor) if c)]
+    checkpoints = [*a.predictor, *(c for c in (a.horizon, a.evictor, a.evictor_forecast) if c)]
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
@@ -143,6 +143,9 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
             plan.append((pc, ours, horizon))
     if a.evictor:  # the learned eviction under its shadow guard (cache/evictor.py)
         plan.append((PolicyConfig("evictor", evictor=a.evictor, **common), None, None))
+    if a.evictor_forecast:  # the learner reading the horizon's forecasts
+        pc = PolicyConfig("evictor", evictor=a.evictor_forecast, token_ahead_layers=0, **common)
+        plan.append((pc, None, horizon))
     for h in _names(a.foresights):  # the oracle after the caches: beyond its sight it ranks
         foresight = None if h == "all" else int(h)  # like the best of them (--oracle-beyond)
         for adm in ("all", "predicted") if foresight is None else ("predicted",):
@@ -323,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
     p.add_argument("--evictor", default=None,
                    help="eviction model (train --predictor evictor): adds the evictor row")  # fmt: skip
+    p.add_argument("--evictor-forecast", default=None,
+                   help="eviction model reading the --horizon's forecasts (train --predictor "
+                   "evictor --horizon H): adds the evictor+forecast row")  # fmt: skip
     p.add_argument("--allow-seen-split", action="store_true",
                    help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")

@@ -105,6 +105,9 @@ class TrainConfig:
     whatever the trace size, for every kind, the rows streamed out of the shards)."""
     threads: int | None = None
     """Torch CPU threads (None: leave as is)."""
+    horizon: Path | None = None
+    """evictor: also read this horizon checkpoint's forecasts (feature group `forecast`; the
+    runtime must then run that horizon too)."""
 
     def __post_init__(self):
         if self.predictor not in TRAINABLE:
@@ -280,12 +283,17 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
 def _train_eviction(cfg: TrainConfig, kind, tr: Trace, t0: float) -> TrainResult:
     """evictor: DAgger rounds imitating Belady on the train split's requests at 25% cache, the
     round kept that misses least on val (cache/imitation.py); routing only."""
+    from tensorbend.cache.features import GROUPS
     from tensorbend.cache.imitation import fit_evictor, load_requests
 
-    train_req, val_req = (load_requests(str(cfg.trace), s) for s in ("train", "val"))
+    horizon = None if cfg.horizon is None else str(cfg.horizon)
+    train_req, val_req = (load_requests(str(cfg.trace), s, horizon) for s in ("train", "val"))
     if cfg.max_train_prompts is not None:
         train_req = train_req.subset(cfg.max_train_prompts)
-    model, log = fit_evictor(train_req, val_req, seed=cfg.seed)
+    groups = GROUPS + ("forecast",) if horizon else GROUPS
+    model, log = fit_evictor(train_req, val_req, groups=groups, seed=cfg.seed)
+    if horizon:
+        model.meta["horizon"] = horizon
     seen = sorted(q["id"] for q in tr.prompts if q["split"] in ("train", "val"))
     model.meta.update(fingerprint=tr.manifest["model"]["fingerprint"], trace=str(cfg.trace),
                       seen_prompts=",".join(seen),

@@ -10,7 +10,7 @@ from safetensors.numpy import save_file
 from tensorbend.cache.evictor import AdmitByPolicy, Evictor, EvictorModel, ShadowGuard
 from tensorbend.cache.features import GROUPS, Features, FoldedScore, feature_names
 from tensorbend.cache.imitation import Requests, fit_evictor, replay
-from tensorbend.cache.policies import LFRU, NextUse
+from tensorbend.cache.policies import LFRU, LRU, NextUse
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import CheckpointError
@@ -66,6 +66,55 @@ def test_features_by_hand():
     row = dict(zip(names, x[1], strict=True))  # (1, 0): used at forward 1; layer 1 ran at 7
     assert [row[f"used_visit-{j}"] for j in range(4)] == [0, 0, 1, 0]
     assert row["visit_in"] == 1.0 and row["layer=1"] == 1.0
+
+
+def test_forecast_features_by_hand():
+    # L = 2: a forecast made after forward 3 says (m, e) is next used at ahead, or at after
+    # once layer m of forward 4 has run without it; features are in forwards from now
+    f = Features(num_layers=2, num_experts=1)
+    groups = ("forecast",)
+    assert f.matrix(np.array([0, 1]), 8, groups)[:, :2].tolist() == [[0, 0], [0, 0]]  # none yet
+    f.set_forecast(3, [[9.0], [15.0]], [[12.0], [17.0]])
+    x = f.matrix(np.array([0, 1]), now=8, groups=groups)  # step 8 = layer 0 of forward 4
+    # layer 0 of forward 4 is step 8 (not ahead of now): after = 12, 2 forwards; layer 1: 15
+    assert x[:, 0].tolist() == [np.log1p(2.0), np.log1p(3.5)] and x[:, 1].tolist() == [1, 1]
+    f.new_request()  # a forecast is of one request
+    assert f.matrix(np.array([0]), 9, groups)[0, 1] == 0
+
+
+def _exact_forecasts(req: Requests) -> np.ndarray:
+    """Perfect forecasts for one-layer requests: after forward f, each key's next use after f
+    (ahead) and after f + 1 (after class 1), 1e9 for never."""
+    F, _, E = req.used_FLE.shape
+    nxt_E, out = np.full(E, 1e9), np.empty((F, 2, E), dtype=np.float32)
+    for f in range(F - 1, -1, -1):
+        out[f, 1] = nxt_E  # (the next use after f + 1 of a key not used at f + 1)
+        if f + 1 < F:
+            used = req.used_FLE[f + 1, 0]
+            out[f, 1][~used] = nxt_E[~used]
+        nxt_E = nxt_E.copy()
+        out[f, 0] = nxt_E
+        nxt_E[req.used_FLE[f, 0]] = f
+    return out
+
+
+def test_learner_with_exact_forecasts_reaches_belady_where_routing_cannot():
+    # uniform random routing: no recency or frequency signal, so no policy blind to the future
+    # misses less than 1 - slots / E = 5/8 in expectation (the routing-only learner included);
+    # told each expert's exact next use, the learner can evict (and bypass) as Belady
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 8, 600).tolist()
+    req, val = _requests(seq[:400], E=8), _requests(seq[400:], E=8)
+    req.forecast_F2K, val.forecast_F2K = _exact_forecasts(req), _exact_forecasts(val)
+    belady = replay(val, NextUse(val.steps_by_key(), 1), 3, admission="predicted")
+    lru = replay(val, LRU(), 3)["experts_per_token"]
+    plain, _ = fit_evictor(req, req, cache_frac=3 / 8, rounds=1)
+    told, _ = fit_evictor(req, req, cache_frac=3 / 8, rounds=1, groups=GROUPS + ("forecast",))
+    got = {name: replay(val, Evictor(1, 8, m, m.meta["prior_K"]), 3, admission="policy")
+           for name, m in (("plain", plain), ("told", told))}  # fmt: skip
+    assert got["told"]["experts_per_token"] <= 1.05 * belady["experts_per_token"]
+    assert got["plain"]["experts_per_token"] >= 0.9 * (1 - 3 / 8) and lru >= 0.9 * (1 - 3 / 8)
+    assert got["told"]["experts_per_token"] < 0.85 * got["plain"]["experts_per_token"]
 
 
 def test_learner_reproduces_belady_on_a_cycle():

@@ -18,7 +18,7 @@ from tensorbend.atomic import write_generated
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "cli.md"
 VERBS = (
-    (), ("collect",), ("trace", "info"), ("trace", "import"), ("train",), ("eval",), ("run",), ("generate",),
+    (), ("collect",), ("trace", "info"), ("trace", "import"), ("trace", "resplit"), ("train",), ("eval",), ("run",), ("generate",),
     ("simulate",), ("demo",), ("zoo", "list"), ("zoo", "path"), ("zoo", "train"),
     ("zoo", "card"), ("zoo", "corpus"),
 )  # fmt: skip

@@ -149,6 +149,11 @@ class Evictor(LFRU):
         self.features.new_request()
         self._scored_at = None
 
+    def set_forecast(self, forward: int, ahead_LE, after_first_LE) -> None:
+        """A cross-token forecast (read by a model with the `forecast` feature group)."""
+        self.features.set_forecast(forward, ahead_LE, after_first_LE)
+        self._scored_at = None
+
     def choose(self, cands: list[Key], now: int) -> Key:
         """The victim among the evictable residents `cands`; scores the missed key too.
 
@@ -203,6 +208,30 @@ def check_geometry(model: EvictorModel, path, num_layers: int, num_experts: int)
             f"{path}: an evictor for {model.num_layers} MoE layers x "
             f"{prior.size // max(1, model.num_layers)} experts, found a model of {num_layers} x "
             f"{num_experts}: train one on this model's trace (tensorbend train --predictor evictor)"
+        )
+
+
+def reads_forecast(path) -> bool:
+    """Whether the eviction model at `path` reads a horizon's forecasts (group `forecast`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return "forecast" in (f.metadata() or {}).get("groups", "").split(",")
+
+
+def check_forecast_input(path, has_horizon: bool) -> None:
+    """Refuse a forecast-reading model without a horizon, and a horizon it would not read.
+    (A learner's horizon only forecasts: it prefetches nothing.)"""
+    reads = reads_forecast(path)
+    if reads and not has_horizon:
+        raise CheckpointError(
+            f"--evictor {path}: this model reads a horizon's forecasts (trained with "
+            "`train --predictor evictor --horizon H`): pass that horizon with --horizon H"
+        )
+    if has_horizon and not reads:
+        raise CheckpointError(
+            f"--horizon with --evictor {path}: this model reads no forecasts; drop --horizon, "
+            "or train one that does (`tensorbend train --predictor evictor --horizon H`)"
         )
 
 
@@ -263,6 +292,9 @@ class ShadowGuard(LFRU):
 
     def new_request(self) -> None:
         self.learner.new_request()
+
+    def set_forecast(self, forward: int, ahead_LE, after_first_LE) -> None:
+        self.learner.set_forecast(forward, ahead_LE, after_first_LE)
 
     def touch(self, key: Key, now: int) -> None:
         f = now // self.L

@@ -18,7 +18,11 @@ Feature groups (`GROUPS`; a model is trained with a subset, the ablation rows dr
              one-hot layer
   prior      log share of the key's uses on the train split (a per-key constant)
 plus always: 1 for the missed key (the bypass candidate, column `incoming`). All of them
-exist for a routing-only trace (no hidden state is read).
+exist for a routing-only trace (no hidden state is read). One optional group (`OPTIONAL`,
+not in a default model) reads a cross-token predictor:
+  forecast   log(1 + forwards until the horizon forecast's expected next use) and whether a
+             forecast of this request was given (`set_forecast`, the lists
+             `predicted.Reuse.set_forecast` takes, after each forward)
 
 `FoldedScore` is the run-time form of `EvictorModel.score`: the normalisation is folded into
 the weights and the one-hot layer columns into a per-layer table of the hidden layer's input,
@@ -33,6 +37,8 @@ import math
 import numpy as np
 
 GROUPS = ("recency", "history", "frequency", "request", "layer", "prior")
+OPTIONAL = ("forecast",)  # groups a model may add, each needing more than the routing
+ALL_GROUPS = GROUPS + OPTIONAL  # the column order
 DECAYS = (0.5, 0.8, 0.95)  # per forward
 HISTORY = 4  # visits of a layer
 AGE_CAP = 64.0  # forwards
@@ -50,8 +56,9 @@ def feature_names(groups: tuple[str, ...], num_layers: int) -> list[str]:
         "request": ["log_request_uses", "used_in_request"],
         "layer": ["visit_in", *[f"layer={m}" for m in range(num_layers)]],
         "prior": ["log_prior"],
+        "forecast": ["log_forecast_forwards", "has_forecast"],
     }
-    return [n for g in GROUPS if g in groups for n in names[g]] + ["incoming"]
+    return [n for g in ALL_GROUPS if g in groups for n in names[g]] + ["incoming"]
 
 
 class Features:
@@ -68,6 +75,8 @@ class Features:
         self.request = np.zeros(K)
         self.used_at = np.full(K, NEVER, dtype=np.int64)  # forward of the last use
         self.bits = np.zeros(K, dtype=np.int64)  # bit j: used at forward used_at - j (j < 4)
+        self.forecast_at: int | None = None  # the forward the forecast was made after
+        self.ahead_K = self.after_K = None  # its expected next-use steps (Reuse's two lists)
         self.prior = np.zeros(K) if prior_K is None else np.asarray(prior_K, dtype=np.float64)
         self.layer_K = np.repeat(np.arange(num_layers), num_experts)
         self.log_decay_D = np.log(np.array(DECAYS)) / num_layers  # per step
@@ -100,6 +109,14 @@ class Features:
 
     def new_request(self) -> None:
         self.request[:] = 0.0
+        self.forecast_at = None  # (a forecast is of one request)
+
+    def set_forecast(self, forward: int, ahead_LE, after_first_LE) -> None:
+        """The horizon's forecast made after `forward`: expected next-use steps, [L][E] lists
+        or arrays (`predictors.horizon.Forecast.next_use_steps`)."""
+        self.forecast_at = forward
+        self.ahead_K = np.asarray(ahead_LE, dtype=np.float64).reshape(-1)
+        self.after_K = np.asarray(after_first_LE, dtype=np.float64).reshape(-1)
 
     def matrix(self, idx_C: np.ndarray, now: int, groups: tuple[str, ...]) -> np.ndarray:
         """Features [C, X] of keys idx_C at step now (columns: `feature_names`); the last
@@ -146,6 +163,14 @@ class Features:
             j += 1
         if "prior" in groups:
             out_CY[:, j] = at(self.prior)
+            j += 1
+        if "forecast" in groups and self.forecast_at is not None:
+            # class 1 of the forecast is layer m of the next forward: once it has run without
+            # the key, the expected next use is the one after it (as `Reuse._forecast`)
+            first_K = (self.forecast_at + 1) * L + at(self.layer_K)
+            next_K = np.where(first_K > now, at(self.ahead_K), at(self.after_K))
+            out_CY[:, j] = np.log1p(np.clip((next_K - now) / L, 0.0, AGE_CAP))
+            out_CY[:, j + 1] = 1.0
         return out_CY
 
 
@@ -184,8 +209,8 @@ class FoldedScore:
 
 def _dense_width(groups: tuple[str, ...]) -> int:
     width = {"recency": 1, "history": HISTORY, "frequency": len(DECAYS), "request": 2,
-             "layer": 1, "prior": 1}  # fmt: skip
-    return sum(width[g] for g in GROUPS if g in groups) + 1  # + incoming
+             "layer": 1, "prior": 1, "forecast": 2}  # fmt: skip
+    return sum(width[g] for g in ALL_GROUPS if g in groups) + 1  # + incoming
 
 
 def _layer_column(groups: tuple[str, ...]) -> int:

@@ -37,6 +37,7 @@ from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
 from tensorbend.cache.predicted import Predicted
 from tensorbend.cache.victim_heap import IndexedResidentSet
+from tensorbend.errors import CheckpointError
 
 DIST_CAP = 4096.0  # steps: a next use farther (or never) counts as this far in soft targets
 ADMISSION_WINDOW = 8  # forwards (the runtime's and the foresight replay's default)
@@ -51,11 +52,15 @@ NO_PREDICTION = {  # every eviction rule that reads no prediction, built for L M
 @dataclass
 class Requests:
     """Forwards of requests in run order: used_FLE [F, L, E] bool, phases ("prefill" or
-    "decode") per forward, starts (first forward of each request)."""
+    "decode") per forward, starts (first forward of each request); forecast_F2K, when a
+    horizon predictor was run over them: the forecast made after each forward, as the expected
+    next-use steps with every class ahead and after class 1 ([F, 2, L * E] float32,
+    `Forecast.next_use_steps`)."""
 
     used_FLE: np.ndarray
     phases: list[str]
     starts: list[int]
+    forecast_F2K: np.ndarray | None = None
 
     @property
     def L(self) -> int:
@@ -70,7 +75,8 @@ class Requests:
         if n >= len(self.starts):
             return self
         end = self.starts[n]
-        return Requests(self.used_FLE[:end], self.phases[:end], self.starts[:n])
+        fc = None if self.forecast_F2K is None else self.forecast_F2K[:end]
+        return Requests(self.used_FLE[:end], self.phases[:end], self.starts[:n], fc)
 
     def steps_by_key(self) -> dict:
         L = self.used_FLE.shape[1]
@@ -83,8 +89,9 @@ class Requests:
         return np.log(c / c.sum())
 
 
-def load_requests(trace_dir: str, split: str) -> Requests:
-    """A trace's requests of one split (batch 1, prefill and decode forwards)."""
+def load_requests(trace_dir: str, split: str, horizon: str | None = None) -> Requests:
+    """A trace's requests of one split (batch 1, prefill and decode forwards); with a horizon
+    checkpoint, its forecast after every forward (made from that request's forwards so far)."""
     from tensorbend.predictors.horizon import request_forwards
     from tensorbend.trace import Trace
 
@@ -96,7 +103,26 @@ def load_requests(trace_dir: str, split: str) -> Requests:
         for phase, used_LE, _ in request:
             phases.append(phase)
             used.append(used_LE.numpy() > 0)
-    return Requests(np.stack(used), phases, starts)
+    req = Requests(np.stack(used), phases, starts)
+    if horizon is not None:
+        req.forecast_F2K = horizon_forecasts(tr, split, horizon, len(phases))
+    return req
+
+
+def horizon_forecasts(tr, split: str, horizon: str, forwards: int) -> np.ndarray:
+    """[F, 2, L * E]: the horizon's forecast after each forward of the split (Requests)."""
+    from tensorbend.foresight import forecasts
+    from tensorbend.predictors.checkpoint import load_predictor
+
+    pred = load_predictor(horizon, spec=tr.spec)
+    fcs = forecasts(pred, tr.load(pred.cfg.features, split=split))
+    assert len(fcs) == forwards, (len(fcs), forwards)
+    L = tr.spec.num_moe_layers
+    out = np.empty((forwards, 2, L * tr.spec.num_experts), dtype=np.float32)
+    for f, fc in enumerate(fcs):
+        ahead, after = fc.next_use_steps(f, L)
+        out[f, 0], out[f, 1] = np.ravel(ahead), np.ravel(after)
+    return out
 
 
 def replay(req: Requests, policy, slots: int, pool: str = "global", admission: str = "all",
@@ -115,6 +141,13 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
     learner = policy.learner if isinstance(policy, ShadowGuard) else policy
     if isinstance(learner, Evictor) and label:
         learner.log = []
+    reads_forecast = isinstance(learner, Evictor) and "forecast" in learner.groups
+    if reads_forecast and req.forecast_F2K is None:
+        raise CheckpointError(
+            "this eviction model reads the horizon's forecasts (feature group `forecast`): "
+            "load the requests with the horizon checkpoint (load_requests(..., horizon=PATH))"
+        )
+    fc_F2K = req.forecast_F2K if reads_forecast else None
     requester = rs.new_request
     steps = req.steps_by_key()
     nxt_K = np.full(L * E, INF)  # next use after the latest use of each key (INF: never)
@@ -163,6 +196,8 @@ def replay(req: Requests, policy, slots: int, pool: str = "global", admission: s
                     y_C = np.array([nxt_K[c[0] * E + c[1]] - now for c in keys])
                     decisions[slot] = (x_CX.astype(np.float32), y_C)
         decode += is_decode
+        if fc_F2K is not None:
+            policy.set_forecast(f, fc_F2K[f, 0], fc_F2K[f, 1])
     out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions,
            "good_decisions": good / evictions if evictions else None}  # fmt: skip
     if isinstance(policy, ShadowGuard):
@@ -249,7 +284,7 @@ def evaluate_evictor(models: dict, test: Requests, cache_frac: float, guard_wind
                      baselines: bool = True) -> dict:  # fmt: skip
     """Experts read per decode token on `test` for the no-prediction caches (`prefetch:none`
     included: Predicted eviction fed nothing, as everywhere the best cache is chosen), Belady, each model
-    (with and without the shadow guard for the one named `evictor`); gap closed against the
+    (with and without the shadow guard for those named `evictor` and `evictor+forecast`); gap closed against the
     best no-prediction cache and full Belady (the better of with/without bypass)."""
     L, E = test.L, test.E
     slots = round(cache_frac * L * E)
@@ -265,9 +300,9 @@ def evaluate_evictor(models: dict, test: Requests, cache_frac: float, guard_wind
     for name, model in models.items():
         prior = model.meta["prior_K"]
         rows[name] = replay(test, Evictor(L, E, model, prior), slots, admission="policy")
-        if name == "evictor":
+        if name in ("evictor", "evictor+forecast"):
             g = ShadowGuard(Evictor(L, E, model, prior), slots, L, window=guard_window)
-            rows["evictor+shadow"] = replay(test, g, slots, admission="policy")
+            rows[f"{name}+shadow"] = replay(test, g, slots, admission="policy")
     return summarize(rows, cache_frac, slots)
 
 

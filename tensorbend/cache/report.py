@@ -80,7 +80,8 @@ def run_label(row: dict) -> str:
         if beyond not in (None, "lru") and h is not None:
             name += f"/beyond={beyond}"
     elif spec.learned:
-        name = policy if row.get("guard_window", 1) else f"{policy}(unguarded)"
+        name = policy + ("+forecast" if row.get("horizon") else "")  # (a horizon's, read)
+        name += "" if row.get("guard_window", 1) else "(unguarded)"
     elif spec.uses_prediction:
         parts = []
         if row.get("horizon"):

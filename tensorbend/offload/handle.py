@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import PolicyConfig
+from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import StoreError, TensorbendError
@@ -93,7 +93,8 @@ class OffloadHandle:
             model, spec, self.clock, self.history, predictor, self.loader, self.cache,
             extra=pc.prefetch_extra,
             on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
-            horizon=horizon, token_ahead_layers=pc.token_ahead_layers,
+            horizon=horizon,
+            token_ahead_layers=0 if POLICIES[pc.policy].learned else pc.token_ahead_layers,
         ).__enter__()  # fmt: skip
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)

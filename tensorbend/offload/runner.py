@@ -55,7 +55,8 @@ class RunConfig:
     horizon: Path | None = None
     """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`) for --policy
     prefetch: its forecasts drive eviction (Reuse) and next-forward prefetches; combinable
-    with --predictor/--baseline (within-token prefetches)."""
+    with --predictor/--baseline (within-token prefetches). With --policy evictor: the horizon
+    an eviction model trained with `--horizon` reads (forecasts only, no prefetches)."""
     trace: Path | None = None
     """Trace of this model whose train split fits the table baselines (frequency, prev_token,
     transition)."""
@@ -150,7 +151,9 @@ def _check_predictor(cfg: RunConfig) -> None:
         raise TensorbendError(
             "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
         )
-    if policy != "prefetch" and has:
+    if policy == "evictor" and cfg.predictor is None and cfg.baseline is None:
+        pass  # --horizon: the learner reads its forecasts (session.run_policy checks the model)
+    elif policy != "prefetch" and has:
         raise TensorbendError(
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
             f"(only it uses a predictor); drop the predictor or change the policy"

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.cache.config import POLICIES, PolicyConfig
+from tensorbend.cache.evictor import check_forecast_input
 from tensorbend.cache.transfers import Link, parse_link
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
@@ -150,7 +151,9 @@ class OffloadSession:
             raise TensorbendError(
                 "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
             )
-        if pc.policy != "prefetch":
+        if pc.policy == "evictor":  # a learner reading forecasts needs the horizon, others none
+            check_forecast_input(pc.evictor, horizon is not None)
+        elif pc.policy != "prefetch":
             horizon = None
         if POLICIES[pc.policy].recorded_routing:
             la = get_lookahead(pc.lookahead)
@@ -181,7 +184,7 @@ class OffloadSession:
             result = dataclasses.replace(
                 result,
                 horizon=horizon.checkpoint or "horizon",
-                token_ahead_layers=pc.token_ahead_layers,
+                token_ahead_layers=0 if POLICIES[pc.policy].learned else pc.token_ahead_layers,
             )
         return result
 
