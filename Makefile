@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-evictor bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-evictor bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -57,6 +57,10 @@ bench-traces: setup
 			--out $(BENCH)/$$m/horizon_routing.safetensors; \
 		test -f $(BENCH)/$$m/evictor.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --predictor evictor --out $(BENCH)/$$m/evictor.safetensors; \
+		test -f $(BENCH)/$$m/evictor_forecast.safetensors || $(PY) -m tensorbend train --quiet \
+			--trace $(BENCH)/$$m/trace --predictor evictor \
+			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
+			--out $(BENCH)/$$m/evictor_forecast.safetensors; \
 	done
 
 bench-accuracy: bench-traces
@@ -137,6 +141,17 @@ bench-headline: bench-traces
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 48 --batch 4 \
 		--link-speedups 1 --out docs/bench/headline_default_b4 \
 		--doc docs/headline_default_b4.md > /dev/null
+
+# zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link, with both
+# learned evictions in the same run (4 prompts x 32 tokens: the model decodes ~4x slower).
+bench-headline-deep: bench-traces
+	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
+		--predictor $(BENCH)/deep/ours_d1.safetensors \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors \
+		--evictor $(BENCH)/deep/evictor.safetensors \
+		--evictor-forecast $(BENCH)/deep/evictor_forecast.safetensors --baselines "" \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 32 \
+		--link-speedups 1 --out docs/bench/headline_deep --doc docs/headline_deep.md > /dev/null
 
 # The learned eviction end to end beside every no-prediction cache and the horizon, at the x1
 # link (run alone; about 14 min here).

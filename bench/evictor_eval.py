@@ -48,7 +48,9 @@ def main(argv=None) -> int:
            "test_requests": len(test.starts), "rounds": a.rounds,
            "ablation_rounds": a.ablation_rounds, "guard_window": a.guard_window, "fits": {},
            "results": []}  # fmt: skip
-    resplit = read_manifest(Path(a.trace)).get("resplit")
+    manifest = read_manifest(Path(a.trace))
+    out["model"] = manifest["model"].get("name")
+    resplit = manifest.get("resplit")
     if resplit:  # test = prompts of topics the learner never saw
         out["resplit"] = resplit
     # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger

@@ -164,7 +164,7 @@ def evictor_replay_section(root: Path) -> str:
         lines.append(
             f"| {model} | {_tested_on(rep)} | {rows[best]['experts_per_token']:.2f} ({best}) | "
             f"{_replay_cell(rows, 'evictor')} | {_replay_cell(rows, 'evictor+shadow')} | "
-            f"{_replay_cell(rows, 'horizon reuse')} | "
+            f"{_replay_cell(rows, 'evictor+forecast')} | {_replay_cell(rows, 'horizon reuse')} | "
             f"{rows[res['full_oracle']]['experts_per_token']:.2f} | "
             f"{'-' if good is None else f'{good:.2f}'} |"
         )
@@ -172,14 +172,16 @@ def evictor_replay_section(root: Path) -> str:
         return ""
     head = [
         "**The eviction learner in the replay** (imitating Belady on its own cache states; it "
-        "reads routing only, so it runs on imported traces too; the same demand-only replay "
+        "reads routing only, so it runs on imported traces too, or also the horizon's "
+        "forecasts (`train --predictor evictor --horizon H`); the same demand-only replay "
         "of held-out prompts at 25% cache, one global pool; experts read per decode token "
         "(share of the best-cache-to-Belady gap closed); good decisions: evictions whose "
         f"victim is next used no sooner than Belady's choice; {', '.join(docs)}):",
         "",
         "| model | tested on | best no-prediction cache | ours: learner | ours: learner + "
-        "shadow guard | ours: horizon (routing+hidden) | full Belady | learner's good decisions |",
-        "|---|---|---|---|---|---|---|---|",
+        "shadow guard | ours: learner reading the horizon's forecasts | ours: horizon "
+        "(routing+hidden) | full Belady | learner's good decisions |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     tail = [""] + [f"Not shown: {o} predates `prefetch:none` among the no-prediction caches; "
                    "`make bench-accuracy` regenerates it." for o in old]  # fmt: skip
@@ -215,7 +217,7 @@ def ours(runs: list[dict], which: str) -> dict | None:
 def offload_rows(root: Path) -> list[dict]:
     """Per sweep and link at 25% cache: the comparison (cache.report.compare) and ours."""
     out = []
-    for name in ("default", "qwen", "default_b4"):
+    for name in ("default", "qwen", "deep", "default_b4"):
         rep = load(root, f"docs/bench/headline_{name}.json")  # the repeated runs, if measured
         rep = rep or load(root, f"docs/bench/offload_{name}.json")
         for entry, runs, c in _at_quarter(rep):
@@ -257,7 +259,7 @@ def offload_section(root: Path) -> str:
     head = [
         "**End to end** (`tensorbend run`, measured: teacher-forced decode of held-out prompts, "
         "25% cache, the `h100-pcie5-kimi` link and one 4x faster; outputs identical to the "
-        "resident model in every run; docs/headline_default.md, docs/headline_qwen.md, and "
+        f"resident model in every run; {_headline_docs(root)}, and "
         f"4 sequences in lockstep: {_b4_doc(root)}). Each of ours is one fixed "
         "configuration; cells: decode tok/s (ratio to the best no-prediction cache, share of "
         "the byte gap to the full oracle closed). A ratio with a range is the median of "
@@ -273,6 +275,13 @@ def offload_section(root: Path) -> str:
     return "\n".join(head + lines) + "\n" + _reading(root)
 
 
+def _headline_docs(root: Path) -> str:
+    """The batch-1 headline pages the table reads (the repeated sweeps that were measured)."""
+    names = [n for n in ("default", "qwen", "deep")
+             if (root / f"docs/bench/headline_{n}.json").is_file()]  # fmt: skip
+    return ", ".join(f"docs/headline_{n}.md" for n in names) or "docs/offload_*.md"
+
+
 def _b4_doc(root: Path) -> str:
     """The batch-4 page the table reads: the repeated run when it was measured."""
     repeated = (root / "docs/bench/headline_default_b4.json").is_file()
@@ -283,12 +292,11 @@ def evictor_section(root: Path) -> str:
     """The learned eviction end to end (docs/bench/evictor_run_{model}.json: offload_sweep
     --evictor, repeated), beside the best no-prediction cache and the horizon alone."""
     lines = []
-    for name in ("default", "qwen"):
-        rep = load(root, f"docs/bench/evictor_run_{name}.json")
+    for name in ("default", "qwen", "deep"):
+        rep = _evictor_sweep(root, name)
         for entry, runs, c in _at_quarter(rep):
             cells = []
-            for r in ([x for x in runs if x["policy"] == "evictor"][:1]
-                      + [ours(runs, "horizon only")]):  # fmt: skip
+            for r in (_learner(runs, False), _learner(runs, True), ours(runs, "horizon only")):
                 o = r and c["runs"][run_label(r)]
                 cells.append("-" if r is None else f"{run_label(r)}: {r['decode_tok_s']:.1f} "
                              f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))}, "
@@ -304,14 +312,31 @@ def evictor_section(root: Path) -> str:
     return "\n".join(_evictor_head() + lines) + "\n" + _evictor_reading(root)
 
 
+def _evictor_sweep(root: Path, name: str) -> dict | None:
+    """The sweep with the learned-eviction rows: its own (evictor_run_NAME), else the headline
+    sweep when that ran them."""
+    rep = load(root, f"docs/bench/evictor_run_{name}.json")
+    if rep is None:
+        rep = load(root, f"docs/bench/headline_{name}.json")
+        has = rep and any(r["policy"] == "evictor" for e in rep["links"] for r in e["runs"])
+        rep = rep if has else None
+    return rep
+
+
+def _learner(runs: list[dict], forecast: bool) -> dict | None:
+    """The learned-eviction run: routing only, or reading the horizon's forecasts."""
+    return next((r for r in runs if r["policy"] == "evictor"
+                 and bool(r.get("horizon")) == forecast), None)  # fmt: skip
+
+
 def _evictor_reading(root: Path) -> str:
     """What the learned-eviction rows say, from their numbers: bytes and stall against the
     best no-prediction cache, and the time per token outside the stall."""
     parts, slower = [], []
-    for name in ("default", "qwen"):
-        rep = load(root, f"docs/bench/evictor_run_{name}.json")
+    for name in ("default", "qwen", "deep"):
+        rep = _evictor_sweep(root, name)
         for entry, runs, c in _at_quarter(rep):
-            ev = next((r for r in runs if r["policy"] == "evictor"), None)
+            ev = _learner(runs, False)
             best = next((r for r in runs if run_label(r) == c["best_no_prediction_cache"]), None)
             if ev is None or best is None:
                 continue
@@ -339,13 +364,15 @@ def _evictor_head() -> list[str]:
     return [
         "**The learned eviction end to end** (`tensorbend run --policy evictor`, measured as "
         "above: 25% cache, held-out prompts, outputs identical to the resident model; the "
-        "learner reads routing only, under its LFRU shadow guard; docs/evictor_run_default.md). "
+        "learner reads routing only, or also the horizon's forecasts, under its LFRU shadow "
+        "guard; docs/evictor_run_default.md, and the deep model's headline sweep). "
         "Cells: decode tok/s (ratio to the best no-prediction cache, median [range] of "
         "interleaved repeats; share of the byte gap to the full oracle closed; demand hit rate):",
         "",
         "| model | link | best no-prediction cache (tok/s) | ours: learned eviction | "
-        "ours: horizon only | full oracle tok/s |",
-        "|---|---|---|---|---|---|",
+        "ours: learned eviction reading the horizon's forecasts | ours: horizon only | "
+        "full oracle tok/s |",
+        "|---|---|---|---|---|---|---|",
     ]
 
 
