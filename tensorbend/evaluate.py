@@ -176,12 +176,22 @@ def _eviction(path, tr: Trace, cfg: EvalConfig) -> dict:
     decode token beside every no-prediction cache and Belady, with and without its guard."""
     from tensorbend.cache.evictor import EvictorModel, check_geometry
     from tensorbend.cache.imitation import evaluate_evictor, load_requests
+    from tensorbend.errors import CheckpointError
 
     model = EvictorModel.load(str(path))
     check_geometry(model, path, tr.spec.num_moe_layers, tr.spec.num_experts)
-    requests = load_requests(str(tr.root), None if cfg.split == "all" else cfg.split)
+    horizon = None  # a model reading forecasts replays with the horizon it was trained with
+    if "forecast" in model.groups:
+        horizon = model.meta.get("horizon")
+        if not horizon or not Path(horizon).is_file():
+            raise CheckpointError(
+                f"{path}: this eviction model reads the forecasts of the horizon {horizon!r}, "
+                "which is not there; put that checkpoint back or retrain the evictor with "
+                "`tensorbend train --predictor evictor --horizon H`"
+            )
+    requests = load_requests(str(tr.root), None if cfg.split == "all" else cfg.split, horizon)
     report = evaluate_evictor({"evictor": model}, requests, cfg.cache_frac)
-    return {"predictor": "evictor", "checkpoint": str(path), **report}
+    return {"predictor": "evictor", "checkpoint": str(path), "horizon": horizon, **report}
 
 
 def _lookaheads(cfg: EvalConfig, tr: Trace) -> tuple[str, ...]:

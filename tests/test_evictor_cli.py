@@ -97,3 +97,41 @@ def test_run_policy_evictor_generates_what_the_resident_model_does(tmp_path, cap
     assert (r["policy"], r["evictor"], r["guard_window"]) == ("evictor", str(ev), 2)
     assert r["counters"]["evictions"] > 0
     capsys.readouterr()
+
+
+def test_a_learner_trained_on_forecasts_is_evaluated_and_simulated_with_its_horizon(trained,
+                                                                                   capsys):  # fmt: skip
+    """train --predictor evictor --horizon H records H; eval replays it with H's forecasts;
+    simulate runs it as evictor+forecast only when given --horizon (refused otherwise)."""
+    from tensorbend.simulate.costs import Calibration
+
+    d, plain = trained
+    hz, ck = d / "h.safetensors", d / "ef.safetensors"
+    assert main(["train", "--trace", str(d / "t"), "--out", str(hz), "--predictor", "horizon",
+                 "--inputs", "routing", "--quiet"]) == 0  # fmt: skip
+    assert main(["train", "--trace", str(d / "t"), "--out", str(ck), "--predictor", "evictor",
+                 "--horizon", str(hz), "--quiet"]) == 0  # fmt: skip
+    model = EvictorModel.load(str(ck))
+    assert "forecast" in model.groups and model.meta["horizon"] == str(hz)
+    assert main(["eval", "--trace", str(d / "t"), "--predictor", str(ck), "--baselines",
+                 "frequency", "--json", str(d / "ef.json")]) == 0  # fmt: skip
+    (ev,) = json.loads((d / "ef.json").read_text())["eviction"]
+    test = load_requests(str(d / "t"), "test", str(hz))
+    want = replay(test, Evictor(2, 4, model, model.meta["prior_K"]), ev["cache_slots"],
+                  admission="policy")  # fmt: skip
+    assert ev["horizon"] == str(hz)
+    assert ev["replay"]["evictor"]["experts_per_token"] == want["experts_per_token"]
+    cal = Calibration(expert_bytes=1000, link_bandwidth_Bps=1e6, link_latency_s=1e-5,
+                      attn_s=1e-4, expert_s=1e-5, forward_s=0.0).save(d / "cal2.json")  # fmt: skip
+    base = ["simulate", "--trace", str(d / "t"), "--hardware", "h100-pcie5", "--geometry",
+            "from-trace", "--calibration", str(cal), "--policy", "evictor", "--evictor", str(ck),
+            "--split", "test"]  # fmt: skip
+    capsys.readouterr()
+    assert main(base) == 2
+    assert "reads a horizon's forecasts" in capsys.readouterr().err
+    assert main([*base, "--horizon", str(hz), "--json", str(d / "sf.json")]) == 0
+    (row,) = json.loads((d / "sf.json").read_text())["results"]
+    assert row["label"] == "evictor+forecast" and row["token_ahead_layers"] == 0
+    base[base.index(str(ck))] = str(plain)
+    assert main([*base, "--horizon", str(hz)]) == 2
+    assert "reads no forecasts" in capsys.readouterr().err

@@ -43,7 +43,7 @@ from typing import ClassVar
 import numpy as np
 
 from tensorbend.cache.admission import AdmitAll, AdmitFrequent
-from tensorbend.cache.features import GROUPS, Features, FoldedScore
+from tensorbend.cache.features import ALL_GROUPS, GROUPS, Features, FoldedScore
 from tensorbend.cache.policies import LFRU, LRU, Key, Ranking
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
@@ -96,8 +96,17 @@ class EvictorModel:
             )
         arrays = load_file(path)
         groups = tuple(meta["groups"].split(","))
+        unknown = [g for g in groups if g not in ALL_GROUPS]
+        if unknown:
+            raise CheckpointError(
+                f"{path}: feature groups {', '.join(unknown)} unknown to this tensorbend (it "
+                f"knows {', '.join(ALL_GROUPS)}); use the version that trained it, or retrain"
+            )
+        kept = {"prior_K": arrays["prior_K"]}
+        if "horizon" in meta:  # the horizon a `forecast` model was trained with
+            kept["horizon"] = meta["horizon"]
         return cls(groups, int(meta["num_layers"]), *(arrays[k] for k in _WEIGHTS),
-                   meta={"prior_K": arrays["prior_K"]})  # fmt: skip
+                   meta=kept)  # fmt: skip
 
 
 _WEIGHTS = ("mean_X", "std_X", "w0_X", "W1_XH", "b1_H", "w2_H")

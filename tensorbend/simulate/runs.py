@@ -36,23 +36,24 @@ def run_one(
     extra = cfg.prefetch_extra
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
+    learned = POLICIES[policy].learned
+    ahead_layers = 0 if learned else cfg.token_ahead_layers  # (a learner's horizon: forecasts only)
     if forecasts is not None:
-        plan.add_horizon(work, mapping, forecasts, cfg.token_ahead_layers, K)
+        plan.add_horizon(work, mapping, forecasts, ahead_layers, K)
     steps = None
     if POLICIES[policy].recorded_routing:
         la = get_lookahead(cfg.lookahead)
         plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
-    learned = None
-    if POLICIES[policy].learned:
-        learned = Learned(str(cfg.evictor), mapping.trace_experts, cfg.guard_window)
+    rule = Learned(str(cfg.evictor), mapping.trace_experts, cfg.guard_window) if learned else None
     rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, forecasts is not None, beyond, learned)  # fmt: skip
+                           steps, cfg.foresight, forecasts is not None, beyond, rule)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
+    forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
-                  costs.forecast_s if policy == "prefetch" else 0.0)  # fmt: skip
+                  forecast_s)  # fmt: skip
     link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
     run = EventRun(rs, link, times, scratch=K, unit_bytes=costs.unit_bytes)
     if not bounded:
@@ -60,7 +61,7 @@ def run_one(
     run.run(work)
     row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
     row["horizon"] = str(cfg.horizon) if forecasts is not None else None
-    row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
+    row["token_ahead_layers"] = ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
     row["evictor"] = str(cfg.evictor) if POLICIES[policy].learned else None
     row["guard_window"] = cfg.guard_window if POLICIES[policy].learned else None

@@ -241,11 +241,21 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
+    learner_fc = None  # a learned eviction reading forecasts: the horizon's, no prefetch
+    if "evictor" in cfg.policies:
+        from tensorbend.cache.evictor import check_forecast_input
+
+        check_forecast_input(cfg.evictor, fcs is not None)
+        learner_fc = fcs
     jobs = [
         (p, r, f, fc)
         for f in fracs
         for p in sorted(cfg.policies, key=lambda p: POLICY_TABLE[p].recorded_routing)
-        for r, fc in (variants if p == "prefetch" else [(None, None)])
+        for r, fc in (
+            variants
+            if p == "prefetch"
+            else [(None, learner_fc if POLICY_TABLE[p].learned else None)]
+        )  # fmt: skip
     ]  # the oracle after the caches it must beat (oracle_beyond best)
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
     results = []
@@ -351,7 +361,7 @@ def _rows(cfg, tr: Trace):
             from tensorbend.predictors.checkpoint import read_metadata
 
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
-    if cfg.horizon is not None and "prefetch" in cfg.policies:
+    if cfg.horizon is not None and ("prefetch" in cfg.policies or "evictor" in cfg.policies):
         from tensorbend.predictors.checkpoint import read_metadata
 
         if read_metadata(cfg.horizon)["config"].get("inputs") == "routing+hidden":
