@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-evictor bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-domain bench-evictor bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -153,13 +153,28 @@ bench-headline-deep: bench-traces
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 32 \
 		--link-speedups 1 --out docs/bench/headline_deep --doc docs/headline_deep.md > /dev/null
 
+# Held-out domains end to end: zoo:default's predictors fitted on the other topics
+# (runs/bench/default_domain, `trace resplit`), run on prompts of DOMAIN_TOPICS only.
+bench-headline-domain: bench-accuracy
+	test -f $(BENCH)/default_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
+		--trace $(BENCH)/default_domain/trace --out $(BENCH)/default_domain/ours_d1.safetensors \
+		--lookahead d1
+	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default_domain/trace \
+		--predictor $(BENCH)/default_domain/ours_d1.safetensors \
+		--horizon $(BENCH)/default_domain/horizon_routing_hidden.safetensors --baselines "" \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
+		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
+		--out docs/bench/headline_default_domain --doc docs/headline_default_domain.md > /dev/null
+
 # The learned eviction end to end beside every no-prediction cache and the horizon, at the x1
 # link (run alone; about 14 min here).
 bench-evictor: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
-		--evictor $(BENCH)/default/evictor.safetensors --baselines "" --fracs 0.25 --link-speedups 1 \
+		--evictor $(BENCH)/default/evictor.safetensors \
+		--evictor-forecast $(BENCH)/default/evictor_forecast.safetensors \
+		--baselines "" --fracs 0.25 --link-speedups 1 \
 		--foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 		--out docs/bench/evictor_run_default --doc docs/evictor_run_default.md > /dev/null
 

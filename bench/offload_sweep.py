@@ -63,7 +63,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)[: a.max_prompts]
+    prompts = load_prompts(Path(a.prompts) if a.prompts else None, a.split)
+    if a.topics:  # held-out domains: these topics' prompts only (`trace resplit` fits the rest)
+        topics = set(_names(a.topics))
+        prompts = [p for p in prompts if p.topic in topics]
+        if not prompts:
+            raise SystemExit(f"--topics {a.topics}: no prompt of split {a.split} has these topics")
+    prompts = prompts[: a.max_prompts]
     checkpoints = [*a.predictor, *(c for c in (a.horizon, a.evictor, a.evictor_forecast) if c)]
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
@@ -194,6 +200,7 @@ def _report(a, model, sess, prompts, links, seconds: float) -> dict:
         "io": a.io,
         "prompts": len(prompts),
         "split": a.split,
+        "topics": _names(a.topics) if a.topics else None,
         "max_new_tokens": a.max_new_tokens,
         "repeats": a.repeats,
         "decode": a.decode,
@@ -319,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="prompts JSONL (default: the shipped prompts)")
     p.add_argument("--split", default="test", help="prompts split to run (default: test)")
     p.add_argument("--max-prompts", type=int, default=6)
+    p.add_argument("--topics", default=None,
+                   help="only prompts of these topics (comma-separated; with --split all and "
+                   "checkpoints fitted on a `trace resplit` trace: held-out domains)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--decode", default="teacher", help="teacher (feed continuations) or greedy")
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")

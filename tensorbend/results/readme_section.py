@@ -217,7 +217,7 @@ def ours(runs: list[dict], which: str) -> dict | None:
 def offload_rows(root: Path) -> list[dict]:
     """Per sweep and link at 25% cache: the comparison (cache.report.compare) and ours."""
     out = []
-    for name in ("default", "qwen", "deep", "default_b4"):
+    for name in ("default", "qwen", "deep", "default_domain", "default_b4"):
         rep = load(root, f"docs/bench/headline_{name}.json")  # the repeated runs, if measured
         rep = rep or load(root, f"docs/bench/offload_{name}.json")
         for entry, runs, c in _at_quarter(rep):
@@ -248,8 +248,10 @@ def offload_section(root: Path) -> str:
             o = x[which]
             cells.append("-" if o is None else f"{o['label']}: {o['run']['decode_tok_s']:.1f} "
                          f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))})")  # fmt: skip
+        topics = rep.get("topics")
         lines.append(
-            f"| {rep['model']}{_batch(rep)} | x{entry['speedup']:g} | "
+            f"| {rep['model']}{_batch(rep)}{', unseen topics' if topics else ''} | "
+            f"x{entry['speedup']:g} | "
             f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} | "
             + " | ".join(cells)
             + f" | {c['full_oracle']['decode_tok_s']:.1f} |"
@@ -277,7 +279,7 @@ def offload_section(root: Path) -> str:
 
 def _headline_docs(root: Path) -> str:
     """The batch-1 headline pages the table reads (the repeated sweeps that were measured)."""
-    names = [n for n in ("default", "qwen", "deep")
+    names = [n for n in ("default", "qwen", "deep", "default_domain")
              if (root / f"docs/bench/headline_{n}.json").is_file()]  # fmt: skip
     return ", ".join(f"docs/headline_{n}.md" for n in names) or "docs/offload_*.md"
 
