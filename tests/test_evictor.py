@@ -229,3 +229,30 @@ def test_folded_score_equals_the_model_score(groups):
     folded = np.r_[s0_K[idx_C[:4]], s1_K[idx_C[4:]]]
     np.testing.assert_allclose(folded, model.score(x_CX), rtol=1e-10, atol=1e-10)
     assert x_CX.shape == (6, X) and np.ptp(model.score(x_CX)) > 0  # not a constant score
+
+
+@pytest.mark.parametrize("groups", [GROUPS, GROUPS + ("forecast",)])
+def test_run_time_scoring_decides_as_the_full_matrix(groups):
+    """The run-time path (every key scored once per step, only the keys used since rescored,
+    a forecast invalidating all) takes the decisions the training path takes (each decision's
+    candidates scored from the full feature matrix): the same victims, bypasses and misses."""
+    L, E = 3, 6
+    rng = np.random.default_rng(2)
+    X, H = len(feature_names(groups, L)), 8
+    model = EvictorModel(groups, L, rng.normal(size=X), rng.uniform(0.5, 2, X),
+                         rng.normal(size=X), rng.normal(size=(X, H)), rng.normal(size=H),
+                         rng.normal(size=H))  # fmt: skip
+    F = 120
+    used = np.zeros((F, L, E), dtype=bool)
+    for f in range(F):
+        for m in range(L):
+            used[f, m, rng.choice(E, 2, replace=False)] = True
+    fc = rng.uniform(0, 3 * F * L, (F, 2, L * E)).astype(np.float32)
+    req = Requests(used, ["decode"] * F, [0, 40, 80], fc)
+    prior = rng.normal(size=L * E)
+    fast = replay(req, Evictor(L, E, model, prior), 7, admission="policy")
+    slow_policy = Evictor(L, E, model, prior)
+    slow_policy.log = []  # (the training path: features of each decision's candidates)
+    slow = replay(req, slow_policy, 7, admission="policy")
+    assert fast["evictions"] == slow["evictions"] > 20
+    assert fast["experts_per_token"] == slow["experts_per_token"]

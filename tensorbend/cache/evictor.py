@@ -137,13 +137,17 @@ class Evictor(LFRU):
         self._scored_at: int | None = None  # run time: the step s0_K / s1_K were scored at
         self._s0_K = self._s1_K = None  # every key's score as a resident / as the missed key
         self._decision: tuple | None = None  # (missed key, victim, scored as the missed key?)
+        self._dirty: list = []  # keys used since the scores were made (theirs are stale)
 
     def touch(self, key: Key, now: int) -> None:
         if self.model is None:  # (ranks as LFRU)
             super().touch(key, now)
         self.features.touch(key, now)
         self.last_key = key
-        self._scored_at = None
+        if self._scored_at == now:  # only this key's features changed: rescore it alone
+            self._dirty.append(key)
+        else:  # (a later step: every score moves with the clock)
+            self._scored_at = None
 
     def bind(self, rs: ResidentSet) -> None:
         """Called by the resident set that uses it (ranking `scan`); the evictor needs nothing."""
@@ -174,7 +178,11 @@ class Evictor(LFRU):
         if self.log is None and self.folded is not None:
             if self._scored_at != now:
                 self._s0_K, self._s1_K = self.folded.score_all(self.features, now)
-                self._scored_at = now
+                self._scored_at, self._dirty = now, []
+            elif self._dirty:  # a replay uses, then places, each miss: rescore those used
+                idx = np.fromiter({m * E + e for m, e in self._dirty}, np.int64)
+                self._s0_K[idx], self._s1_K[idx] = self.folded.score_all(self.features, now, idx)
+                self._dirty = []
             idx_C = np.fromiter((m * E + e for m, e in cands), np.int64, len(cands))
             victim = cands[int(np.argmax(self._s0_K[idx_C]))]
             self._decision = (self.last_key, victim, self.last_key not in cands)

@@ -196,10 +196,11 @@ class FoldedScore:
         self.groups = model.groups
         self.incoming_w1_H, self.incoming_w0 = self.W1_YH[-1], self.w0_Y[-1]
 
-    def score_all(self, feats: Features, now: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every key's score [K] as a resident and as the missed key (incoming = 1)."""
-        x_KY = feats.dense(None, now, self.groups)
-        layer_K = feats.layer_K
+    def score_all(self, feats: Features, now: int, idx_C: np.ndarray | None = None):
+        """Every key's score [K] as a resident and as the missed key (incoming = 1); idx_C:
+        those keys' only, [C] each."""
+        x_KY = feats.dense(idx_C, now, self.groups)
+        layer_K = feats.layer_K if idx_C is None else feats.layer_K[idx_C]
         pre_KH = x_KY @ self.W1_YH + self.T1_LH[layer_K]
         lin_K = x_KY @ self.w0_Y + self.t0_L[layer_K]
         s0_K = lin_K + np.maximum(pre_KH, 0.0) @ self.w2_H
