@@ -5,7 +5,7 @@ Usage:
         --out runs/bench/default/trace_domain
     >>> info = resplit(src_dir, out_dir, test_topics=("poetry", "python"))   # doctest: +SKIP
 
-The new trace directory holds the same shards (hard links where the file system allows,
+The new trace directory holds the same shards and router weights (hard links where the file system allows,
 copies otherwise; each is still checked against its size and sha256 on load) and a copy of
 the manifest whose prompts are split again by topic:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import TraceError
-from tensorbend.trace import MANIFEST, Trace
+from tensorbend.trace import MANIFEST, ROUTER_FILE, Trace
 
 UNUSED = "unused"  # the split of a prompt that no command reads
 
@@ -69,6 +69,8 @@ def resplit(src: str | Path, out: str | Path, test_topics: tuple[str, ...]) -> d
     out.mkdir(parents=True, exist_ok=True)
     for sh in manifest["shards"]:
         _link_or_copy(src / sh["file"], out / sh["file"])
+    if (src / ROUTER_FILE).is_file():  # the router weights (spec_gate, the d1 predictor read them)
+        _link_or_copy(src / ROUTER_FILE, out / ROUTER_FILE)
     splits = Counter(p["split"] for p in manifest["prompts"])
     record = {
         "source": str(src),

@@ -363,6 +363,8 @@ def test_resplit_by_topic_tests_on_unseen_topics_only(ckpt, tmp_path, capsys):
     keep = torch.isin(whole["prompt_index_T"], torch.tensor(idx))
     assert torch.equal(rows["expert_ids_TLK"], whole["expert_ids_TLK"][keep])
     assert view.manifest["resplit"]["test_topics"] == ["prose"]
+    for k, w in src.router_params().items():  # the router weights come along
+        assert torch.equal(view.router_params()[k], w)
     capsys.readouterr()
     assert main(["trace", "resplit", str(tmp_path / "t"), "--test-topics", "poetry",
                  "--out", str(tmp_path / "e")]) != 0  # fmt: skip
