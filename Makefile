@@ -143,14 +143,14 @@ bench-headline: bench-traces
 		--doc docs/headline_default_b4.md > /dev/null
 
 # zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link, with both
-# learned evictions in the same run (4 prompts x 32 tokens: the model decodes ~4x slower).
+# learned evictions in the same run (4 prompts x 24 tokens: the model decodes ~4x slower).
 bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
 		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors \
 		--evictor $(BENCH)/deep/evictor.safetensors \
 		--evictor-forecast $(BENCH)/deep/evictor_forecast.safetensors --baselines "" \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 32 \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 1 --out docs/bench/headline_deep --doc docs/headline_deep.md > /dev/null
 
 # Held-out domains end to end: zoo:default's predictors fitted on the other topics
