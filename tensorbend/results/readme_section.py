@@ -140,9 +140,7 @@ def foresight_section(root: Path) -> str:
         "knowing the next token | full oracle | gap closed |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    tail = [""] + [f"Not shown: {o} predates the oracle ceiling and `prefetch:none` in the "
-                   "replay; `make bench-accuracy` regenerates it." for o in old]  # fmt: skip
-    return "\n".join(head + lines + (tail if old else [])) + "\n"
+    return _table(head, lines, old, "the oracle ceiling and `prefetch:none` in the replay")
 
 
 def evictor_replay_section(root: Path) -> str:
@@ -183,8 +181,13 @@ def evictor_replay_section(root: Path) -> str:
         "(routing+hidden) | full Belady | learner's good decisions |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    tail = [""] + [f"Not shown: {o} predates `prefetch:none` among the no-prediction caches; "
-                   "`make bench-accuracy` regenerates it." for o in old]  # fmt: skip
+    return _table(head, lines, old, "`prefetch:none` among the no-prediction caches")
+
+
+def _table(head: list[str], lines: list[str], old: list[str], lacks: str) -> str:
+    """A replay table, then a line per JSON left out for predating `lacks`."""
+    tail = [""] + [f"Not shown: {o} predates {lacks}; `make bench-accuracy` regenerates it."
+                   for o in old]  # fmt: skip
     return "\n".join(head + lines + (tail if old else [])) + "\n"
 
 
