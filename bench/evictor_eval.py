@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.evictor import Evictor, EvictorModel
-from tensorbend.cache.features import GROUPS
+from tensorbend.cache.features import ALL_GROUPS, GROUPS
 from tensorbend.cache.imitation import (
     evaluate_evictor,
     fit_evictor,
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     # name -> (groups, on-policy rounds): the learner, without each input group, without DAgger
     plan = {"evictor": (GROUPS, a.rounds), "evictor-dagger": (GROUPS, 0)}
     if a.horizon:  # the learner that also reads the horizon's forecasts
-        plan["evictor+forecast"] = (GROUPS + ("forecast",), a.rounds)
+        plan["evictor+forecast"] = (ALL_GROUPS, a.rounds)
         out["horizon"] = a.horizon
     if not a.no_ablations:
         for g in GROUPS:

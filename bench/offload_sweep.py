@@ -150,7 +150,7 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
     if a.evictor:  # the learned eviction under its shadow guard (cache/evictor.py)
         plan.append((PolicyConfig("evictor", evictor=a.evictor, **common), None, None))
     if a.evictor_forecast:  # the learner reading the horizon's forecasts
-        pc = PolicyConfig("evictor", evictor=a.evictor_forecast, token_ahead_layers=0, **common)
+        pc = PolicyConfig("evictor", evictor=a.evictor_forecast, **common)
         plan.append((pc, None, horizon))
     for h in _names(a.foresights):  # the oracle after the caches: beyond its sight it ranks
         foresight = None if h == "all" else int(h)  # like the best of them (--oracle-beyond)

@@ -283,14 +283,14 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
 def _train_eviction(cfg: TrainConfig, kind, tr: Trace, t0: float) -> TrainResult:
     """evictor: DAgger rounds imitating Belady on the train split's requests at 25% cache, the
     round kept that misses least on val (cache/imitation.py); routing only."""
-    from tensorbend.cache.features import GROUPS
+    from tensorbend.cache.features import ALL_GROUPS, GROUPS
     from tensorbend.cache.imitation import fit_evictor, load_requests
 
     horizon = None if cfg.horizon is None else str(cfg.horizon)
     train_req, val_req = (load_requests(str(cfg.trace), s, horizon) for s in ("train", "val"))
     if cfg.max_train_prompts is not None:
         train_req = train_req.subset(cfg.max_train_prompts)
-    groups = GROUPS + ("forecast",) if horizon else GROUPS
+    groups = ALL_GROUPS if horizon else GROUPS
     model, log = fit_evictor(train_req, val_req, groups=groups, seed=cfg.seed)
     if horizon:
         model.meta["horizon"] = horizon

@@ -145,6 +145,12 @@ def make_resident_set(
     return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=adm)
 
 
+def horizon_prefetch_layers(policy: str, token_ahead_layers: int) -> int:
+    """Next-forward MoE layers a horizon prefetches under `policy`: none for a learned eviction
+    (the horizon it reads only forecasts), else `token_ahead_layers`."""
+    return 0 if POLICIES[policy].learned else token_ahead_layers
+
+
 def no_prediction() -> tuple[str, ...]:
     """Bounded caches that never read a predictor (prefetch with none is one too, per run)."""
     return tuple(n for n, p in POLICIES.items() if p.bounded and p.keeps_experts

@@ -230,10 +230,7 @@ def check_geometry(model: EvictorModel, path, num_layers: int, num_experts: int)
 
 def reads_forecast(path) -> bool:
     """Whether the eviction model at `path` reads a horizon's forecasts (group `forecast`)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "np") as f:
-        return "forecast" in (f.metadata() or {}).get("groups", "").split(",")
+    return "forecast" in EvictorModel.load(str(path)).groups
 
 
 def check_forecast_input(path, has_horizon: bool) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import POLICIES, PolicyConfig
+from tensorbend.cache.config import PolicyConfig, horizon_prefetch_layers
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import StoreError, TensorbendError
@@ -94,7 +94,7 @@ class OffloadHandle:
             extra=pc.prefetch_extra,
             on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
             horizon=horizon,
-            token_ahead_layers=0 if POLICIES[pc.policy].learned else pc.token_ahead_layers,
+            token_ahead_layers=horizon_prefetch_layers(pc.policy, pc.token_ahead_layers),
         ).__enter__()  # fmt: skip
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)

@@ -146,14 +146,13 @@ def _check_predictor(cfg: RunConfig) -> None:
     policy = cfg.offload.policy
     if cfg.predictor is not None and cfg.baseline is not None:
         raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
-    has = cfg.predictor is not None or cfg.baseline is not None or cfg.horizon is not None
-    if policy == "prefetch" and not has:
+    within = cfg.predictor is not None or cfg.baseline is not None
+    if policy == "prefetch" and not within and cfg.horizon is None:
         raise TensorbendError(
             "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
         )
-    if policy == "evictor" and cfg.predictor is None and cfg.baseline is None:
-        pass  # --horizon: the learner reads its forecasts (session.run_policy checks the model)
-    elif policy != "prefetch" and has:
+    if policy != "prefetch" and (within or (cfg.horizon is not None and policy != "evictor")):
+        # (--policy evictor --horizon: a learner reading forecasts; run_policy checks the model)
         raise TensorbendError(
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
             f"(only it uses a predictor); drop the predictor or change the policy"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import POLICIES, PolicyConfig
+from tensorbend.cache.config import POLICIES, PolicyConfig, horizon_prefetch_layers
 from tensorbend.cache.evictor import check_forecast_input
 from tensorbend.cache.transfers import Link, parse_link
 from tensorbend.errors import TensorbendError
@@ -184,7 +184,7 @@ class OffloadSession:
             result = dataclasses.replace(
                 result,
                 horizon=horizon.checkpoint or "horizon",
-                token_ahead_layers=0 if POLICIES[pc.policy].learned else pc.token_ahead_layers,
+                token_ahead_layers=horizon_prefetch_layers(pc.policy, pc.token_ahead_layers),
             )
         return result
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from tensorbend.cache.config import POLICIES, Learned, make_resident_set
+from tensorbend.cache.config import POLICIES, Learned, horizon_prefetch_layers, make_resident_set
 from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import TensorbendError
@@ -37,7 +37,7 @@ def run_one(
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
     learned = POLICIES[policy].learned
-    ahead_layers = 0 if learned else cfg.token_ahead_layers  # (a learner's horizon: forecasts only)
+    ahead_layers = horizon_prefetch_layers(policy, cfg.token_ahead_layers)
     if forecasts is not None:
         plan.add_horizon(work, mapping, forecasts, ahead_layers, K)
     steps = None
@@ -63,8 +63,8 @@ def run_one(
     row["horizon"] = str(cfg.horizon) if forecasts is not None else None
     row["token_ahead_layers"] = ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
-    row["evictor"] = str(cfg.evictor) if POLICIES[policy].learned else None
-    row["guard_window"] = cfg.guard_window if POLICIES[policy].learned else None
+    row["evictor"] = str(cfg.evictor) if learned else None
+    row["guard_window"] = cfg.guard_window if learned else None
     return row
 
 
