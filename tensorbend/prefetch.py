@@ -138,6 +138,8 @@ class Prefetcher:
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)
         self.la: Lookahead | None = None if predictor is None else predictor.lookahead
+        # a predictor of only -inf scores names nothing: not asked (its lookahead still labels)
+        self._asks = predictor is not None and not predictor.predicts_nothing
         self.ahead = (
             predictor.ahead if predictor is not None and predictor.recorded_routing else None
         )
@@ -155,7 +157,7 @@ class Prefetcher:
     @property
     def wants_layer_input(self) -> bool:
         """Whether observe() before attention does anything (lookahead pre_attn)."""
-        return self.la is not None and self.la.hidden == "layer_input"
+        return self._asks and self.la.hidden == "layer_input"
 
     def begin_request(self) -> None:
         self.history.begin_prompt()
@@ -202,6 +204,8 @@ class Prefetcher:
     # ------------------------------------------------------------ helpers
 
     def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
+        if not self._asks:
+            return []
         if self.ahead is not None:
             return self._ranked_pairs(self.ahead(self.clock.step(source)), hint=True)
         return self._predict(m, hidden_TD.reshape(-1, self.spec.hidden_size))

@@ -52,7 +52,7 @@ class EmptyPredictor:
     """Predicts nothing (every score -inf): prefetch must still finish and match."""
 
     kind = "empty"
-    needs_truth = recorded_routing = False
+    needs_truth = recorded_routing = predicts_nothing = False
     checkpoint = None
 
     def __init__(self, spec, la):
@@ -413,5 +413,27 @@ def test_a_learner_reading_forecasts_gets_the_horizons_and_outputs_stay_exact(tm
         with pytest.raises(CheckpointError, match="reads no forecasts"):
             sess.run_policy(PolicyConfig("evictor", evictor=paths["plain"], cache_frac=0.25),
                             horizon=hz)  # fmt: skip
+    finally:
+        sess.close()
+
+
+def test_predictions_followed_by_a_wait_for_a_load_count_as_hidden():
+    """Exposed prediction time (`PredictionHooks.settle`): a decode prediction is exposed
+    unless the compute thread then waits for an expert load in the same MoE layer. With a
+    cache of top-k slots and a link far slower than the tiny model's math, every layer waits
+    for a load (its experts were evicted by the layers between its visits; a prefetch is
+    still on the wire), so none is exposed; with every expert held and no link cap, exposed
+    seconds are part of the decode prediction seconds."""
+    sess = _session("deepseek_v3", n_new=4)
+    spec = sess.spec
+    pred = build_baseline("spec_gate", spec, "d1", router_params=router_params_of(sess))
+    try:
+        slow = Link(0.2e6, 0.0, "slow")  # ~50 ms per expert of this model
+        pc = PolicyConfig("prefetch", cache_bytes=spec.top_k * sess.layout.nbytes)
+        r = _check(sess.run_policy(pc, pred, slow))
+        assert r["decode_predict_s_per_token"] > 0
+        assert r["decode_predict_exposed_s_per_token"] == 0.0
+        r = _check(sess.run_policy(PolicyConfig("prefetch", cache_frac=1.0), pred))
+        assert 0.0 <= r["decode_predict_exposed_s_per_token"] <= r["decode_predict_s_per_token"]
     finally:
         sess.close()

@@ -19,7 +19,7 @@ class RecordingPredictor:
     """Scores nothing useful; keeps every SourceBatch the runtime hands it, per target layer."""
 
     kind = "recording"
-    needs_truth = recorded_routing = False
+    needs_truth = recorded_routing = predicts_nothing = False
     checkpoint = None
 
     def __init__(self, num_experts, lookahead):

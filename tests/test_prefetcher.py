@@ -184,3 +184,49 @@ def test_the_one_token_list_is_the_ranked_rows_list():
             want = prefetch_list(ranked_ids(scores_1E, 4 + extra), 4, extra)
             assert _token_list(scores_1E, 4 + extra) == want
             assert len(want) == min(4 + extra, 8 - n_inf)
+
+
+@pytest.mark.parametrize("lookahead", ["d1", "pre_attn"])
+def test_a_predictor_of_only_minus_inf_is_not_asked_and_that_changes_nothing(lookahead):
+    """The runtime's empty predictor (prefetch:none, the horizon's runs) declares that it
+    predicts nothing: the Prefetcher skips it. Asked anyway (the same class, not declaring it)
+    it yields no prediction either, so both give the same (empty) lists and forecasts."""
+    from tensorbend.offload.hooks import NoPredictor
+    from tensorbend.predictors import get_lookahead
+
+    spec = describe_model(build("deepseek_v3", 0))
+    asked = []
+
+    class Counting(NoPredictor):
+        def scores(self, m, src):
+            asked.append(m)
+            return super().scores(m, src)
+
+    class Declaring(Counting):
+        predicts_nothing = True
+
+    class Silent(Counting):
+        predicts_nothing = False  # asked at every source point
+
+    la = get_lookahead(lookahead)
+    runs = {}
+    for cls in (Declaring, Silent):
+        asked.clear()
+        pf = Prefetcher(spec, cls(spec.num_experts, la), _horizon(spec), token_ahead_layers=1)
+        g = torch.Generator().manual_seed(0)
+        got = []
+        for _ in range(2):
+            pf.begin_request()
+            for T in (3, 1, 1):  # a prefill, then two decode tokens
+                for m in range(spec.num_moe_layers):
+                    hidden = torch.randn(T, spec.hidden_size, generator=g)
+                    got.append(pf.observe(m, hidden_TD=hidden))  # before attention
+                    ids = torch.randperm(spec.num_experts, generator=g)[: spec.top_k]
+                    got.append(pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids.expand(T, -1)))
+                pf.on_token_end()
+                got.append(pf.forecast)
+        runs[cls] = (got, len(asked))
+    (declared, n_declared), (silent, n_silent) = runs[Declaring], runs[Silent]
+    assert n_declared == 0 and n_silent > 0
+    assert declared == silent
+    assert any(p for p in declared if isinstance(p, list))  # the horizon's prefetches remain

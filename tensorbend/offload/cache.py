@@ -79,6 +79,7 @@ class ExpertCache:
             self.capacity + cfg.scratch, numel, dtype=dtype, device=self.device
         )
         self._cond = threading.Condition()
+        self.waits = 0  # wait_ready calls that blocked (the compute thread waited for a load)
         self._error: BaseException | None = None
         self._slot_events: dict[int, torch.cuda.Event] = {}
 
@@ -111,6 +112,7 @@ class ExpertCache:
         """Block until at least one of `keys` (pinned by the caller) is ready; return those."""
         t0 = time.perf_counter()
         with self._cond:
+            blocked = False
             while True:
                 if self._error is not None:
                     raise self._error
@@ -119,6 +121,8 @@ class ExpertCache:
                 if ready:
                     self.stats.stall_s += now - t0
                     return ready
+                if not blocked:
+                    blocked, self.waits = True, self.waits + 1
                 self._wait(t0, f"expert loads for {sorted(keys)[:4]} did not finish")
 
     def release(self, key: Key) -> None:

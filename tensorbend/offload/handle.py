@@ -128,6 +128,7 @@ class OffloadHandle:
             "predict_s": self.hooks.predict_s,
             "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
             "decode_predict_s": self.hooks.decode_predict_s,
+            "decode_predict_exposed_s": self.hooks.decode_exposed_s,
             "predict_queue_s": self.hooks.queue_s,
             "predict_calls": self.hooks.predict_calls,
             "decode_predict_calls": self.hooks.decode_predict_calls,

@@ -13,6 +13,11 @@ when it is a within-token prediction (`hint`), hinted to the cache (a call's hin
 prefetches); a horizon's forecast goes to the cache's `Reuse` policy. The runtime's Recorder advances the shared clock and routing
 history, so the Prefetcher's inputs are exactly those `sources_from_rows` builds offline
 (tested).
+
+Whether prediction delayed the compute thread: each MoE layer `settle`s the decode
+predictions made since the previous one; those followed by a wait for an expert load in the
+layer were hidden behind it (the load, not the thread, set when the layer ended), the others
+count as exposed (`decode_exposed_s`).
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ __all__ = ["NoPredictor", "PredictionHooks", "RoutingHistory", "StepClock"]
 
 
 class NoPredictor:
-    """Predicts nothing (scores -inf): `prefetch` with it isolates the `Predicted` eviction."""
+    """Predicts nothing (scores -inf): `prefetch` with it isolates the `Predicted` eviction.
+    It declares so (`predicts_nothing`): the Prefetcher never asks it, so a run with it pays
+    only for the routing history, as a cache without prediction does."""
 
     kind = "none"
     needs_truth = False
     recorded_routing = False
+    predicts_nothing = True
     checkpoint = None
 
     def __init__(self, num_experts: int, lookahead: Lookahead):
@@ -74,6 +82,8 @@ class PredictionHooks:
         self.decode_predict_s = 0.0  # the part of predict_s spent in decode forwards
         self.decode_predict_calls = 0  # the part of predict_calls made in decode forwards
         self.queue_s = 0.0  # the part of predict_s spent handing forecasts, hints, prefetches over
+        self.decode_exposed_s = 0.0  # the part of decode_predict_s no expert wait hid (`settle`)
+        self._unsettled = 0.0  # decode prediction seconds since the last MoE layer settled
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
             model, spec, on_route=self._route,
@@ -105,10 +115,23 @@ class PredictionHooks:
             if self.phase == "decode":
                 self.decode_predict_s += dt
                 self.decode_predict_calls += 1
+                self._unsettled += dt
             self.predict_calls += 1
 
+    def settle(self, waited: bool) -> None:
+        """MoE layer m's experts ran (`layer.OffloadedExperts`); `waited`: the compute thread
+        waited for an expert load after the predictions made since layer m - 1's experts
+        (at m's router, before its attention). A load that lands later than the thread's
+        work is done gates the layer's end with or without that work, so a wait means those
+        predictions delayed nothing; without one they are exposed (counted whole: an upper
+        bound, as a load may have landed while they ran)."""
+        if not waited:
+            self.decode_exposed_s += self._unsettled
+        self._unsettled = 0.0
+
     def reset_counters(self) -> None:
-        self.predict_s = self.decode_predict_s = self.queue_s = 0.0
+        self.predict_s = self.decode_predict_s = self.queue_s = self.decode_exposed_s = 0.0
+        self._unsettled = 0.0
         self.predict_calls = self.decode_predict_calls = 0
 
     def _predict(self, m: int, hidden, ids_TK) -> None:

@@ -99,6 +99,7 @@ class OffloadedExperts:
         cache = act.cache
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         math_s, pairs = 0.0, 0
+        waits = cache.waits  # (only this thread adds to it)
         while pending:
             for key in cache.wait_ready(pending):
                 e = key[1]
@@ -113,6 +114,7 @@ class OffloadedExperts:
                     cache.release(key)
                     math_s += time.perf_counter() - t0
                 pending.discard(key)
+        act.hooks.settle(waited=cache.waits > waits)
         final = torch.zeros_like(hidden_states)
         for e in sorted(outs):
             token_idx, out = outs[e]

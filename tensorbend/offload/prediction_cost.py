@@ -17,7 +17,9 @@ cap, so after the first prompt's loads the only difference between a `prefetch` 
 `RunResult.predict_s_per_token` (seconds inside the prediction hooks, both phases' calls, per
 decode token: an upper bound on decode's share), `decode_predict_s_per_token` (decode
 forwards' calls only: decode's share) and `predict_queue_s_per_token` (of all of it, the
-handing of forecasts, hints and prefetches to the cache and loader), as a share of the resident decode step (the
+handing of forecasts, hints and prefetches to the cache and loader) and
+`decode_predict_exposed_s_per_token` (of decode's, the part no wait for an expert load hid:
+with every expert held, nearly all), as a share of the resident decode step (the
 session's reference run) and of the lru run's own decode step (same repeat, less exposed to
 the machine's load drifting), and decode tok/s over lru's. Medians over repeats, with the
 tok/s ratio's range. Timings need a quiet machine; the ratios are what to compare.
@@ -100,6 +102,7 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
         pred_s = [r.predict_s_per_token for r in got[name]]
         dec_s = [r.decode_predict_s_per_token for r in got[name]]
         queue_s = [r.predict_queue_s_per_token for r in got[name]]
+        exposed_s = [r.decode_predict_exposed_s_per_token for r in got[name]]
         ratio = [
             r.decode_tok_s / b.decode_tok_s for r, b in zip(got[name], got["lru"], strict=True)
         ]
@@ -111,6 +114,7 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
             "decode_predict_us_per_token": _median(dec_s) * 1e6,
             "decode_share_of_resident_step": _median(dec_s) / step_s,
             "queue_us_per_token": _median(queue_s) * 1e6,
+            "decode_exposed_us_per_token": _median(exposed_s) * 1e6,
             "share_of_lru_step": _median(lru_share),
             "tok_s_ratio_vs_lru": _median(ratio),
             "tok_s_ratio_range": [min(ratio), max(ratio)],

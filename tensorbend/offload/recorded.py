@@ -38,6 +38,7 @@ class RecordedRouting:
     kind = "oracle"
     needs_truth = False
     recorded_routing = True  # the Prefetcher asks `ahead(now)` instead of scores
+    predicts_nothing = False
     checkpoint = None
 
     def __init__(

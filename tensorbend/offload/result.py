@@ -42,7 +42,10 @@ class RunResult:
     the runtime: Prefetcher, predictor, queueing and hints; null for the resident row),
     decode_predict_s_per_token (the same, counting only the calls of decode forwards: the
     share of a decode step), predict_queue_s_per_token (the part of predict_s_per_token spent
-    handing forecasts, hints and prefetches to the cache and the loader);
+    handing forecasts, hints and prefetches to the cache and the loader),
+    decode_predict_exposed_s_per_token (of decode_predict_s_per_token, the seconds no wait
+    for an expert load hid: predictions followed, in their MoE layer, by no such wait;
+    `offload.hooks.PredictionHooks.settle`);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
     (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy
@@ -88,6 +91,7 @@ class RunResult:
     predict_s_per_token: float | None = None
     decode_predict_s_per_token: float | None = None
     predict_queue_s_per_token: float | None = None
+    decode_predict_exposed_s_per_token: float | None = None
     oracle_beyond: str | None = None
     predict_calls: int | None = None
     expert_compute: list | None = None

@@ -177,6 +177,9 @@ class OffloadSession:
             predict_s_per_token=handle.hooks.predict_s / decode if decode else None,
             decode_predict_s_per_token=handle.hooks.decode_predict_s / decode if decode else None,
             predict_queue_s_per_token=handle.hooks.queue_s / decode if decode else None,
+            decode_predict_exposed_s_per_token=(
+                handle.hooks.decode_exposed_s / decode if decode else None
+            ),
             predict_calls=handle.hooks.predict_calls,
             expert_compute=handle.compute.rows(),
         )

@@ -163,6 +163,7 @@ class Predictor(Protocol):
     needs_truth: bool  # scores read the true routing (the oracle): call set_truth first
     recorded_routing: bool  # asked `ahead(now)` at its source points instead of scored (the
     #                         runtime's oracle, offload.recorded.RecordedRouting)
+    predicts_nothing: bool  # every score is -inf (the runtime's empty predictor): not asked
     checkpoint: str | None  # the file it was loaded from; None when built in this run
 
     @classmethod
@@ -190,6 +191,7 @@ class PredictorBase:
     kind = "?"
     needs_truth = False
     recorded_routing = False
+    predicts_nothing = False
     checkpoint: str | None = None
 
     def __init__(self, spec: RoutingSpec, la: Lookahead, cfg=None):

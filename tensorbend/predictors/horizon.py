@@ -236,6 +236,7 @@ class HorizonPredictor:
     kind = "horizon"
     needs_truth = False
     recorded_routing = False
+    predicts_nothing = False
     checkpoint: str | None = None
     lookahead = NEXT_FORWARDS
 

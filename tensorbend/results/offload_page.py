@@ -39,7 +39,11 @@ def markdown(report: dict) -> str:
             if report.get("repeats", 1) > 1
             else "Every run ran once. "
         )
-        + "Timing needs a quiet machine; bytes and hit rates are the steadier columns.",
+        + "Timing needs a quiet machine; bytes and hit rates are the steadier columns. "
+        "`predict ms/token`: seconds in the prediction hooks per decode token (decode "
+        "forwards' calls; the routing history included, so caches without prediction show "
+        "some too); in parentheses, where the JSON has it, the part that no wait for an expert "
+        "load in the same MoE layer hid.",
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
@@ -61,8 +65,9 @@ def markdown(report: dict) -> str:
                       f"({summ['best_no_prediction_decode_tok_s']:.1f} tok/s); fewest bytes: "
                       f"{summ['best_no_prediction_by_bytes']}.", "",
                       "| run | decode tok/s | vs best cache | stall ms/token | KB read/token | "
-                      "gap closed (bytes) | gap closed (s) | demand hit rate | wasted KB |",
-                      "|" + "---|" * 9]  # fmt: skip
+                      "gap closed (bytes) | gap closed (s) | demand hit rate | wasted KB | "
+                      "predict ms/token (exposed) |",
+                      "|" + "---|" * 10]  # fmt: skip
             for r in entry["runs"]:
                 if r["policy"] == "resident" or abs(r["cache_frac"] - float(frac)) > 0.01:
                     continue
@@ -72,9 +77,20 @@ def markdown(report: dict) -> str:
                     f"{format_ratio(row)} | {r['stall_s_per_token'] * 1e3:.2f} | "
                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {_fmt_pct(row.get('gap_closed_bytes'))} | "
                     f"{_fmt_pct(row.get('gap_closed_seconds'))} | {r['demand_hit_rate']:.3f} | "
-                    f"{r['wasted_prefetch_bytes'] / 1e3:.0f} |"
+                    f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {_predict_ms(r)} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _predict_ms(r: dict) -> str:
+    """Decode prediction ms per token, and (where the row has it) the part no load wait hid."""
+    total, exposed = (
+        r.get("decode_predict_s_per_token"),
+        r.get("decode_predict_exposed_s_per_token"),
+    )
+    if total is None:
+        return "-"
+    return f"{total * 1e3:.2f}" + ("" if exposed is None else f" ({exposed * 1e3:.2f})")
 
 
 def _batch_note(batch: int) -> str:
