@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-domain bench-evictor bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-domain bench-evictor bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -87,6 +87,20 @@ bench-accuracy: bench-traces
 			--models runs/evictor/$${m}_domain --json docs/evictor_$${m}_domain.json \
 			--doc docs/evictor_$${m}_domain.md > /dev/null; \
 	done
+	# zoo:dsv3-deep's routing as an imported trace has it (routing only: no hidden states)
+	test -f $(BENCH)/deep_imported/trace/manifest.json || ( \
+		$(PY) -m tensorbend trace export $(BENCH)/deep/trace \
+			--out $(BENCH)/deep_imported/routing.csv && \
+		$(PY) -m tensorbend trace import --from csv $(BENCH)/deep_imported/routing.csv \
+			--out $(BENCH)/deep_imported/trace --num-experts 64 --quiet \
+			--model "zoo:dsv3-deep, imported (routing only)" )
+	$(PY) -m bench.foresight_eval --trace $(BENCH)/deep_imported/trace \
+		--out $(BENCH)/deep_imported --inputs routing --fracs 0.25 \
+		--json docs/foresight_deep_imported.json --doc docs/foresight_deep_imported.md > /dev/null
+	$(PY) -m bench.evictor_eval --trace $(BENCH)/deep_imported/trace --fracs 0.25 \
+		--foresight-json docs/foresight_deep_imported.json --rounds 2 --ablation-rounds 0 \
+		--train-requests 60 --no-ablations --models runs/evictor/deep_imported \
+		--json docs/evictor_deep_imported.json --doc docs/evictor_deep_imported.md > /dev/null
 	$(PY) -m bench.projections --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
@@ -143,16 +157,36 @@ bench-headline: bench-traces
 		--link-speedups 1 --out docs/bench/headline_default_b4 \
 		--doc docs/headline_default_b4.md > /dev/null
 
-# zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link, with both
-# learned evictions in the same run (4 prompts x 24 tokens: the model decodes ~4x slower).
+# zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link and three
+# cache sizes, with both learned evictions in the same run (4 prompts x 24 tokens: the model
+# decodes ~4x slower); then batch 4.
 bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
 		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors \
 		--evictor $(BENCH)/deep/evictor.safetensors \
 		--evictor-forecast $(BENCH)/deep/evictor_forecast.safetensors --baselines "" \
+		--fracs 0.125,0.25,0.5 --foresights all --repeats 3 --max-prompts 4 \
+		--max-new-tokens 24 --link-speedups 1 --out docs/bench/headline_deep \
+		--doc docs/headline_deep.md > /dev/null
+	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
+		--predictor $(BENCH)/deep/ours_d1.safetensors \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors --baselines "" \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
-		--link-speedups 1 --out docs/bench/headline_deep --doc docs/headline_deep.md > /dev/null
+		--batch 4 --link-speedups 1 --out docs/bench/headline_deep_b4 \
+		--doc docs/headline_deep_b4.md > /dev/null
+
+# zoo:dsv3-deep on held-out topics (runs/bench/deep_domain: its horizon from bench-accuracy).
+bench-headline-deep-domain: bench-accuracy
+	test -f $(BENCH)/deep_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
+		--trace $(BENCH)/deep_domain/trace --out $(BENCH)/deep_domain/ours_d1.safetensors \
+		--lookahead d1
+	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep_domain/trace \
+		--predictor $(BENCH)/deep_domain/ours_d1.safetensors \
+		--horizon $(BENCH)/deep_domain/horizon_routing_hidden.safetensors --baselines "" \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
+		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
+		--out docs/bench/headline_deep_domain --doc docs/headline_deep_domain.md > /dev/null
 
 # Held-out domains end to end: zoo:default's predictors fitted on the other topics
 # (runs/bench/default_domain, `trace resplit`), run on prompts of DOMAIN_TOPICS only.

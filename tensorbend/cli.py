@@ -76,6 +76,19 @@ def _cmd_trace_resplit(args) -> int:
     return 0
 
 
+def _cmd_trace_export(args) -> int:
+    from tensorbend.importers.csv import trace_rows, write_csv
+    from tensorbend.trace import Trace
+
+    trace, out = Trace.open(Path(args.trace_dir)), Path(args.out)
+    write_csv(out, trace_rows(trace))  # (atomic: a kill leaves no half-written CSV)
+    info = trace.info()
+    print(f"{out}: {info['prompts']} prompts, {sum(info['tokens'].values())} tokens x "
+          f"{info['num_moe_layers']} MoE layers (routing only; `tensorbend trace import "
+          f"--from csv {out}` reads it back)")  # fmt: skip
+    return 0
+
+
 def _cmd_train(args) -> int:
     from tensorbend.train import TrainConfig, train
 
@@ -210,6 +223,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="comma-separated topics: all their prompts become the test split; "
                     "the other topics keep train/val, their test prompts are left unused")  # fmt: skip
     tr.add_argument("--out", required=True, help="new trace directory (shards hard-linked)")
+    te = _verb(tsub, "export", _cmd_trace_export,
+               "write a trace's routing as the canonical CSV (docs/import.md)", quiet=False)  # fmt: skip
+    te.add_argument("trace_dir", help="trace directory; not modified")
+    te.add_argument("--out", required=True, help="CSV file to write (routing only)")
     from tensorbend.importers import ImportConfig
 
     tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")

@@ -123,6 +123,16 @@ def test_seed_study_table_matches_its_json():
             "docs/bench/headline_default_b4.json",
             "docs/headline_default_b4.md",
         ),
+        *[
+            ("tensorbend.results.offload_page", f"docs/bench/{n}.json", f"docs/{n}.md")
+            for n in (
+                "headline_deep",
+                "headline_deep_b4",
+                "headline_deep_domain",
+                "headline_default_domain",
+                "evictor_run_default",
+            )
+        ],
         (
             "tensorbend.results.serve_memory_page",
             "docs/bench/serve_memory.json",

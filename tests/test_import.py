@@ -83,6 +83,26 @@ def test_csv_round_trip_sizes_phases_and_info(tmp_path):
     assert json.loads(cli.stdout)["num_moe_layers"] == 3
 
 
+def test_trace_export_writes_the_csv_that_imports_back_to_the_same_routing(tmp_path):
+    """`tensorbend trace export` (routing out as the canonical CSV) then `trace import`: every
+    prompt's ids, phases and positions come back; the prompts keep their ids (and splits)."""
+    routing = planted_routing(prompts=7, L=3, E=16, K=2)
+    src = write_csv(tmp_path / "r.csv", csv_rows(routing))
+    import_trace(ImportConfig(source="csv", path=src, out=tmp_path / "a", progress=False))
+    cli = subprocess.run(
+        [sys.executable, "-m", "tensorbend", "trace", "export", str(tmp_path / "a"),
+         "--out", str(tmp_path / "out.csv")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert "7 prompts, 63 tokens x 3 MoE layers" in cli.stdout
+    import_trace(ImportConfig(source="csv", path=tmp_path / "out.csv", out=tmp_path / "b",
+                              progress=False))  # fmt: skip
+    b = assert_trace_equals(tmp_path / "b", routing)
+    a = Trace.open(tmp_path / "a")
+    assert [(p["id"], p["split"]) for p in b.prompts] == [(p["id"], p["split"]) for p in a.prompts]
+
+
 def test_csv_rows_in_any_order_within_a_prompt_and_stated_sizes(tmp_path):
     routing = planted_routing(prompts=3, L=2, E=8, K=2)
     rows = list(csv_rows(routing))

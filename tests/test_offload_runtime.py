@@ -417,13 +417,13 @@ def test_a_learner_reading_forecasts_gets_the_horizons_and_outputs_stay_exact(tm
         sess.close()
 
 
-def test_predictions_followed_by_a_wait_for_a_load_count_as_hidden():
+def test_predictions_followed_by_a_wait_for_a_load_count_as_overlapping_it():
     """Exposed prediction time (`PredictionHooks.settle`): a decode prediction is exposed
-    unless the compute thread then waits for an expert load in the same MoE layer. With a
-    cache of top-k slots and a link far slower than the tiny model's math, every layer waits
-    for a load (its experts were evicted by the layers between its visits; a prefetch is
-    still on the wire), so none is exposed; with every expert held and no link cap, exposed
-    seconds are part of the decode prediction seconds."""
+    unless the compute thread then waits for an expert load in the same MoE layer (overlaps
+    it). With a cache of top-k slots and a link far slower than the tiny model's math, every
+    layer waits for a load (its experts were evicted by the layers between its visits; a
+    prefetch is still on the wire), so none is exposed; with every expert held and no link
+    cap, exposed seconds are part of the decode prediction seconds."""
     sess = _session("deepseek_v3", n_new=4)
     spec = sess.spec
     pred = build_baseline("spec_gate", spec, "d1", router_params=router_params_of(sess))

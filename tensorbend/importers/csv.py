@@ -3,6 +3,7 @@
 Usage:
     from tensorbend.importers import ImportConfig, import_trace
     import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
+    write_csv(Path("routing.csv"), trace_rows(Trace.open("runs/t")))  # a trace's routing out
 
 Format (header required, extra columns ignored):
 
@@ -20,18 +21,21 @@ every position needs a row for every layer. Blank lines are ignored.
 from __future__ import annotations
 
 import csv
+import io
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from tensorbend.atomic import atomic_write
 from tensorbend.errors import TraceError
 from tensorbend.importers.reader import ImportedPrompt, by_prompt, iter_files
 from tensorbend.importers.source import ImportConfig
 
 COLUMNS = ("prompt_id", "layer", "position", "expert_ids")
 _PHASES = {"prefill": 0, "0": 0, "decode": 1, "1": 1}
+_PHASE_NAMES = ("prefill", "decode")
 
 
 def source_files(path: Path) -> list[Path]:
@@ -48,13 +52,33 @@ def read_prompts(
 
 
 def write_csv(path: Path, rows: Iterator[tuple[str, int, int, list[int], str]]) -> Path:
-    """Write (prompt_id, layer, position, expert_ids, phase) rows in the canonical format."""
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
+    """Write (prompt_id, layer, position, expert_ids, phase) rows in the canonical format
+    (atomically: an interrupted write leaves no file under the name)."""
+
+    def write(f) -> None:
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+        w = csv.writer(text)
         w.writerow((*COLUMNS, "phase"))
         for pid, m, pos, ids, phase in rows:
             w.writerow((pid, m, pos, " ".join(map(str, ids)), phase))
-    return Path(path)
+        text.flush()
+        text.detach()  # (the binary file stays open for atomic_write's fsync)
+
+    return atomic_write(path, write)
+
+
+def trace_rows(trace) -> Iterator[tuple[str, int, int, list[int], str]]:
+    """Every row of a trace (`tensorbend.trace.Trace`) as `write_csv` takes it, prompt by
+    prompt in row order, one shard at a time: its routing only (`tensorbend trace export`)."""
+    prompts, L = trace.prompts, trace.spec.num_moe_layers
+    for rows in trace.iter_shards(("ids",)):
+        ids_TLK = rows["expert_ids_TLK"].tolist()
+        index_T, pos_T = rows["prompt_index_T"].tolist(), rows["positions_T"].tolist()
+        phase_T = rows["phase_T"].tolist()
+        for ids_LK, i, pos, ph in zip(ids_TLK, index_T, pos_T, phase_T, strict=True):
+            pid, phase = prompts[i]["id"], _PHASE_NAMES[ph]
+            for m in range(L):
+                yield pid, m, pos, ids_LK[m], phase
 
 
 # ---------------------------------------------------------------- helpers

@@ -14,10 +14,13 @@ prefetches); a horizon's forecast goes to the cache's `Reuse` policy. The runtim
 history, so the Prefetcher's inputs are exactly those `sources_from_rows` builds offline
 (tested).
 
-Whether prediction delayed the compute thread: each MoE layer `settle`s the decode
-predictions made since the previous one; those followed by a wait for an expert load in the
-layer were hidden behind it (the load, not the thread, set when the layer ended), the others
-count as exposed (`decode_exposed_s`).
+Whether prediction overlapped I/O: each MoE layer `settle`s the decode predictions made
+since the previous one; those followed by a wait for an expert load in the layer overlapped
+it, the others count as exposed (`decode_exposed_s`: the compute thread had nothing to wait
+for). Overlap is not the same as free here: the I/O threads need the GIL to complete a load,
+so a prediction running in Python while a load lands still delays it (zoo:dsv3-deep's d1 at
+25% cache: 7.05 ms of prediction per decode token, 0.20 ms exposed, yet 3 ms per token slower
+than `prefetch:none` with 3.4 ms less stall; docs/headline_deep.md).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class PredictionHooks:
         self.decode_predict_s = 0.0  # the part of predict_s spent in decode forwards
         self.decode_predict_calls = 0  # the part of predict_calls made in decode forwards
         self.queue_s = 0.0  # the part of predict_s spent handing forecasts, hints, prefetches over
-        self.decode_exposed_s = 0.0  # the part of decode_predict_s no expert wait hid (`settle`)
+        self.decode_exposed_s = 0.0  # the part of decode_predict_s no load wait followed (`settle`)
         self._unsettled = 0.0  # decode prediction seconds since the last MoE layer settled
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
@@ -121,10 +124,10 @@ class PredictionHooks:
     def settle(self, waited: bool) -> None:
         """MoE layer m's experts ran (`layer.OffloadedExperts`); `waited`: the compute thread
         waited for an expert load after the predictions made since layer m - 1's experts
-        (at m's router, before its attention). A load that lands later than the thread's
-        work is done gates the layer's end with or without that work, so a wait means those
-        predictions delayed nothing; without one they are exposed (counted whole: an upper
-        bound, as a load may have landed while they ran)."""
+        (at m's router, before its attention). With a wait they overlapped that load (had the
+        load kept its own pace, it and not they set when the layer ended); without one they
+        are exposed, counted whole (an upper bound: a load may have landed while they ran).
+        """
         if not waited:
             self.decode_exposed_s += self._unsettled
         self._unsettled = 0.0

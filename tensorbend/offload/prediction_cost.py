@@ -18,8 +18,8 @@ cap, so after the first prompt's loads the only difference between a `prefetch` 
 decode token: an upper bound on decode's share), `decode_predict_s_per_token` (decode
 forwards' calls only: decode's share) and `predict_queue_s_per_token` (of all of it, the
 handing of forecasts, hints and prefetches to the cache and loader) and
-`decode_predict_exposed_s_per_token` (of decode's, the part no wait for an expert load hid:
-with every expert held, nearly all), as a share of the resident decode step (the
+`decode_predict_exposed_s_per_token` (of decode's, the part followed by no wait for an
+expert load: with every expert held, nearly all), as a share of the resident decode step (the
 session's reference run) and of the lru run's own decode step (same repeat, less exposed to
 the machine's load drifting), and decode tok/s over lru's. Medians over repeats, with the
 tok/s ratio's range. Timings need a quiet machine; the ratios are what to compare.

@@ -43,9 +43,9 @@ class RunResult:
     decode_predict_s_per_token (the same, counting only the calls of decode forwards: the
     share of a decode step), predict_queue_s_per_token (the part of predict_s_per_token spent
     handing forecasts, hints and prefetches to the cache and the loader),
-    decode_predict_exposed_s_per_token (of decode_predict_s_per_token, the seconds no wait
-    for an expert load hid: predictions followed, in their MoE layer, by no such wait;
-    `offload.hooks.PredictionHooks.settle`);
+    decode_predict_exposed_s_per_token (of decode_predict_s_per_token, the seconds followed
+    by no wait for an expert load in their MoE layer: the rest overlapped I/O, which on CPU
+    does not make it free, `offload.hooks.PredictionHooks.settle`);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
     (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy

@@ -42,8 +42,9 @@ def markdown(report: dict) -> str:
         + "Timing needs a quiet machine; bytes and hit rates are the steadier columns. "
         "`predict ms/token`: seconds in the prediction hooks per decode token (decode "
         "forwards' calls; the routing history included, so caches without prediction show "
-        "some too); in parentheses, where the JSON has it, the part that no wait for an expert "
-        "load in the same MoE layer hid.",
+        "some too); in parentheses, where the JSON has it, the part followed by no wait for "
+        "an expert load in its MoE layer (the rest overlapped I/O; on this CPU runtime the I/O "
+        "threads need the GIL to complete a load, so overlapping is not free).",
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
@@ -83,7 +84,7 @@ def markdown(report: dict) -> str:
 
 
 def _predict_ms(r: dict) -> str:
-    """Decode prediction ms per token, and (where the row has it) the part no load wait hid."""
+    """Decode prediction ms per token, and (where the row has it) the part no load wait followed."""
     total, exposed = (
         r.get("decode_predict_s_per_token"),
         r.get("decode_predict_exposed_s_per_token"),

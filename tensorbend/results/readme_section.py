@@ -23,7 +23,8 @@ BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
 def section(root: Path) -> str:
     parts = [_within_token(root), foresight_section(root), evictor_replay_section(root),
-             offload_section(root), evictor_section(root), _serving(root),
+             offload_section(root), cache_size_section(root), evictor_section(root),
+             _serving(root),
              projections_section(root)]  # fmt: skip
     return "\n".join(p for p in parts if p)
 
@@ -96,9 +97,11 @@ def stale(rep: dict) -> bool:
 
 
 # The replays' JSON per trace: the bundled models' test splits, then their held-out topics
-# (`tensorbend trace resplit`: fitted on the other topics, tested on every prompt of these).
-TRACES = ("default", "qwen", "deep", "default_domain", "deep_domain")
-MODEL_OF = {"default": "zoo:default", "qwen": "zoo:qwen3moe-tiny", "deep": "zoo:dsv3-deep"}
+# (`tensorbend trace resplit`: fitted on the other topics, tested on every prompt of these),
+# then a routing-only trace made by `trace export` + `trace import` (what an imported trace is).
+TRACES = ("default", "qwen", "deep", "default_domain", "deep_domain", "deep_imported")
+MODEL_OF = {"default": "zoo:default", "qwen": "zoo:qwen3moe-tiny", "deep": "zoo:dsv3-deep",
+            "deep_imported": "zoo:dsv3-deep, imported (routing only)"}  # fmt: skip
 
 
 def _tested_on(rep: dict) -> str:
@@ -157,7 +160,7 @@ def evictor_replay_section(root: Path) -> str:
             continue
         docs.append(f"docs/evictor_{name}.md")
         rows, best = res["replay"], res["best_no_prediction"]
-        model = rep.get("model") or MODEL_OF[name.removesuffix("_domain")]
+        model = rep.get("model") or MODEL_OF[name.removesuffix("_domain")]  # (older JSON)
         good = rows["evictor"].get("good_decisions")
         lines.append(
             f"| {model} | {_tested_on(rep)} | {rows[best]['experts_per_token']:.2f} ({best}) | "
@@ -220,7 +223,8 @@ def ours(runs: list[dict], which: str) -> dict | None:
 def offload_rows(root: Path) -> list[dict]:
     """Per sweep and link at 25% cache: the comparison (cache.report.compare) and ours."""
     out = []
-    for name in ("default", "qwen", "deep", "default_domain", "default_b4"):
+    for name in ("default", "qwen", "deep", "default_domain", "deep_domain", "default_b4",
+                 "deep_b4"):  # fmt: skip
         rep = load(root, f"docs/bench/headline_{name}.json")  # the repeated runs, if measured
         rep = rep or load(root, f"docs/bench/offload_{name}.json")
         for entry, runs, c in _at_quarter(rep):
@@ -254,10 +258,7 @@ def offload_section(root: Path) -> str:
         topics = rep.get("topics")
         lines.append(
             f"| {rep['model']}{_batch(rep)}{', unseen topics' if topics else ''} | "
-            f"x{entry['speedup']:g} | "
-            f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} | "
-            + " | ".join(cells)
-            + f" | {c['full_oracle']['decode_tok_s']:.1f} |"
+            f"x{entry['speedup']:g} | " + _versus(c, cells)
         )
     if not lines:
         return ""
@@ -282,15 +283,51 @@ def offload_section(root: Path) -> str:
 
 def _headline_docs(root: Path) -> str:
     """The batch-1 headline pages the table reads (the repeated sweeps that were measured)."""
-    names = [n for n in ("default", "qwen", "deep", "default_domain")
+    names = [n for n in ("default", "qwen", "deep", "default_domain", "deep_domain")
              if (root / f"docs/bench/headline_{n}.json").is_file()]  # fmt: skip
     return ", ".join(f"docs/headline_{n}.md" for n in names) or "docs/offload_*.md"
 
 
 def _b4_doc(root: Path) -> str:
-    """The batch-4 page the table reads: the repeated run when it was measured."""
+    """The batch-4 pages the table reads: the repeated runs when they were measured."""
     repeated = (root / "docs/bench/headline_default_b4.json").is_file()
-    return "docs/headline_default_b4.md" if repeated else "docs/offload_default_b4.md"
+    docs = ["docs/headline_default_b4.md" if repeated else "docs/offload_default_b4.md"]
+    if (root / "docs/bench/headline_deep_b4.json").is_file():
+        docs.append("docs/headline_deep_b4.md")
+    return ", ".join(docs)
+
+
+def cache_size_section(root: Path) -> str:
+    """Every cache size of the headline sweeps that ran more than one (batch 1, each link)."""
+    lines = []
+    for name in ("default", "qwen", "deep"):
+        rep = load(root, f"docs/bench/headline_{name}.json")
+        for entry in rep["links"] if rep else ():
+            comp = compare(entry["runs"])
+            if len(comp) < 2:
+                continue
+            for frac, c in sorted(comp.items()):
+                at = [r for r in entry["runs"] if abs(r["cache_frac"] - frac) < 0.01]
+                picked = [ours(at, w) for w in OURS] + [_learner(at, True)]
+                cells = []
+                for r in picked:
+                    o = r and c["runs"][run_label(r)]
+                    cells.append("-" if r is None else f"{r['decode_tok_s']:.1f} "
+                                 f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))})")  # fmt: skip
+                lines.append(
+                    f"| {rep['model']} | x{entry['speedup']:g} | {frac:.1%} | " + _versus(c, cells)
+                )
+    if not lines:
+        return ""
+    head = [
+        "**By cache size** (the same sweep and cells as above, batch 1; docs/headline_deep.md):",
+        "",
+        "| model | link | cache | best no-prediction cache (tok/s) | "
+        + " | ".join(f"ours: {w}" for w in OURS)
+        + " | ours: learned eviction reading the horizon's forecasts | full oracle tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + lines) + "\n"
 
 
 def evictor_section(root: Path) -> str:
@@ -306,12 +343,7 @@ def evictor_section(root: Path) -> str:
                 cells.append("-" if r is None else f"{run_label(r)}: {r['decode_tok_s']:.1f} "
                              f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))}, "
                              f"hit {r['demand_hit_rate']:.2f})")  # fmt: skip
-            lines.append(
-                f"| {rep['model']} | x{entry['speedup']:g} | "
-                f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} | "
-                + " | ".join(cells)
-                + f" | {c['full_oracle']['decode_tok_s']:.1f} |"
-            )
+            lines.append(f"| {rep['model']} | x{entry['speedup']:g} | " + _versus(c, cells))
     if not lines:
         return ""
     return "\n".join(_evictor_head() + lines) + "\n" + _evictor_reading(root)
@@ -434,6 +466,13 @@ def _reading(root: Path) -> str:
             "were all dropped (the link backlog rule): it measures the eviction alone."
         )
     return "\n" + " ".join(parts) + "\n" if parts else ""
+
+
+def _versus(c: dict, cells: list[str]) -> str:
+    """A comparison row's cells from the best no-prediction cache on: best cache (tok/s),
+    `cells` (ours), full oracle tok/s."""
+    return (f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} | "
+            + " | ".join(cells) + f" | {c['full_oracle']['decode_tok_s']:.1f} |")  # fmt: skip
 
 
 def _pct(x) -> str:
