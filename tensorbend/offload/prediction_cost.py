@@ -19,7 +19,8 @@ decode token: an upper bound on decode's share), `decode_predict_s_per_token` (d
 forwards' calls only: decode's share) and `predict_queue_s_per_token` (of all of it, the
 handing of forecasts, hints and prefetches to the cache and loader) and
 `decode_predict_exposed_s_per_token` (of decode's, the part followed by no wait for an
-expert load: with every expert held, nearly all), as a share of the resident decode step (the
+expert load: with every expert held no layer waits once the first loads are in, so from then
+on all of it), as a share of the resident decode step (the
 session's reference run) and of the lru run's own decode step (same repeat, less exposed to
 the machine's load drifting), and decode tok/s over lru's. Medians over repeats, with the
 tok/s ratio's range. Timings need a quiet machine; the ratios are what to compare.

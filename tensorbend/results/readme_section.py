@@ -299,13 +299,15 @@ def _b4_doc(root: Path) -> str:
 
 def cache_size_section(root: Path) -> str:
     """Every cache size of the headline sweeps that ran more than one (batch 1, each link)."""
-    lines = []
+    lines, docs = [], []
     for name in ("default", "qwen", "deep"):
         rep = load(root, f"docs/bench/headline_{name}.json")
         for entry in rep["links"] if rep else ():
             comp = compare(entry["runs"])
             if len(comp) < 2:
                 continue
+            if f"docs/headline_{name}.md" not in docs:
+                docs.append(f"docs/headline_{name}.md")
             for frac, c in sorted(comp.items()):
                 at = [r for r in entry["runs"] if abs(r["cache_frac"] - frac) < 0.01]
                 picked = [ours(at, w) for w in OURS] + [_learner(at, True)]
@@ -320,7 +322,7 @@ def cache_size_section(root: Path) -> str:
     if not lines:
         return ""
     head = [
-        "**By cache size** (the same sweep and cells as above, batch 1; docs/headline_deep.md):",
+        f"**By cache size** (the same sweep and cells as above, batch 1; {', '.join(docs)}):",
         "",
         "| model | link | cache | best no-prediction cache (tok/s) | "
         + " | ".join(f"ours: {w}" for w in OURS)
