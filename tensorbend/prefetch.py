@@ -253,12 +253,12 @@ class Prefetcher:
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
         hidden_BD = hidden_TD.detach().float().cpu().numpy().reshape(B, -1, D)[:, -1]
-        ids_L_BN = [self.history.cur[m].numpy().reshape(B, -1) for m in range(L)]
+        ids_LBN = self.history.ids_TLK().numpy().transpose(1, 0, 2).reshape(L, B, -1)
+        rows_L1 = np.arange(L)[:, None]
         ahead, after, first = [], [], []
         for b in range(B):
             used_LE = np.zeros((L, E), dtype=np.float32)
-            for m in range(L):
-                used_LE[m, ids_L_BN[m][b]] = 1.0
+            used_LE[rows_L1, ids_LBN[:, b]] = 1.0
             fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b], forward=f)
             ahead.append(fc[0])
             after.append(fc[1])

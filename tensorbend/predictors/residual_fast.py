@@ -146,6 +146,7 @@ class TokenWeights:
     alpha: np.float32
     bias_E: np.ndarray | None  # the router's logit bias
     correction_E: np.ndarray | None  # sigmoid_bias: added after the sigmoid
+    correction2_E: np.ndarray | None  # twice that (score_token's tanh form)
 
 
 def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
@@ -154,6 +155,7 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
         return None
     a = lambda t: None if t is None else t.detach().float().numpy()  # noqa: E731
     H, E = p.H, p.spec.num_experts
+    correction_E = a(f.router.get(f"layers.{m}.correction_bias"))
     return TokenWeights(
         w_cat_DX=np.ascontiguousarray(a(f.w_cat_DX)[:, : H + E]),
         w_ids_2EH=a(f.w_ids_2EH),
@@ -163,17 +165,18 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
         b2_E=a(f.b2_E),
         alpha=np.float32(f.alpha),
         bias_E=a(f.router.get(f"layers.{m}.bias")),
-        correction_E=a(f.router.get(f"layers.{m}.correction_bias")),
+        correction_E=correction_E,
+        correction2_E=None if correction_E is None else 2 * correction_E,
     )
 
 
 def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
     """[1, E] scores of a one-token batch: score_folded's operations in numpy."""
     H, E = p.H, p.spec.num_experts
-    # (tensor.numpy()[0], np.dot, np.add.reduce: np.mean/std and torch indexing cost ~2-10 us
-    # a call in Python wrappers, more than the arithmetic here)
+    # (tensor.numpy()[0], np.dot, np.add.reduce, scalars in Python floats: np.mean/std, numpy
+    # scalar arithmetic and torch indexing cost ~1-10 us a call, more than the arithmetic here)
     x_D = src.hidden_TD.float().numpy()[0]
-    inv_rms = np.float32(1.0) / np.sqrt(np.dot(x_D, x_D) / x_D.shape[0] + EPS_RMS)
+    inv_rms = 1.0 / math.sqrt(float(np.dot(x_D, x_D)) / x_D.shape[0] + EPS_RMS)
     y_X = x_D @ w.w_cat_DX
     has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
     h_H = (w.b1_prev_H if has_prev else w.b1_H) + y_X[:H] * inv_rms
@@ -192,15 +195,23 @@ def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
             logits_E = logits_E * inv_rms
         if w.bias_E is not None:
             logits_E = logits_E + w.bias_E
-        g_E = logits_E
-        if p.spec.router_kind in ("sigmoid_bias", "group_limited"):  # others: the logits
+        g_E, eps = logits_E, EPS_STD
+        kind = p.spec.router_kind
+        if kind == "sigmoid_bias":
+            # standardise is blind to a positive affine map: of sigmoid(l) + c = (tanh(l / 2)
+            # + 2c + 1) / 2 it takes tanh(l / 2) + 2c, its eps doubled
+            g_E = np.tanh(np.float32(0.5) * logits_E)
+            if w.correction_E is not None:
+                g_E = g_E + w.correction2_E
+            eps = 2 * EPS_STD
+        elif kind == "group_limited":  # (sigmoid in tanh form: no overflow)
             g_E = np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * logits_E))
-            if w.correction_E is not None:  # (sigmoid in tanh form: no overflow)
+            if w.correction_E is not None:
                 g_E = g_E + w.correction_E
-            if p.spec.router_kind == "group_limited":
-                g_E = _group_limited(p.spec, g_E)
-        d_E = g_E - np.add.reduce(g_E) / E  # standardise: unbiased std, as torch.std_mean
-        out_E = out_E + w.alpha * (d_E / (np.sqrt(np.dot(d_E, d_E) / (E - 1)) + EPS_STD))
+            g_E = _group_limited(p.spec, g_E)
+        d_E = g_E - float(np.add.reduce(g_E)) / E  # standardise: unbiased std, as torch.std_mean
+        scale = float(w.alpha) / (math.sqrt(float(np.dot(d_E, d_E)) / (E - 1)) + eps)
+        out_E = out_E + d_E * scale
     return torch.from_numpy(out_E.reshape(1, E))
 
 
