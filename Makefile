@@ -68,7 +68,7 @@ bench-accuracy: bench-traces
 		$(PY) -m bench.foresight_eval --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m \
 			--json docs/foresight_$$m.json --doc docs/foresight_$$m.md > /dev/null; \
 		$(PY) -m bench.evictor_eval --trace $(BENCH)/$$m/trace \
-			$$([ $$m = deep ] && echo --fracs 0.25 --no-ablations) \
+			$$([ $$m = deep ] && echo --fracs 0.25) \
 			--foresight-json docs/foresight_$$m.json --rounds 2 --ablation-rounds 0 \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
 			--train-requests 60 --models runs/evictor/$$m --json docs/evictor_$$m.json \

@@ -8,8 +8,10 @@ Usage:
         --json docs/evictor_default.json --doc docs/evictor_default.md
 
 Fits the learner by DAgger (`cache/imitation.py`) on the trace's train split at 25% cache
-(val: the round kept), one learner without each feature group (fewer rounds) and one without
-on-policy rounds (`evictor-dagger`: LFRU's states only), then
+(val: the round kept), one learner without each feature group (fewer rounds), one without
+on-policy rounds (`evictor-dagger`: LFRU's states only) and, with ablations, one without the
+`--lean` groups fitted like the full learner (`evictor/lean`: does dropping the groups no
+ablation row shows paying keep the learner as good?), then
 replays the test split at each `--fracs` fraction: every no-prediction cache, Belady with and
 without bypass, the learner, the learner under its LFRU shadow guard, and the ablations (at
 25% only). The horizon `reuse` row is taken from the foresight bench's JSON (the same replay)
@@ -61,6 +63,12 @@ def main(argv=None) -> int:
     if not a.no_ablations:
         for g in GROUPS:
             plan[f"evictor-{g}"] = (tuple(x for x in GROUPS if x != g), a.ablation_rounds)
+        lean = set(filter(None, a.lean.split(",")))
+        if lean - set(GROUPS):
+            raise SystemExit(f"--lean {a.lean}: expected names from {', '.join(GROUPS)}")
+        if lean:
+            plan["evictor/lean"] = (tuple(x for x in GROUPS if x not in lean), a.rounds)
+            out["lean_without"] = sorted(lean)
     models = {}
     for name, (groups, rounds) in plan.items():
         path = Path(a.models) / f"{name}.safetensors" if a.models else None
@@ -146,7 +154,13 @@ def format_doc(out: dict) -> str:
         "(routing + hidden state) as eviction, from the foresight bench's JSON; "
         "`evictor+forecast` (with `--horizon`) the learner that also reads that horizon's "
         "forecast of each next use (feature group `forecast`), and `evictor+forecast+shadow` "
-        "it under the guard.",
+        "it under the guard."
+        + (
+            f" `evictor/lean` the learner without {' and '.join(out['lean_without'])}, fitted "
+            "like `evictor` (the same on-policy rounds)."
+            if out.get("lean_without")
+            else ""
+        ),
         "",
     ]
     for res in out["results"]:
@@ -156,7 +170,7 @@ def format_doc(out: dict) -> str:
                   "|---|---|---|---|"]  # fmt: skip
         best = res["best_no_prediction"]
         order = [best, "horizon reuse", "evictor", "evictor+shadow", "evictor+forecast",
-                 "evictor+forecast+shadow", "evictor/no-model",
+                 "evictor+forecast+shadow", "evictor/lean", "evictor/no-model",
                  *sorted(n for n in rows if n.startswith("evictor-")), "belady/all",
                  "belady/bypass"]  # fmt: skip
         for n in order:
@@ -189,6 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--test-requests", type=int, default=10**9, help="(a smoke run: fewer)")
     p.add_argument("--guard-window", type=int, default=48, help="forwards")
     p.add_argument("--no-ablations", action="store_true")
+    p.add_argument("--lean", default="history,layer",
+                   help="with ablations: groups the evictor/lean learner goes without ('' none)")  # fmt: skip
     p.add_argument("--horizon", default=None,
                    help="horizon checkpoint: adds the learner reading its forecasts")  # fmt: skip
     p.add_argument("--models", default=None,
