@@ -137,7 +137,38 @@ def _cost(root: Path) -> str:
         "within-token predictor's time is mostly per-call overhead of small tensor ops; the "
         "horizon's work grows with MoE layers x experts (about 120x zoo:default's on "
         "Kimi-K2.5), so its cost does not stay the same on a large model. The projections "
-        f"below charge prediction zero seconds.{_in_runtime(rep.get('in_runtime'))}\n"
+        f"below charge prediction zero seconds.{_in_runtime(rep.get('in_runtime'))}"
+        f"{_stall_against_cost(root, rep)}\n"
+    )
+
+
+def _stall_against_cost(root: Path, cost: dict) -> str:
+    """What the within-token predictor alone saved in stall and spent in prediction per decode
+    token in the offloaded headline sweep, beside its isolated cost (predictor_cost)."""
+    rep = readme_section.load(root, "docs/bench/headline_default.json")
+    iso = {r["stack"]: r["us_per_token"] for r in cost["results"]}.get("within-token")
+    if rep is None or iso is None:
+        return ""
+    parts, all_lose = [], True
+    for link in rep["links"]:
+        runs = {r["label"]: r for r in link["runs"] if abs(r.get("cache_frac", 0) - 0.25) < 0.01}
+        none, d1 = runs.get("prefetch:none"), runs.get("d1:tensorbend")
+        if none is None or d1 is None or d1.get("decode_predict_s_per_token") is None:
+            return ""  # (older JSON: no prediction seconds)
+        saved = (none["stall_s_per_token"] - d1["stall_s_per_token"]) * 1e3
+        spent = (d1["decode_predict_s_per_token"] - none["decode_predict_s_per_token"]) * 1e3
+        all_lose = all_lose and spent > saved
+        parts.append(f"x{link['speedup']:g} link: {saved:.2f} ms less stall, {spent:.2f} ms "
+                     f"more prediction ({spent * 1e3 / iso:.1f}x its isolated cost above)")  # fmt: skip
+    return (
+        " Offloaded (docs/headline_default.md, 25% cache, per decode token, the within-token "
+        f"predictor alone against prefetch:none): {'; '.join(parts)}. The same calls cost "
+        "more between the model's layers, with loads in flight, than in isolation."
+        + (
+            " At every link its extra prediction time exceeds the stall it removes."
+            if all_lose
+            else ""
+        )
     )
 
 
