@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-domain bench-evictor bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -177,6 +177,13 @@ bench-headline-deep: bench-traces
 		--doc docs/headline_deep_b4.md > /dev/null
 
 # zoo:dsv3-deep on held-out topics (runs/bench/deep_domain: its horizon from bench-accuracy).
+bench-headline-deep-x4: bench-traces
+	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
+		--predictor $(BENCH)/deep/ours_d1.safetensors \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors --baselines "" \
+		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
+		--link-speedups 4 --out docs/bench/headline_deep_x4 --doc docs/headline_deep_x4.md > /dev/null
+
 bench-headline-deep-domain: bench-accuracy
 	test -f $(BENCH)/deep_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 		--trace $(BENCH)/deep_domain/trace --out $(BENCH)/deep_domain/ours_d1.safetensors \

@@ -127,6 +127,7 @@ def test_seed_study_table_matches_its_json():
             ("tensorbend.results.offload_page", f"docs/bench/{n}.json", f"docs/{n}.md")
             for n in (
                 "headline_deep",
+                "headline_deep_x4",
                 "headline_deep_b4",
                 "headline_deep_domain",
                 "headline_default_domain",
