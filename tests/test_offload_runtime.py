@@ -91,6 +91,21 @@ def test_every_family_matches_resident(family):
         sess.close()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_bfloat16_offloaded_matches_resident_bit_for_bit(family):
+    """In bfloat16 too, the offloaded experts (weights viewed from cache slots, the same ops
+    in eager's order) give the resident model's tokens and logits exactly."""
+    model = build(family).to(torch.bfloat16)
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=4), io_threads=2)
+    sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name=family)
+    try:
+        r = sess.run_policy(PolicyConfig("lru", cache_frac=0.3)).to_json()
+        assert r["output_matches_resident"] is True and r["max_logit_abs_diff"] == 0.0, r
+        assert r["tokens"]["decode"] > 0 and r["counters"]["misses"] > 0
+    finally:
+        sess.close()
+
+
 def test_every_policy_and_predictor_matches_resident_deepseek():
     sess = _session("deepseek_v3", n_new=5)
     spec = sess.spec

@@ -82,6 +82,7 @@ class ExpertCache:
         self.waits = 0  # wait_ready calls that blocked (the compute thread waited for a load)
         self._error: BaseException | None = None
         self._slot_events: dict[int, torch.cuda.Event] = {}
+        self._views: list[dict | None] = [None] * (self.capacity + cfg.scratch)  # per slot
 
     @property
     def stats(self) -> CacheStats:
@@ -100,6 +101,15 @@ class ExpertCache:
 
     def weights(self, key: Key) -> torch.Tensor:
         return self.pool_CN[self.entries[key].slot]
+
+    def views(self, key: Key, layout) -> dict[str, torch.Tensor]:
+        """`layout.views` of key's slot (`store.ExpertLayout`), made once per slot: the pool
+        is allocated once, so a slot's views stay valid whatever expert it holds."""
+        slot = self.entries[key].slot
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = layout.views(self.pool_CN[slot])
+        return v
 
     # ------------------------------------------------------------ compute thread
 

@@ -105,7 +105,7 @@ class OffloadedExperts:
                 e = key[1]
                 t0 = time.perf_counter()
                 try:
-                    W = self.layout.views(cache.weights(key))
+                    W = cache.views(key, self.layout)
                     top_k_pos, token_idx = torch.where(expert_mask[e])
                     out = self.expert(self.mod, hidden_states[token_idx], W)
                     outs[e] = (token_idx, out * top_k_weights[token_idx, top_k_pos, None])
