@@ -226,9 +226,15 @@ def repeat_ratios(row: dict, best: dict) -> list[float] | None:
     return sorted(x / b for x, b in zip(xs, bs, strict=True))
 
 
+def shown_ratio(one: dict) -> float:
+    """The ratio a page claims: the median of the repeats' ratios, else the single run's."""
+    xs = one.get("vs_best_cache_repeats")
+    return statistics.median(xs) if xs else (one.get("vs_best_cache") or 0.0)
+
+
 def format_ratio(one: dict) -> str:
     """`vs_best_cache` as printed: median [range] with repeats, a single ratio without."""
     xs = one.get("vs_best_cache_repeats")
     if not xs:
-        return f"{one.get('vs_best_cache') or 0:.2f}x"
-    return f"{statistics.median(xs):.2f}x [{xs[0]:.2f}, {xs[-1]:.2f}]"
+        return f"{shown_ratio(one):.2f}x"
+    return f"{shown_ratio(one):.2f}x [{xs[0]:.2f}, {xs[-1]:.2f}]"

@@ -99,9 +99,6 @@ class ExpertCache:
     def buffer(self, slot: int) -> torch.Tensor:
         return self.pool_CN[slot]
 
-    def weights(self, key: Key) -> torch.Tensor:
-        return self.pool_CN[self.entries[key].slot]
-
     def views(self, key: Key, layout) -> dict[str, torch.Tensor]:
         """`layout.views` of key's slot (`store.ExpertLayout`), made once per slot: the pool
         is allocated once, so a slot's views stay valid whatever expert it holds."""

@@ -14,10 +14,9 @@ runs the check.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
-from tensorbend.cache.report import compare, format_ratio, run_label
+from tensorbend.cache.report import compare, format_ratio, run_label, shown_ratio
 
 BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
@@ -221,11 +220,14 @@ def ours(runs: list[dict], which: str) -> dict | None:
     return None
 
 
+# The batch-1 headline sweeps (docs/bench/headline_NAME.json), in table order; batch 4 follows.
+HEADLINES = ("default", "qwen", "deep", "deep_x4", "default_domain", "deep_domain")
+
+
 def offload_rows(root: Path) -> list[dict]:
     """Per sweep and link at 25% cache: the comparison (cache.report.compare) and ours."""
     out = []
-    for name in ("default", "qwen", "deep", "deep_x4", "default_domain", "deep_domain",
-                 "default_b4", "deep_b4"):  # fmt: skip
+    for name in (*HEADLINES, "default_b4", "deep_b4"):
         rep = load(root, f"docs/bench/headline_{name}.json")  # the repeated runs, if measured
         rep = rep or load(root, f"docs/bench/offload_{name}.json")
         for entry, runs, c in _at_quarter(rep):
@@ -284,8 +286,7 @@ def offload_section(root: Path) -> str:
 
 def _headline_docs(root: Path) -> str:
     """The batch-1 headline pages the table reads (the repeated sweeps that were measured)."""
-    names = [n for n in ("default", "qwen", "deep", "deep_x4", "default_domain", "deep_domain")
-             if (root / f"docs/bench/headline_{n}.json").is_file()]  # fmt: skip
+    names = [n for n in HEADLINES if (root / f"docs/bench/headline_{n}.json").is_file()]
     return ", ".join(f"docs/headline_{n}.md" for n in names) or "docs/offload_*.md"
 
 
@@ -422,13 +423,8 @@ def _reading(root: Path) -> str:
     """What the end-to-end table says, in words that follow its numbers."""
     rows = offload_rows(root)
 
-    def shown(o: dict) -> float:
-        """The ratio the table prints (`format_ratio`): the repeats' median, else the one run."""
-        rep = o.get("vs_best_cache_repeats")
-        return statistics.median(rep) if rep else o["vs_best_cache"]
-
     def span(which: str) -> tuple[float, float] | None:
-        xs = [shown(x[which]) for x in rows if x[which] is not None]
+        xs = [shown_ratio(x[which]) for x in rows if x[which] is not None]
         return (min(xs), max(xs)) if xs else None
 
     def gains(which: str) -> list[bool]:
@@ -458,7 +454,7 @@ def _reading(root: Path) -> str:
             verdict = (f"it beats the best cache without prediction in {sum(won)} of "
                        f"{len(won)} rows")  # fmt: skip
         parts.append(f"{name} reaches {lo:.2f}-{hi:.2f}x: {verdict}.")
-    both = [shown(x["horizon + within-token"]) - shown(x["horizon only"])
+    both = [shown_ratio(x["horizon + within-token"]) - shown_ratio(x["horizon only"])
             for x in rows if x["horizon + within-token"] and x["horizon only"]]  # fmt: skip
     if both:
         parts.append(

@@ -151,8 +151,9 @@ def _stall_against_cost(root: Path, cost: dict) -> str:
         return ""
     parts, all_lose = [], True
     for link in rep["links"]:
-        runs = {r["label"]: r for r in link["runs"] if abs(r.get("cache_frac", 0) - 0.25) < 0.01}
-        none, d1 = runs.get("prefetch:none"), runs.get("d1:tensorbend")
+        at = [r for r in link["runs"] if abs(r.get("cache_frac", 0) - 0.25) < 0.01]
+        none = next((r for r in at if r["label"] == "prefetch:none"), None)
+        d1 = readme_section.ours(at, "within-token only")
         if none is None or d1 is None or d1.get("decode_predict_s_per_token") is None:
             return ""  # (older JSON: no prediction seconds)
         saved = (none["stall_s_per_token"] - d1["stall_s_per_token"]) * 1e3
