@@ -42,6 +42,7 @@ import torch
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
 from tensorbend.cache.report import best_rule, median_row, run_label, what_ran
+from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
@@ -206,6 +207,7 @@ def _report(a, model, sess, prompts, links, seconds: float) -> dict:
         "decode": a.decode,
         "batch": a.batch,
         "lookahead": a.lookahead,
+        "busy_link_prefetch": BUSY_LINK_PREFETCH,
         "seconds": round(seconds, 1),
         "all_outputs_match_resident": all(
             r["output_matches_resident"] for r in runs if r["policy"] != "resident"

@@ -16,7 +16,11 @@ the fixed work below:
   finishing at once or one layer late), with a counter reset half way.
 Intended changes since: the horizon's rows (`horizon/...`) charge a cross-token forecast's
 next-forward prefetches to `forecast_s` (0 here) instead of `predict_s` per list (seconds
-only; every byte and count unchanged). Every counter, second and token count must stay equal
+only; every byte and count unchanged); a prefetch taken while the wire is booked more than the
+backlog ahead waits in the queue instead of being dropped (`RequestQueue.deferral`): the rows
+with prefetches, two or more I/O threads and a finite backlog changed (40 of 110), every other
+row is as before; the file now also holds the `prefetch/none` rows (Predicted eviction fed
+no predictions). Every counter, second and token count must stay equal
 (floats compared exactly). Rewrite the
 file only for an intended change of the model, and say which: `python tests/test_cache_model.py
 > tests/data/cache_model_known.json` writes the current observations.
@@ -245,7 +249,7 @@ def test_simulated_runs_and_runtime_counters_match_the_recorded_answers(tmp_path
     for k in differ[:3]:
         print(k, "\n  known", known[k], "\n  seen ", seen[k])
     assert not differ, f"{len(differ)} of {len(known)} differ, e.g. {differ[:5]}"
-    assert len(known) == 110
+    assert len(known) == 122
 
 
 # ---------------------------------------------------------------- helpers

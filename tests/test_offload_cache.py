@@ -222,3 +222,56 @@ def test_loader_queue_order_demand_then_soonest_then_rank():
     loader.cancel_stale(6)
     assert cache.stats.prefetch_cancelled == 1
     loader.close()
+
+
+def test_loader_threads_defer_a_prefetch_behind_a_busy_wire_and_serve_a_later_demand_first(
+    tmp_path,
+):
+    """Real I/O threads reading a real store over an emulated link (one transfer = 0.4 s) with
+    a backlog of half a transfer. Demand A takes the wire; prefetch P, taken while 0.4 s are
+    booked, goes back to the queue (it used to be dropped); demand B, queued meanwhile, is read
+    before it; P is read once the wire has at most 0.2 s booked ahead. Order from the store's
+    own reads, which end in the wire's booked order."""
+    from tiny_models import build
+
+    from tensorbend.cache.transfers import Link
+    from tensorbend.models import describe_model, moe_block
+    from tensorbend.offload.loader import Loader
+    from tensorbend.offload.store import ExpertLayout, ExpertStore, write_store
+
+    model = build("deepseek_v3")
+    spec = describe_model(model)
+    experts = [getattr(moe_block(model, spec, m), spec.experts_attr)
+               for m in range(spec.num_moe_layers)]  # fmt: skip
+    layout = ExpertLayout.of(experts[0])
+    path = write_store(experts, layout, tmp_path / "experts.safetensors", {"fingerprint": "t"})
+    order = []
+
+    class Recording(ExpertStore):
+        def read_into(self, m, e, out_flat):
+            n = super().read_into(m, e, out_flat)
+            order.append((m, e))
+            return n
+
+    link = Link(bandwidth_Bps=layout.nbytes / 0.4)
+    store = Recording.open(path, link=link)
+    rs = ResidentSet(8, spec.num_moe_layers, LRU())
+    cache = ExpertCache(CacheConfig(scratch=1), rs, layout.numel, layout.dtype, layout.nbytes)
+    loader = Loader(store, cache, threads=2, max_backlog_s=0.5 * link.seconds(layout.nbytes))
+    try:
+        assert cache.claim((0, 0)) == "absent"  # what the compute thread does at a miss
+        loader.demand((0, 0))
+        time.sleep(0.02)  # A is on the wire
+        assert loader.prefetch((0, 1), priority=0, when=9)
+        time.sleep(0.02)  # P was taken and put back
+        assert cache.claim((0, 2)) == "absent"
+        loader.demand((0, 2))
+        deadline = time.monotonic() + 20
+        while len(order) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cache.wait_ready([(0, 0), (0, 2)]) == [(0, 0), (0, 2)]
+    finally:
+        loader.close()
+        store.close()
+    assert order == [(0, 0), (0, 2), (0, 1)]
+    assert cache.stats.prefetch_loaded == 1 and cache.stats.prefetch_dropped == 0

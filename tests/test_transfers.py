@@ -2,7 +2,8 @@
 
 The queue serves demand loads before any prefetch, prefetches by (step needed at, rank), then
 first come; a demand upgrades a queued prefetch; prefetches whose step has come are cancelled;
-`pop(t)` takes only what was queued by t. The wire books transfers back to back:
+`pop(t)` takes only what was queued by t; a prefetch taken while the wire is booked too far
+ahead goes back and waits (here and in the simulator's I/O threads, `simulate.events.IOThreads`). The wire books transfers back to back:
 n bytes take n / bandwidth on the wire after it frees up and arrive `latency` later.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tensorbend.cache.transfers import DEMAND, PREFETCH, Link, RequestQueue, Wire
+from tensorbend.simulate.events import IOThreads
 
 INF = float("inf")
 
@@ -75,14 +77,40 @@ def test_pop_takes_only_what_was_queued_by_then():
         q.demand((0, 3), at=1.0)
 
 
-def test_a_prefetch_taken_while_the_wire_is_busy_is_dropped():
+def test_a_prefetch_taken_while_the_wire_is_busy_waits_behind_later_demands():
     q = RequestQueue(max_backlog_s=0.5)
     q.prefetch((0, 1), when=3, rank=0)
     q.demand((0, 2))
     demand, prefetch = q.pop(), q.pop()
-    assert not q.drops(demand, backlog_s=9.0)  # demand loads are never dropped
-    assert not q.drops(prefetch, backlog_s=0.5) and q.drops(prefetch, backlog_s=0.51)
-    assert not RequestQueue().drops(prefetch, backlog_s=1e9)  # no limit by default
+    assert q.deferral(demand, backlog_s=9.0) == 0.0  # demand loads never wait
+    assert q.deferral(prefetch, backlog_s=0.5) == 0.0  # at the limit: start now
+    assert q.deferral(prefetch, backlog_s=2.0) == 1.5  # until 0.5 s of booking is left
+    assert RequestQueue().deferral(prefetch, backlog_s=1e9) == 0.0  # no limit by default
+    q.put_back(prefetch)  # it waits in the queue as it was, not dropped
+    assert len(q) == 1 and (0, 1) in q and q.next_arrival() == 0.0
+    q.demand((0, 5))  # a demand queued meanwhile goes first
+    q.prefetch((0, 0), when=3, rank=1)  # a prefetch queued later keeps its place behind it
+    assert [q.pop().key for _ in range(3)] == [(0, 5), (0, 1), (0, 0)] and not q
+
+
+def test_event_time_threads_defer_a_prefetch_until_the_backlog_allows_it():
+    """2 threads, 2 s per transfer, backlog 1 s: demand A and prefetch P at 0, demand B at 0.5.
+    A starts at 0 (wire 0-2); P's thread finds 2 s booked, waits until 1 s is left (t = 1) and
+    then takes B, queued meanwhile (wire 2-4); A's thread, free at 2, finds P with 2 s booked
+    and waits until t = 3 (wire 4-6). Dropping P would have left the wire idle from 4."""
+    io = IOThreads(Link(bandwidth_Bps=5.0), 2, max_backlog_s=1.0)
+    started = []
+
+    def start(req, s):
+        started.append((req.key, s))
+        return io.wire.book(s, 10)
+
+    io.queue.demand("A", at=0.0)
+    io.queue.prefetch("P", when=9, rank=0, at=0.0)
+    io.advance(0.5, start)
+    io.queue.demand("B", at=0.5)
+    io.advance(10.0, start)
+    assert started == [("A", 0.0), ("B", 1.0), ("P", 3.0)] and io.wire.free_at == 6.0
 
 
 def test_the_wire_books_transfers_back_to_back():

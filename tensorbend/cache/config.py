@@ -187,8 +187,8 @@ class PolicyConfig:
     prefetch_extra: int = 0
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = 0.5
-    """Start a prefetch only while the link is busy for at most this many expert transfers
-    (inf: always)."""
+    """Start a prefetch only while the link has at most this many expert transfers booked
+    ahead; until then it waits in the queue, behind any demand load that comes (inf: at once)."""
     token_ahead_layers: int = 1
     """With --horizon: during a forward's last MoE layer, prefetch the likeliest experts of the
     next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""

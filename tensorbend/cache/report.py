@@ -33,7 +33,7 @@ ran, from the row's own fields, never from a field of an empty predictor:
   evictor, evictor(unguarded)              the learned eviction (cache/evictor.py), with or
                                            without its shadow guard
   oracle@h=2, oracle@h=2/beyond=lfru       the bounded-foresight oracle (its rule past its sight)
-  ... [0 prefetches loaded]                a predictor ran whose prefetches were all dropped
+  ... [0 prefetches loaded]                a predictor ran and none of its prefetches loaded
 The comparison, per cache fraction: the best no-prediction cache (every bounded policy that
 reads no predictor, `prefetch` with none included) by decode tok/s and by bytes, the full
 oracle (every future routing, fewest bytes), and per run `vs_best_cache` (tok/s over the best

@@ -11,8 +11,10 @@ Usage (the session does this per policy run):
 The threads serve one `cache.transfers.RequestQueue` (the simulator's I/O threads serve the
 same queue in event time): demand loads first, then prefetches by the step they are needed at
 and by rank; a demand upgrades a queued prefetch; stale prefetches are cancelled; a prefetch
-taken while the store's wire is busy for more than `max_backlog_s` is dropped. Whether a
-prefetch may evict, and what, is the cache's question (`ExpertCache.start_load`).
+taken while the store's wire is booked more than `max_backlog_s` ahead goes back to the queue
+and its thread waits until the backlog falls to that (a demand queued meanwhile wakes it and
+goes first). Whether a prefetch may evict, and what, is the cache's question
+(`ExpertCache.start_load`).
 
 CUDA: reads land in a pinned staging buffer per thread, then one copy stream moves them into
 the slot; the copy waits for the compute stream to finish with the slot's previous expert.
@@ -94,15 +96,10 @@ class Loader:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self.queue:
-                    self._cond.wait()
-                if self._closed:
+                req = self._take()
+                if req is None:
                     return
-                req = self.queue.pop()
             demand = req.kind == DEMAND
-            if not demand and self.queue.drops(req, self.store.backlog_s()):
-                self.cache.stats.prefetch_dropped += 1  # the link is busy: demand loads come first
-                continue
             try:
                 slot = self.cache.start_load(req.key, demand=demand, block=demand, when=req.when)
                 if slot is None:
@@ -111,6 +108,22 @@ class Loader:
                 self.cache.finish_load(req.key, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, re-raised there
                 self.cache.fail_load(req.key, e)
+
+    def _take(self):
+        """The best request this thread may start now (None: closed), under `_cond`. A prefetch
+        taken while the wire is booked more than the backlog ahead goes back, and the thread
+        waits until that is no longer so (or a request comes), then takes the best again."""
+        while True:
+            while not self._closed and not self.queue:
+                self._cond.wait()
+            if self._closed:
+                return None
+            req = self.queue.pop()
+            wait = self.queue.deferral(req, self.store.backlog_s())
+            if wait <= 0:
+                return req
+            self.queue.put_back(req)
+            self._cond.wait(wait)
 
     def _read(self, key: Key, slot: int) -> int:
         m, e = key

@@ -187,9 +187,6 @@ class EventRun:
         """What a free I/O thread does with `req` at time s; returns when it is free again
         (None: a demand blocked until a slot frees up)."""
         demand = req.kind == DEMAND
-        if self.io.queue.drops(req, self.io.wire.backlog(s)):
-            self.total.prefetch_dropped += 1
-            return s
         if req.key in self.slots.entries:
             return s
         entry = self.slots.reserve(req.key, demand, req.when, s)
@@ -207,7 +204,9 @@ class IOThreads:
     """The I/O threads in event time: `threads` readers serving the shared request queue and
     wire. Each takes the best request queued by the time it is free (`RequestQueue.pop`) and
     stays busy until `start` says (a read keeps its thread until the bytes arrived, as
-    `ExpertStore.read_into` sleeps until its booking ends); a demand that finds no cache slot
+    `ExpertStore.read_into` sleeps until its booking ends); a prefetch taken while the wire is
+    booked more than the queue's backlog ahead goes back, and its thread waits until it is not
+    (`RequestQueue.deferral`); a demand that finds no cache slot
     blocks its thread (`start` returns None) until `retry_blocked`. Time only moves forward:
     the caller advances the threads to the compute thread's time before it queues anything.
 
@@ -236,6 +235,11 @@ class IOThreads:
             if s > t:
                 return
             req = self.queue.pop(s)
+            wait = self.queue.deferral(req, self.wire.backlog(s))
+            if wait > 0:  # booked too far ahead: back to the queue, as `Loader._take` does
+                self.queue.put_back(req)
+                self.free_at[i] = s + wait
+                continue
             free = start(req, s)
             if free is None:
                 self.blocked.append((i, req))
