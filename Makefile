@@ -176,7 +176,7 @@ bench-headline-deep: bench-traces
 		--batch 4 --link-speedups 1 --out docs/bench/headline_deep_b4 \
 		--doc docs/headline_deep_b4.md > /dev/null
 
-# zoo:dsv3-deep on held-out topics (runs/bench/deep_domain: its horizon from bench-accuracy).
+# zoo:dsv3-deep at 25% cache on the 4x faster link.
 bench-headline-deep-x4: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
@@ -184,6 +184,7 @@ bench-headline-deep-x4: bench-traces
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 4 --out docs/bench/headline_deep_x4 --doc docs/headline_deep_x4.md > /dev/null
 
+# zoo:dsv3-deep on held-out topics (runs/bench/deep_domain: its horizon from bench-accuracy).
 bench-headline-deep-domain: bench-accuracy
 	test -f $(BENCH)/deep_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 		--trace $(BENCH)/deep_domain/trace --out $(BENCH)/deep_domain/ours_d1.safetensors \

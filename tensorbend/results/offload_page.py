@@ -44,7 +44,15 @@ def markdown(report: dict) -> str:
         "forwards' calls; the routing history included, so caches without prediction show "
         "some too); in parentheses, where the JSON has it, the part followed by no wait for "
         "an expert load in its MoE layer (the rest overlapped I/O; on this CPU runtime the I/O "
-        "threads need the GIL to complete a load, so overlapping is not free).",
+        "threads need the GIL to complete a load, so overlapping is not free). "
+        + (
+            "A prefetch taken while the link was booked more than the backlog ahead waited in "
+            "the queue (behind any demand that came) until the link had room."
+            if report.get("busy_link_prefetch") == "deferred"
+            else "Measured while a prefetch taken with the link booked more than the backlog "
+            "ahead was dropped (the queue now keeps it waiting): within-token prefetch is "
+            "understated here."
+        ),
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
