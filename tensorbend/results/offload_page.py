@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from tensorbend.cache.config import POLICIES
 from tensorbend.cache.report import compare, format_ratio, run_label
+from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
+
+
+def dropped(report: dict) -> bool:
+    """A sweep measured before a prefetch taken behind a busy link waited in the queue (it was
+    dropped then): its JSON lacks today's `busy_link_prefetch` (`cache.transfers`)."""
+    return report.get("busy_link_prefetch") != BUSY_LINK_PREFETCH
 
 
 def markdown(report: dict) -> str:
@@ -48,7 +55,7 @@ def markdown(report: dict) -> str:
         + (
             "A prefetch taken while the link was booked more than the backlog ahead waited in "
             "the queue (behind any demand that came) until the link had room."
-            if report.get("busy_link_prefetch") == "deferred"
+            if not dropped(report)
             else "Measured while a prefetch taken with the link booked more than the backlog "
             "ahead was dropped (the queue now keeps it waiting): within-token prefetch is "
             "understated here."

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from tensorbend.cache.report import compare, format_ratio, run_label, shown_ratio
+from tensorbend.results.offload_page import dropped
 
 BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
@@ -250,8 +251,8 @@ def _at_quarter(rep: dict | None):
 
 
 def offload_section(root: Path) -> str:
-    lines = []
-    for x in offload_rows(root):
+    lines, rows = [], offload_rows(root)
+    for x in rows:
         rep, entry, c = x["rep"], x["entry"], x["cmp"]
         cells = []
         for which in OURS:
@@ -283,19 +284,13 @@ def offload_section(root: Path) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     tail = []
-    if any(dropped(x["rep"]) for x in offload_rows(root)):
+    if any(dropped(x["rep"]) for x in rows):
         tail = ["", "† Measured while the request queue dropped a prefetch taken behind a busy "
                 "link; a prefetch now waits in the queue until the link has room (its JSON "
                 "records `busy_link_prefetch`). Dropping threw away most within-token prefetches, "
                 "so these rows understate within-token prefetch; the row's `make bench-headline*` "
                 "target measures it again."]  # fmt: skip
     return "\n".join(head + lines + tail) + "\n" + _reading(root)
-
-
-def dropped(rep: dict) -> bool:
-    """A sweep measured before a prefetch taken behind a busy link waited in the queue (it was
-    dropped then; `cache.transfers.BUSY_LINK_PREFETCH`)."""
-    return rep.get("busy_link_prefetch") != "deferred"
 
 
 def _headline_docs(root: Path) -> str:
