@@ -224,14 +224,10 @@ def test_loader_queue_order_demand_then_soonest_then_rank():
     loader.close()
 
 
-def test_loader_threads_defer_a_prefetch_behind_a_busy_wire_and_serve_a_later_demand_first(
-    tmp_path,
-):
-    """Real I/O threads reading a real store over an emulated link (one transfer = 0.4 s) with
-    a backlog of half a transfer. Demand A takes the wire; prefetch P, taken while 0.4 s are
-    booked, goes back to the queue (it used to be dropped); demand B, queued meanwhile, is read
-    before it; P is read once the wire has at most 0.2 s booked ahead. Order from the store's
-    own reads, which end in the wire's booked order."""
+def _slow_loader(tmp_path, transfer_s: float):
+    """Real I/O threads (2) over a real store of a tiny deepseek_v3 whose emulated link takes
+    `transfer_s` per expert, a backlog of half a transfer; (loader, store, cache, order of the
+    store's own reads)."""
     from tiny_models import build
 
     from tensorbend.cache.transfers import Link
@@ -253,11 +249,23 @@ def test_loader_threads_defer_a_prefetch_behind_a_busy_wire_and_serve_a_later_de
             order.append((m, e))
             return n
 
-    link = Link(bandwidth_Bps=layout.nbytes / 0.4)
+    link = Link(bandwidth_Bps=layout.nbytes / transfer_s)
     store = Recording.open(path, link=link)
     rs = ResidentSet(8, spec.num_moe_layers, LRU())
     cache = ExpertCache(CacheConfig(scratch=1), rs, layout.numel, layout.dtype, layout.nbytes)
     loader = Loader(store, cache, threads=2, max_backlog_s=0.5 * link.seconds(layout.nbytes))
+    return loader, store, cache, order
+
+
+def test_loader_threads_defer_a_prefetch_behind_a_busy_wire_and_serve_a_later_demand_first(
+    tmp_path,
+):
+    """Real I/O threads reading a real store over an emulated link (one transfer = 0.4 s) with
+    a backlog of half a transfer. Demand A takes the wire; prefetch P, taken while 0.4 s are
+    booked, goes back to the queue (it used to be dropped); demand B, queued meanwhile, is read
+    before it; P is read once the wire has at most 0.2 s booked ahead. Order from the store's
+    own reads, which end in the wire's booked order."""
+    loader, store, cache, order = _slow_loader(tmp_path, 0.4)
     try:
         assert cache.claim((0, 0)) == "absent"  # what the compute thread does at a miss
         loader.demand((0, 0))
@@ -275,3 +283,34 @@ def test_loader_threads_defer_a_prefetch_behind_a_busy_wire_and_serve_a_later_de
         store.close()
     assert order == [(0, 0), (0, 2), (0, 1)]
     assert cache.stats.prefetch_loaded == 1 and cache.stats.prefetch_dropped == 0
+
+
+def test_a_thread_holding_a_prefetch_back_is_not_woken_by_new_prefetches(tmp_path):
+    """Demand A holds the wire for 1 s (one thread reads it); prefetch P1 sends the other
+    thread into its wait (one put_back). P2..P6, queued while it waits, would wait for the
+    same wire: they wake no one (each wake-up is a pop, a put_back and the interpreter lock
+    taken from the compute thread; the rule once woke the thread at every prefetch: six
+    put_backs). A demand does wake it, and is read before every prefetch. Counts from the
+    queue's own put_back calls."""
+    loader, store, cache, order = _slow_loader(tmp_path, 1.0)
+    backs = []
+    put_back = loader.queue.put_back
+    loader.queue.put_back = lambda req: (backs.append(req.key), put_back(req))[1]
+    try:
+        assert cache.claim((0, 0)) == "absent"
+        loader.demand((0, 0))
+        time.sleep(0.03)  # A is on the wire: 1 s booked, the backlog allows 0.5 s
+        for e in range(1, 7):
+            assert loader.prefetch((1, e), priority=0, when=9)
+            time.sleep(0.03)
+        held = len(backs)
+        assert cache.claim((0, 7)) == "absent"
+        loader.demand((0, 7))
+        deadline = time.monotonic() + 20
+        while len(order) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        loader.close()
+        store.close()
+    assert held == 1, backs
+    assert order[:2] == [(0, 0), (0, 7)]

@@ -39,8 +39,11 @@ class Loader:
         self, store: ExpertStore, cache: ExpertCache, threads: int = 2, max_backlog_s: float = INF
     ):
         self.store, self.cache = store, cache
-        self.queue = RequestQueue(max_backlog_s)  # guarded by _cond
-        self._cond = threading.Condition()
+        self.queue = RequestQueue(max_backlog_s)  # guarded by _lock
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # threads with nothing to take
+        self._deferred = threading.Condition(self._lock)  # threads holding a prefetch back
+        self._n_idle = 0  # threads waiting on _idle
         self._closed = False
         self._cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(cache.device) if self._cuda else None
@@ -53,49 +56,51 @@ class Loader:
             t.start()
 
     def demand(self, key: Key) -> None:
-        with self._cond:
+        with self._lock:
             self.queue.demand(key)
-            self._cond.notify()
+            # an idle thread takes it; else one holding a prefetch back takes it first
+            (self._idle if self._n_idle else self._deferred).notify()
 
     def prefetch(self, key: Key, priority: float, when: int) -> bool:
         """Queue a prefetch of key, used at step `when`; False if queued or cached already."""
-        with self._cond:
+        with self._lock:
             if key in self.cache.entries or not self.queue.prefetch(key, when, priority):
                 return False
             self.cache.stats.prefetch_issued += 1
-            self._cond.notify()
+            self._idle.notify()  # (a thread holding a prefetch back has the wire's wait)
             return True
 
     def prefetch_many(self, requests: list[tuple[Key, float, int]]) -> int:
         """prefetch() for each (key, priority, when) in order, under one lock round-trip;
         returns how many were queued."""
         queued = 0
-        with self._cond:
+        with self._lock:
             entries, queue = self.cache.entries, self.queue
             for key, priority, when in requests:
                 if key not in entries and queue.prefetch(key, when, priority):
                     queued += 1
             if queued:
                 self.cache.stats.prefetch_issued += queued
-                self._cond.notify(queued)
+                self._idle.notify(queued)
         return queued
 
     def cancel_stale(self, now: int) -> None:
         """Drop queued prefetches for steps that have started (their use is now or past)."""
-        with self._cond:
+        with self._lock:
             self.cache.stats.prefetch_cancelled += self.queue.cancel_stale(now)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._idle.notify_all()
+            self._deferred.notify_all()
         self.cache.abort()  # an I/O thread waiting for a slot must not outlive the run
         for t in self._threads:
             t.join()
 
     def _work(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 req = self._take()
                 if req is None:
                     return
@@ -110,12 +115,16 @@ class Loader:
                 self.cache.fail_load(req.key, e)
 
     def _take(self):
-        """The best request this thread may start now (None: closed), under `_cond`. A prefetch
+        """The best request this thread may start now (None: closed), under `_lock`. A prefetch
         taken while the wire is booked more than the backlog ahead goes back, and the thread
-        waits until that is no longer so (or a request comes), then takes the best again."""
+        waits until that is no longer so (or a demand comes), then takes the best again. New
+        prefetches do not wake it: any of them would wait for the same wire, and each wake-up
+        takes the interpreter lock from the compute thread."""
         while True:
             while not self._closed and not self.queue:
-                self._cond.wait()
+                self._n_idle += 1
+                self._idle.wait()
+                self._n_idle -= 1
             if self._closed:
                 return None
             req = self.queue.pop()
@@ -123,7 +132,7 @@ class Loader:
             if wait <= 0:
                 return req
             self.queue.put_back(req)
-            self._cond.wait(wait)
+            self._deferred.wait(wait)
 
     def _read(self, key: Key, slot: int) -> int:
         m, e = key
