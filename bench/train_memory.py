@@ -7,7 +7,7 @@ Usage:
 
 The trace is replicated 1x/4x/16x (every shard copied with its prompts renamed and its
 prompt indices shifted; new sha256s), and each step runs in its own process whose peak
-resident set (ru_maxrss) is read at its end:
+resident set (its own high-water mark, `offload.handle.peak_rss_bytes`) is read at its end:
 
   imports         python + torch + tensorbend, nothing loaded (the floor)
   load_all        the train and val splits loaded whole, then rows selected (what `train`
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -116,6 +115,7 @@ def _child(a) -> int:
     import torch
 
     from tensorbend.evaluate import EvalConfig, evaluate
+    from tensorbend.offload.handle import peak_rss_bytes
     from tensorbend.predictors.checkpoint import load_predictor
     from tensorbend.rows import RowSelection, select_rows
     from tensorbend.scoring import score_predictor
@@ -138,7 +138,7 @@ def _child(a) -> int:
     elif a.child == "eval_streamed":
         evaluate(EvalConfig(trace=Path(a.trace), predictors=(Path(a.ckpt),), baselines=(),
                             lookaheads=("d1",), timing_rows=0))  # fmt: skip
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    peak = peak_rss_bytes() / 2**20  # this process's own (not ru_maxrss: inherited on exec)
     print(json.dumps({"mode": a.child, "peak_mib": round(peak, 1)}))
     return 0
 

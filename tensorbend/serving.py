@@ -48,8 +48,9 @@ from tensorbend.placement import (
 )
 
 IMPORT_BASELINE = (
-    "import resource, torch, transformers.modeling_utils, transformers.generation.utils, "
-    "tensorbend.generate; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    "import torch, transformers.modeling_utils, transformers.generation.utils, "
+    "tensorbend.generate; from tensorbend.offload.handle import peak_rss_bytes; "
+    "print(peak_rss_bytes())"
 )
 """Python code printing the peak RSS of a process that imports what any transformers
 inference needs (torch, transformers' modeling and generation code) and tensorbend: the

@@ -225,6 +225,22 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
     assert s["peak_rss_bytes"] <= base + budget + 64 * 2**20, (s["peak_rss_bytes"], base)
 
 
+def test_peak_rss_is_the_process_own_not_its_parents():
+    """A child started by a process that touched 1 GB reports its own peak resident set (an
+    import of tensorbend's runtime, well under 1 GB), not the parent's: getrusage's ru_maxrss
+    carries the parent's peak across fork/vfork and exec, which once made the serving bench's
+    import baseline read 866 MB instead of ~400 MB."""
+    from tensorbend.offload.handle import peak_rss_bytes
+
+    ballast = bytearray(b"\x01") * (1 << 30)  # every page touched
+    code = "from tensorbend.offload.handle import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)  # fmt: skip
+    assert peak_rss_bytes() >= len(ballast)
+    assert 0 < child < 700 << 20, child / 2**20
+    del ballast
+
+
 def test_readme_serving_snippet_runs(tmp_path, monkeypatch, capsys):
     """README's load_offloaded example, as written (its store in a scratch directory)."""
     import re

@@ -23,6 +23,7 @@ forward itself (the session's `Recorder`) passes `drive_clock=False` and its own
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,8 +218,21 @@ class OffloadHandle:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set (anonymous and mapped file pages), in bytes (Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set (anonymous and mapped file pages), in bytes.
+
+    Linux: VmHWM of /proc/self/status, this address space's own high-water mark. Not
+    getrusage's ru_maxrss, which a process started by fork or vfork and exec inherits from its
+    parent (the kernel carries the parent's peak across exec): a child of a large process
+    reports the parent's peak. Elsewhere ru_maxrss (kilobytes on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _device_of(model) -> torch.device:
