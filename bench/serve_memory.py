@@ -12,9 +12,9 @@ The model is zoo:default with every expert widened `--factor` times by zero rows
 experts), so the predictors trained on zoo:default load on it (same fingerprint). Each run is
 `tensorbend generate` on the held-out test prompts (greedy), with `--io direct` so every
 expert read comes from the disk, not the page cache; its peak RSS (mapped file pages
-included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The import baseline is the peak RSS of a process
-that imports torch, transformers' modeling and generation code and tensorbend
-(`serving.IMPORT_BASELINE`). Policies run in interleaved order,
+included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The import baseline
+is the peak RSS of a process that imports torch, transformers' modeling and generation code
+and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range. Nothing else
 should run on the machine meanwhile.
 The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.

@@ -43,7 +43,7 @@ class Loader:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # threads with nothing to take
         self._deferred = threading.Condition(self._lock)  # threads holding a prefetch back
-        self._n_idle = 0  # threads waiting on _idle
+        self._n_idle = 0  # threads waiting on _idle and not yet notified (`_wake_idle`)
         self._closed = False
         self._cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(cache.device) if self._cuda else None
@@ -58,8 +58,8 @@ class Loader:
     def demand(self, key: Key) -> None:
         with self._lock:
             self.queue.demand(key)
-            # an idle thread takes it; else one holding a prefetch back takes it first
-            (self._idle if self._n_idle else self._deferred).notify()
+            if not self._wake_idle(1):  # else one holding a prefetch back takes it first
+                self._deferred.notify()
 
     def prefetch(self, key: Key, priority: float, when: int) -> bool:
         """Queue a prefetch of key, used at step `when`; False if queued or cached already."""
@@ -67,7 +67,7 @@ class Loader:
             if key in self.cache.entries or not self.queue.prefetch(key, when, priority):
                 return False
             self.cache.stats.prefetch_issued += 1
-            self._idle.notify()  # (a thread holding a prefetch back has the wire's wait)
+            self._wake_idle(1)  # (a thread holding a prefetch back has the wire's wait)
             return True
 
     def prefetch_many(self, requests: list[tuple[Key, float, int]]) -> int:
@@ -81,7 +81,7 @@ class Loader:
                     queued += 1
             if queued:
                 self.cache.stats.prefetch_issued += queued
-                self._idle.notify(queued)
+                self._wake_idle(queued)
         return queued
 
     def cancel_stale(self, now: int) -> None:
@@ -92,6 +92,7 @@ class Loader:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._n_idle = 0
             self._idle.notify_all()
             self._deferred.notify_all()
         self.cache.abort()  # an I/O thread waiting for a slot must not outlive the run
@@ -122,9 +123,8 @@ class Loader:
         takes the interpreter lock from the compute thread."""
         while True:
             while not self._closed and not self.queue:
-                self._n_idle += 1
+                self._n_idle += 1  # (the notifier counts it out: `_wake_idle`)
                 self._idle.wait()
-                self._n_idle -= 1
             if self._closed:
                 return None
             req = self.queue.pop()
@@ -133,6 +133,16 @@ class Loader:
                 return req
             self.queue.put_back(req)
             self._deferred.wait(wait)
+
+    def _wake_idle(self, n: int) -> int:
+        """Wake up to n idle threads, under `_lock`; returns how many. Counted out here, not
+        by the woken thread (it runs later): a demand right after another must not count a
+        thread already woken as idle, or it would wake none and wait for a deferral to end."""
+        n = min(n, self._n_idle)
+        if n:
+            self._n_idle -= n
+            self._idle.notify(n)
+        return n
 
     def _read(self, key: Key, slot: int) -> int:
         m, e = key
