@@ -109,6 +109,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
             "decode_tokens": rs[0]["decode_tokens"],
         })  # fmt: skip
     best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
+    first = runs[next(iter(runs))][0]
     for r in rows:  # per repeat: this policy's tok/s over the best cache's in the same repeat
         ratios = [x / b for x, b in zip(r["decode_tok_s_repeats"], best["decode_tok_s_repeats"],
                                         strict=True)]  # fmt: skip
@@ -126,6 +127,10 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "best_no_prediction": best["policy"],
+        "memory_plan": first["memory_plan"],  # serving.memory_plan, bytes
+        "same_plan_every_run": all(
+            r["memory_plan"] == first["memory_plan"] for rs in runs.values() for r in rs
+        ),  # fmt: skip
         "results": rows,
     }
 

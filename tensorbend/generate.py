@@ -85,6 +85,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
             out.write("\n")
             out.flush()
         summary = summarize(handle.counters(), cfg.serve)
+        summary["memory_plan"] = handle.memory_plan
     finally:
         handle.close()
     err.write(format_summary(summary) + "\n")

@@ -15,8 +15,10 @@ What happens, in order, and what lives in memory at each step:
 2. The expert store is built from the checkpoint by streaming one expert at a time
    (`offload/expert_plan.py`: resumable, fsync'd per layer) unless a finished store for this
    checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
-3. The cache gets what the budget leaves: `max_memory` - non-expert weights - the top-k
-   staging slots - `reserve` (KV cache and activations), in whole experts; or `cache_frac`
+3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
+   tensors, or on CPU what loading it and the predictors added to the resident set, if more:
+   modeling code, Python objects) - the top-k staging slots - `reserve` (KV cache and
+   activations), in whole experts; or `cache_frac`
    of all routed experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
    the predictors, to the model in place; counters are on `model.tensorbend`.
 Greedy outputs equal the resident model's exactly (tests per family); prediction changes
@@ -37,7 +39,7 @@ from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
-from tensorbend.offload.handle import AttachOptions, OffloadHandle
+from tensorbend.offload.handle import AttachOptions, OffloadHandle, rss_bytes
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import (
@@ -56,6 +58,14 @@ IMPORT_BASELINE = (
 inference needs (torch, transformers' modeling and generation code) and tensorbend: the
 baseline that a memory budget comes on top of (about 400 MB on CPU)."""
 
+RESERVE_FIXED = 64 * 10**6
+"""--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
+the I/O threads' arenas (38 MB measured on the 3.6 GB serving bench, zoo:default x184)."""
+
+MEASURE_GRAIN = 16 * 10**6
+"""The measured model part is rounded up to this: it varies by a few MB from run to run
+(8 MB seen), which would otherwise move the cache by an expert between runs."""
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -66,7 +76,7 @@ class ServeConfig:
     cache + staging + --reserve. The natural way to size the cache; overrides --cache-frac."""
     reserve: str = "auto"
     """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
-    cache of 2048 tokens at batch 1 from config.json, + 32 MB)."""
+    cache of 2048 tokens at batch 1 from config.json, + 64 MB)."""
     device: str = "cpu"
     """Where the model and the expert cache live: cpu or cuda[:N] (experts are read into pinned
     host staging and copied on their own stream)."""
@@ -142,6 +152,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     path = resolve_model(str(model))
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     dtype = dtype[cfg.dtype]
+    rss0 = _rss_after_baseline_imports() if cfg.device == "cpu" else None
     ckpt = Checkpoint.open(path)
     lm, spec, layout = build_without_experts(path, dtype)
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
@@ -153,39 +164,56 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
 
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
+    predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
+    rss1 = rss_bytes() if rss0 is not None else None
+    loaded = (
+        None if rss0 is None or rss1 is None else -(-(rss1 - rss0) // MEASURE_GRAIN) * MEASURE_GRAIN
+    )
     store = _store_path(cfg, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
-    pc = _size_cache(cfg, lm, spec, layout)
-    predictor, horizon = _predictors(cfg, spec, fingerprint)
+    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts)
+    lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
     return lm
 
 
 def memory_plan(
-    cfg: ServeConfig, non_expert_bytes: int, spec: RoutingSpec, expert_bytes: int, kv_bytes: int
+    cfg: ServeConfig,
+    non_expert_bytes: int,
+    spec: RoutingSpec,
+    expert_bytes: int,
+    kv_bytes: int,
+    loaded_bytes: int | None = None,
 ):
     """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
     bypassed miss is computed from, plus, for `--io direct` on CPU, each I/O thread's aligned
-    bounce buffer (one expert each)."""
+    bounce buffer (one expert each). loaded_bytes: on CPU, how much the process's resident set
+    grew while the model was built without its experts and the predictors loaded (the
+    model's modeling code and Python objects, the predictors' weights, beside its tensors):
+    charged as the model's part when it exceeds the non-expert tensors' bytes."""
     budget = parse_bytes(cfg.max_memory)
-    auto = 2048 * kv_bytes + 32 * 10**6
+    model = max(non_expert_bytes, loaded_bytes or 0)
+    what = f"non-expert weights {_mb(non_expert_bytes)}"
+    if model > non_expert_bytes:
+        what = f"the model without its experts {_mb(model)} (measured; its tensors {_mb(non_expert_bytes)})"
+    auto = 2048 * kv_bytes + RESERVE_FIXED
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
     bounce = cfg.io_threads if cfg.io == "direct" and cfg.device == "cpu" else 0
     staging = (spec.top_k + bounce) * expert_bytes
     need_slots = max(spec.top_k, spec.num_moe_layers if cfg.offload.pool == "per_layer" else 1)
-    minimum = non_expert_bytes + staging + reserve + need_slots * expert_bytes
+    minimum = model + staging + reserve + need_slots * expert_bytes
     if budget < minimum:
         raise TensorbendError(
-            f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = non-expert "
-            f"weights {_mb(non_expert_bytes)} + staging {_mb(staging)} + --reserve "
-            f"{_mb(reserve)} + {need_slots} cached experts of {_mb(expert_bytes)}; raise it"
+            f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
+            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need_slots} cached experts "
+            f"of {_mb(expert_bytes)}; raise it"
         )
-    slots = (budget - non_expert_bytes - staging - reserve) // expert_bytes
+    slots = (budget - model - staging - reserve) // expert_bytes
     slots = min(slots, spec.num_moe_layers * spec.num_experts)
-    return slots, {"budget": budget, "non_expert": non_expert_bytes, "staging": staging,
-                   "reserve": reserve, "cache": slots * expert_bytes}  # fmt: skip
+    return slots, {"budget": budget, "non_expert": non_expert_bytes, "model": model,
+                   "staging": staging, "reserve": reserve, "cache": slots * expert_bytes}  # fmt: skip
 
 
 # ------------------------------------------------------------ helpers
@@ -240,15 +268,17 @@ def _ensure_store(plan, store: Path, fingerprint: str, spec, dtype, progress: bo
     build_store(plan, store, meta, dtype, progress)
 
 
-def _size_cache(cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout) -> PolicyConfig:
+def _size_cache(
+    cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout, loaded: int | None
+) -> tuple[PolicyConfig, dict | None]:
     if cfg.max_memory is None:
-        return cfg.offload
+        return cfg.offload, None
     non_expert = sum(p.numel() * p.element_size() for p in lm.parameters()
                      if p.device.type != "meta")  # fmt: skip
     non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
     kv = kv_bytes_per_token(lm.config, layout.dtype)
-    slots, _ = memory_plan(cfg, non_expert, spec, layout.nbytes, kv)
-    return replace(cfg.offload, cache_bytes=slots * layout.nbytes)
+    slots, plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
+    return replace(cfg.offload, cache_bytes=slots * layout.nbytes), plan
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
@@ -260,6 +290,15 @@ def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
                  for p in (cfg.predictor, cfg.horizon))  # fmt: skip
     check_roles(pred and pred.kind, hor and hor.kind, ("--predictor", "--horizon"))
     return pred, hor
+
+
+def _rss_after_baseline_imports() -> int | None:
+    """The resident set once what IMPORT_BASELINE imports is imported (transformers imports
+    its modeling and generation code lazily: that is the baseline's, not the model's)."""
+    import transformers.generation.utils  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    return rss_bytes()
 
 
 def _mb(n: int) -> str:

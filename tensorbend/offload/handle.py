@@ -76,6 +76,7 @@ class OffloadHandle:
         opts = opts or AttachOptions()
         self.model, self.spec, self.layout, self.pc, self.opts = model, spec, layout, pc, opts
         self.predictor, self.horizon = predictor, horizon
+        self.memory_plan: dict | None = None  # serving.memory_plan's split of --max-memory
         L = spec.num_moe_layers
         self.clock = clock or StepClock(L)
         self.history = history or RoutingHistory(L)
@@ -224,15 +225,27 @@ def peak_rss_bytes() -> int:
     getrusage's ru_maxrss, which a process started by fork or vfork and exec inherits from its
     parent (the kernel carries the parent's peak across exec): a child of a large process
     reports the parent's peak. Elsewhere ru_maxrss (kilobytes on Linux, bytes on macOS)."""
+    hwm = _proc_status_bytes(b"VmHWM:")
+    if hwm is not None:
+        return hwm
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set now (VmRSS of /proc/self/status), or None off Linux."""
+    return _proc_status_bytes(b"VmRSS:")
+
+
+def _proc_status_bytes(field: bytes) -> int | None:
     try:
         with open("/proc/self/status", "rb") as f:
             for line in f:
-                if line.startswith(b"VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    return None
 
 
 def _device_of(model) -> torch.device:

@@ -39,4 +39,16 @@ def markdown(res: dict) -> str:
             f"{r['peak_rss_bytes'] / 1e6:.0f} | {(r['peak_rss_bytes'] - base) / 1e6:.0f} | "
             f"{budget / 1e6:.0f} |"
         )
+    plan = res.get("memory_plan")
+    if plan:
+        mb = {k: f"{v / 1e6:.0f} MB" for k, v in plan.items()}
+        lines += ["", f"Where the budget goes (`serving.memory_plan`, "
+                      f"{'the same in every run' if res.get('same_plan_every_run') else 'first run; it differed between runs'}): "
+                      f"the model without its experts {mb['model']} (measured; its tensors "
+                      f"{mb['non_expert']}), staging {mb['staging']}, reserve {mb['reserve']}, "
+                      f"cache {mb['cache']}."]  # fmt: skip
+    over = [r["policy"] for r in res["results"] if r["peak_rss_bytes"] - base > budget]
+    lines += ["", (f"Over the budget (peak RSS - baseline > {budget / 1e6:.0f} MB): "
+                   f"{', '.join(over)}." if over else
+                   "Every run's peak RSS stayed within the import baseline + the budget.")]  # fmt: skip
     return "\n".join(lines) + "\n"
