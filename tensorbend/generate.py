@@ -119,7 +119,20 @@ def format_summary(s: dict) -> str:
         f"{s['bytes_read_per_token'] / 1e6:.2f} MB experts read/token | hit rate "
         f"{s['demand_hit_rate']:.2f} | cache {s['cache_slots']} experts of "
         f"{s['expert_bytes'] / 1e6:.2f} MB | peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
-        f"policy {s['policy']}"
+        f"policy {s['policy']}{_plan_line(s.get('memory_plan'))}"
+    )
+
+
+def _plan_line(plan: dict | None) -> str:
+    """Where --max-memory went (serving.memory_plan), as a second summary line."""
+    if not plan:
+        return ""
+    mb = {k: f"{v / 1e6:.1f}" for k, v in plan.items()}
+    return (
+        f"\n[tensorbend] --max-memory {mb['budget']} MB = model without experts {mb['model']} "
+        f"+ staging {mb['staging']} + reserve {mb['reserve']} + cache {mb['cache']} MB "
+        f"(+ {plan['budget'] - sum(plan[k] for k in ('model', 'staging', 'reserve', 'cache')):,} "
+        f"bytes unused); peak RSS counts the import baseline (~400 MB on CPU) on top"
     )
 
 
