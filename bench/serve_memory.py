@@ -109,7 +109,10 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
             "decode_tokens": rs[0]["decode_tokens"],
         })  # fmt: skip
     best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
-    first = runs[next(iter(runs))][0]
+    every = [r for rs in runs.values() for r in rs]
+    first = every[0]
+    plan = _split(first)
+    grown = [r["memory_plan"]["measured"] for r in every if "measured" in r["memory_plan"]]
     for r in rows:  # per repeat: this policy's tok/s over the best cache's in the same repeat
         ratios = [x / b for x, b in zip(r["decode_tok_s_repeats"], best["decode_tok_s_repeats"],
                                         strict=True)]  # fmt: skip
@@ -127,12 +130,16 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "best_no_prediction": best["policy"],
-        "memory_plan": first["memory_plan"],  # serving.memory_plan, bytes
-        "same_plan_every_run": all(
-            r["memory_plan"] == first["memory_plan"] for rs in runs.values() for r in rs
-        ),  # fmt: skip
+        "memory_plan": plan,  # serving.memory_plan's split, bytes (first run)
+        "same_plan_every_run": all(_split(r) == _split(first) for r in every),
+        "measured_model_bytes_range": [min(grown), max(grown)] if grown else None,
         "results": rows,
     }
+
+
+def _split(run: dict) -> dict:
+    """A run's memory plan without its raw measurement (which varies; the split must not)."""
+    return {k: v for k, v in run["memory_plan"].items() if k != "measured"}
 
 
 def _run(cmd: list[str]) -> dict:

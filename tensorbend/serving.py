@@ -28,6 +28,7 @@ only what is read when.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,10 +50,11 @@ from tensorbend.placement import (
     parse_bytes,
 )
 
+BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
+                    "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
 IMPORT_BASELINE = (
-    "import torch, transformers.modeling_utils, transformers.generation.utils, "
-    "tensorbend.generate; from tensorbend.offload.handle import peak_rss_bytes; "
-    "print(peak_rss_bytes())"
+    f"import {', '.join(BASELINE_MODULES)}; "
+    "from tensorbend.offload.handle import peak_rss_bytes; print(peak_rss_bytes())"
 )
 """Python code printing the peak RSS of a process that imports what any transformers
 inference needs (torch, transformers' modeling and generation code) and tensorbend: the
@@ -60,11 +62,12 @@ baseline that a memory budget comes on top of (about 400 MB on CPU)."""
 
 RESERVE_FIXED = 64 * 10**6
 """--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
-the I/O threads' arenas (38 MB measured on the 3.6 GB serving bench, zoo:default x184)."""
+the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/serve_memory.md)."""
 
 MEASURE_GRAIN = 16 * 10**6
 """The measured model part is rounded up to this: it varies by a few MB from run to run
-(8 MB seen), which would otherwise move the cache by an expert between runs."""
+(the serving bench's range: docs/serve_memory.md), which would otherwise move the cache by an
+expert between runs."""
 
 
 @dataclass(frozen=True)
@@ -165,15 +168,15 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
-    rss1 = rss_bytes() if rss0 is not None else None
-    loaded = (
-        None if rss0 is None or rss1 is None else -(-(rss1 - rss0) // MEASURE_GRAIN) * MEASURE_GRAIN
-    )
+    grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
+    loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     store = _store_path(cfg, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts)
+    if mem is not None and grown is not None:
+        mem["measured"] = grown  # the growth itself, before rounding up
     lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
     return lm
 
@@ -197,7 +200,8 @@ def memory_plan(
     model = max(non_expert_bytes, loaded_bytes or 0)
     what = f"non-expert weights {_mb(non_expert_bytes)}"
     if model > non_expert_bytes:
-        what = f"the model without its experts {_mb(model)} (measured; its tensors {_mb(non_expert_bytes)})"
+        what = f"the model without its experts {_mb(model)} (measured; its tensors "
+        what += f"{_mb(non_expert_bytes)})"
     auto = 2048 * kv_bytes + RESERVE_FIXED
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
     bounce = cfg.io_threads if cfg.io == "direct" and cfg.device == "cpu" else 0
@@ -293,11 +297,10 @@ def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
 
 
 def _rss_after_baseline_imports() -> int | None:
-    """The resident set once what IMPORT_BASELINE imports is imported (transformers imports
-    its modeling and generation code lazily: that is the baseline's, not the model's)."""
-    import transformers.generation.utils  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
-
+    """The resident set once BASELINE_MODULES are imported (transformers imports its modeling
+    and generation code lazily: that is the baseline's, not the model's)."""
+    for name in BASELINE_MODULES:
+        importlib.import_module(name)
     return rss_bytes()
 
 

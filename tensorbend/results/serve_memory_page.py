@@ -42,11 +42,19 @@ def markdown(res: dict) -> str:
     plan = res.get("memory_plan")
     if plan:
         mb = {k: f"{v / 1e6:.0f} MB" for k, v in plan.items()}
-        lines += ["", f"Where the budget goes (`serving.memory_plan`, "
-                      f"{'the same in every run' if res.get('same_plan_every_run') else 'first run; it differed between runs'}): "
-                      f"the model without its experts {mb['model']} (measured; its tensors "
-                      f"{mb['non_expert']}), staging {mb['staging']}, reserve {mb['reserve']}, "
-                      f"cache {mb['cache']}."]  # fmt: skip
+        runs = "the same in every run" if res.get("same_plan_every_run") else "first run"
+        grown = res.get("measured_model_bytes_range")
+        grown = f", {grown[0] / 1e6:.0f}-{grown[1] / 1e6:.0f} MB measured" if grown else ""
+        held = plan["model"] + plan["staging"] + plan["cache"]
+        used = max(r["peak_rss_bytes"] - base - held for r in res["results"])
+        lines += [
+            "",
+            f"Where the budget goes (`serving.memory_plan`, {runs}): the model without its "
+            f"experts {mb['model']} (its tensors {mb['non_expert']}{grown}, rounded up to "
+            f"16 MB), staging {mb['staging']}, reserve {mb['reserve']}, cache {mb['cache']}. "
+            f"Of the reserve, runs used at most {used / 1e6:.0f} MB (peak RSS - baseline - "
+            f"model - staging - cache).",
+        ]
     over = [r["policy"] for r in res["results"] if r["peak_rss_bytes"] - base > budget]
     lines += ["", (f"Over the budget (peak RSS - baseline > {budget / 1e6:.0f} MB): "
                    f"{', '.join(over)}." if over else
