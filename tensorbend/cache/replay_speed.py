@@ -1,4 +1,5 @@
-"""Replay speed per policy: layer-steps per second through the linear scan and the victim index.
+"""Replay speed per policy: layer-steps per second through the linear scan, the victim index
+and the compiled replay.
 
 Usage (what `bench/replay_speed.py` runs; docs/bench/replay_speed.md is its output):
     >>> r = measure(SpeedConfig(prompts=2, tokens=4, layers=3, experts=8, top_k=2,
@@ -12,7 +13,10 @@ at the given geometry. "before" replays the first `before_prompts` prompts throu
 `cache.resident.ResidentSet` (a rank per pool entry at each miss: the reference, and what
 every replay did before the index); "after" replays the same prefix, then the whole trace,
 through `cache.victim_heap.IndexedResidentSet`; the prefix's victims must be identical.
-Rates are wall-clock (`time.perf_counter`) and process CPU time (`time.process_time`), whose
+"compiled" replays the whole trace through `cache.compiled.run` (numba; the column is absent
+without it), timed from the list trace to its placement arrays, after one warm-up call that
+compiles the kernel (or loads it from numba's cache: `compile_s`); its placements must equal
+the index's on the whole trace. Rates are wall-clock (`time.perf_counter`) and process CPU time (`time.process_time`), whose
 ratio shows how much of the machine other work took while this ran.
 """
 
@@ -23,6 +27,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
+from tensorbend.cache import compiled
 from tensorbend.cache.replay import REPLAY_POLICIES, planted_trace, replay, replay_policy
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
@@ -54,12 +59,18 @@ def measure(cfg: SpeedConfig, command: str = "") -> dict:
     prefix = ids_FLK[: cfg.before_prompts * cfg.tokens]
     slots = round(cfg.cache_frac * L * E)
     load = os.getloadavg()[0]
+    compile_s = None
+    if compiled.available():
+        t0 = time.perf_counter()
+        compiled.run(ids_FLK[:2], "reuse", 4, E)  # (compiles every function it calls)
+        compile_s = round(time.perf_counter() - t0, 2)
     rows = []
     for name in cfg.policies:
         before = _timed(prefix, ResidentSet, name, slots, L, E)
         after_prefix = _timed(prefix, IndexedResidentSet, name, slots, L, E)
         after = _timed(ids_FLK, IndexedResidentSet, name, slots, L, E)
         policy, _ = replay_policy(name, prefix, L, E)
+        fast = {} if compile_s is None else _timed_compiled(ids_FLK, name, slots, E, after)
         rows.append({
             "policy": name,
             "ranking": policy.ranking,
@@ -72,6 +83,7 @@ def measure(cfg: SpeedConfig, command: str = "") -> dict:
             "same_victims": before["victims"] == after_prefix["victims"],
             "misses": after["misses"],
             "evictions": after["evictions"],
+            **fast,
         })  # fmt: skip
     return {
         "command": command,
@@ -81,6 +93,7 @@ def measure(cfg: SpeedConfig, command: str = "") -> dict:
         "cache_slots": slots,
         "pool": "global",
         "admission": "all",
+        "compile_s": compile_s,
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -109,6 +122,7 @@ def _sharing(r: dict) -> str:
 def markdown(r: dict) -> str:
     """docs/bench/replay_speed.md from `measure`'s dict."""
     c, m = r["config"], r["machine"]
+    fast = r.get("compile_s") is not None
     lines = [
         "# Replay speed per policy",
         "",
@@ -122,18 +136,48 @@ def markdown(r: dict) -> str:
         "trace. Layer-steps per second, wall clock; CPU = per second of this process's CPU "
         f"time. Machine: {m['cpus']} CPUs, Python {m['python']}. " + _sharing(r),
         "",
-        "| policy | index | before | after (prefix) | speedup | after (whole trace) | "
-        "after, CPU | same victims |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    if fast:
+        slowest = min(r["results"], key=lambda x: x["compiled_layer_steps_per_s"])
+        lines += [
+            "Compiled = `cache/compiled.py` (numba) on the whole trace, timed from the list "
+            "trace to its placement arrays (preparation included), after a warm-up call "
+            f"that compiled the kernel or loaded it from numba's cache ({r['compile_s']} s); "
+            "same placements = every placement of the whole trace equals the index's. "
+            f"Slowest policy compiled: {slowest['policy']}, "
+            f"{slowest['compiled_layer_steps_per_s']:,.0f} layer-steps per second.",
+            "",
+        ]
+    head = ("| policy | index | before | after (prefix) | speedup | after (whole trace) | "
+            "after, CPU | same victims |")  # fmt: skip
+    lines += [head + (" compiled | compiled, CPU | vs index | same placements |" if fast else ""),
+              "|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if fast else "")]  # fmt: skip
     for x in r["results"]:
-        lines.append(
+        row = (
             f"| {x['policy']} | {x['ranking']} | {x['before_layer_steps_per_s']:,.0f} | "
             f"{x['after_prefix_layer_steps_per_s']:,.0f} | {x['speedup']}x | "
             f"{x['after_layer_steps_per_s']:,.0f} | {x['after_cpu_layer_steps_per_s']:,.0f} | "
             f"{'yes' if x['same_victims'] else 'NO'} |"
         )
+        if fast:
+            row += (f" {x['compiled_layer_steps_per_s']:,.0f} | "
+                    f"{x['compiled_cpu_layer_steps_per_s']:,.0f} | {x['compiled_speedup']}x | "
+                    f"{'yes' if x['compiled_same_victims'] else 'NO'} |")  # fmt: skip
+        lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def _timed_compiled(ids_FLK: list, name: str, slots: int, E: int, after: dict) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = compiled.run(ids_FLK, name, slots, E)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = len(ids_FLK) * len(ids_FLK[0])
+    return {
+        "compiled_layer_steps_per_s": round(steps / wall),
+        "compiled_cpu_layer_steps_per_s": round(steps / max(cpu, 1e-9)),
+        "compiled_speedup": round(steps / wall / after["rate"], 1),
+        "compiled_same_victims": out.replayed().victims == after["victims"],
+    }
 
 
 def _timed(ids_FLK: list, cls, name: str, slots: int, L: int, E: int) -> dict:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorbend.cache import compiled
 from tensorbend.cache.policies import LRU, NextUse
 from tensorbend.cache.replay import replay, steps_by_key
 from tensorbend.cache.victim_heap import IndexedResidentSet
@@ -147,19 +148,24 @@ def recurrence(used: list, num_experts: int, windows=WINDOWS) -> dict:
     return out
 
 
-def foresight_gaps(ids_FLK, seen_FLK, L, E, cache_frac, pool, hs) -> dict:
+def foresight_gaps(ids_FLK, seen_FLK, L, E, cache_frac, pool, hs, fast: bool | None = None) -> dict:
     """{h: share of the LRU -> Belady miss gap closed by Belady seeing `seen_FLK` for the
-    current and the next h forwards}; demands are always `ids_FLK`."""
+    current and the next h forwards}; demands are always `ids_FLK`. fast: replay with
+    cache/compiled.py (None: when numba is installed); the misses are the same either way."""
     slots = max(round(cache_frac * E) * L if pool == "per_layer" else round(cache_frac * L * E), L)
+    fast = compiled.available() if fast is None else fast
 
-    def misses(policy) -> int:
+    def misses(name: str, seen_FLK) -> int:
+        if fast:
+            return compiled.run(ids_FLK, name, slots, E, pool, seen_FLK).misses
+        h = int(name.split("=")[1]) if "=" in name else None
+        policy = LRU() if name == "lru" else NextUse(steps_by_key(seen_FLK), L, h)
         return replay(ids_FLK, IndexedResidentSet(slots, L, policy, pool=pool)).misses
 
-    lru = misses(LRU())
-    full = misses(NextUse(steps_by_key(ids_FLK), L))
-    seen = steps_by_key(seen_FLK)
+    lru = misses("lru", ids_FLK)
+    full = misses("belady", ids_FLK)
     gap = lru - full
-    return {h: (lru - misses(NextUse(seen, L, h + 1))) / gap if gap else None for h in hs}
+    return {h: (lru - misses(f"belady/h={h + 1}", seen_FLK)) / gap if gap else None for h in hs}
 
 
 def format_card(cards: dict[str, dict], reference: dict = REFERENCE) -> str:
