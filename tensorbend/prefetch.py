@@ -55,6 +55,8 @@ import numpy as np
 import torch
 
 from tensorbend.errors import PredictorInputError
+from tensorbend.jit import AVAILABLE as JIT
+from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
 from tensorbend.predictors.horizon_fast import FastHorizon
@@ -153,6 +155,8 @@ class Prefetcher:
         self._has_prev_1 = (torch.tensor([False]), torch.tensor([True]))
         self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
         self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
+        if JIT and (self._asks or self.horizon is not None):
+            kernels().warm()  # (the compiled one-token paths: not at the first decode token)
 
     @property
     def wants_layer_input(self) -> bool:
@@ -288,7 +292,12 @@ def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _token_list(scores_1E: torch.Tensor, width: int) -> list[int]:
-    """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists."""
+    """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists
+    (compiled with numba: predictors/decode_kernels.top_ids)."""
+    if JIT:
+        return (
+            kernels().top_ids(np.ascontiguousarray(scores_1E.detach().numpy()[0]), width).tolist()
+        )
     top = scores_1E.topk(min(width, scores_1E.shape[1]), dim=1)  # (ranked_ids' own call)
     ids_J, values_J = top.indices.tolist()[0], top.values.tolist()[0]
     return [e for e, v in zip(ids_J, values_J, strict=True) if v > -INF]

@@ -129,12 +129,19 @@ def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
         train(TrainConfig(tmp_path / "t", tmp_path / "x.safetensors", "horizon"), progress=False)
 
 
-def test_fast_numpy_path_equals_the_torch_computation(cycle):
-    """The runtime's numpy path (state, forecast, next-use steps) equals HorizonPredictor's."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fast_numpy_path_equals_the_torch_computation(cycle, compiled, monkeypatch):
+    """The runtime's numpy path (state, forecast, next-use steps), or its compiled kernel
+    (predictors/decode_kernels.py), equals HorizonPredictor's."""
     import numpy as np
 
+    from tensorbend.predictors import horizon_fast
     from tensorbend.predictors.horizon import request_forwards
     from tensorbend.predictors.horizon_fast import FastHorizon
+
+    if compiled:
+        pytest.importorskip("numba")
+    monkeypatch.setattr(horizon_fast, "AVAILABLE", compiled)
 
     for inputs in ("routing", "routing+hidden"):
         rows = {s: cycle.load(("ids", "gate_input"), split=s) for s in ("train", "val")}

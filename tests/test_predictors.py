@@ -226,11 +226,21 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
                 assert torch.allclose(p.scores(m, one), p.scores_reference(m, one), atol=1e-4)
 
 
-def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_path):
-    """Decode scores one token in numpy (residual_fast.score_token): the same scores as the
-    torch fast path up to rounding, and the same top-(K + 2) experts in the same order."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_path, compiled,
+                                                            monkeypatch):  # fmt: skip
+    """Decode scores one token in numpy (residual_fast.score_token), or in its compiled
+    kernel (predictors/decode_kernels.py): the same scores as the torch fast path up to
+    rounding, and the same top-(K + 2) experts in the same order, also as
+    prefetch._token_list names them."""
+    from tensorbend import prefetch
+    from tensorbend.predictors import residual_fast
     from tensorbend.predictors.residual_fast import score_folded
 
+    if compiled:
+        pytest.importorskip("numba")
+    monkeypatch.setattr(residual_fast, "AVAILABLE", compiled)
+    monkeypatch.setattr(prefetch, "JIT", compiled)
     for la in ("d1", "pre_attn"):
         p, rows = _perturbed_ours(real_trace, tmp_path, la)
         width = p.spec.top_k + 2
@@ -242,7 +252,9 @@ def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_pat
                 assert p._fast[m][1] is not None  # the numpy path covers this router
                 torch_path = score_folded(p, p._fast[m][0], m, one)
                 assert torch.allclose(fast, torch_path, atol=1e-5)
-                assert fast.topk(width).indices.tolist() == torch_path.topk(width).indices.tolist()
+                want = torch_path.topk(width).indices[0].tolist()
+                assert fast.topk(width).indices[0].tolist() == want
+                assert prefetch._token_list(fast, width) == want
 
 
 def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):

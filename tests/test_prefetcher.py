@@ -230,3 +230,21 @@ def test_a_predictor_of_only_minus_inf_is_not_asked_and_that_changes_nothing(loo
     assert n_declared == 0 and n_silent > 0
     assert declared == silent
     assert any(p for p in declared if isinstance(p, list))  # the horizon's prefetches remain
+
+
+def test_compiled_top_ids_ranks_like_torch_topk():
+    """predictors/decode_kernels.top_ids (prefetch._token_list with numba): torch.topk's
+    order on distinct scores, -inf scores left out, ties to the lower expert id."""
+    from tensorbend.predictors.decode_kernels import top_ids
+
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        s = torch.randn(32, generator=g)
+        s[torch.randperm(32, generator=g)[:3]] = -float("inf")
+        width = int(torch.randint(1, 40, (1,), generator=g))
+        top = s.topk(min(width, 32))
+        want = [e for e, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                if v > -float("inf")]  # fmt: skip
+        assert top_ids(s.numpy(), width).tolist() == want
+    assert top_ids(np.array([1.0, 3.0, 3.0, 2.0], np.float32), 3).tolist() == [1, 2, 3]

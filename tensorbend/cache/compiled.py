@@ -40,17 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorbend.cache.replay import REPLAY_POLICIES, Replayed
-
-try:
-    from numba import njit
-
-    _NUMBA = True
-except ImportError:  # optional: without it the kernel below is never called (`available`)
-    _NUMBA = False
-
-    def njit(*args, **kw):
-        return lambda fn: fn
-
+from tensorbend.jit import AVAILABLE, njit
 
 OUTCOMES = ("admitted", "refused", "blocked")  # the kernel's outcome codes 0, 1, 2
 _LRU, _LFU, _LFRU, _PREDICTED, _REUSE, _NEXT_USE = range(6)
@@ -87,7 +77,7 @@ class Compiled:
 
 def available() -> bool:
     """Whether numba is importable (the compiled replay needs it)."""
-    return _NUMBA
+    return AVAILABLE
 
 
 def replay_compiled(ids_FLK, name: str, slots: int, num_experts: int = 0,

@@ -68,6 +68,7 @@ class ScheduledIndex:
         self.memo_now = -1
         self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
         self.pending = False  # a forecast not applied yet (at the next victim search)
+        self.hinted_keys: dict[Key, None] = {}  # hinted since the last search (applied there)
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
         self.limit = 4 * rs.capacity + 64  # entries in a heap before its stale ones go
@@ -116,10 +117,20 @@ class ScheduledIndex:
         self.version[key] += 1  # its entries go stale
 
     def hinted(self, key: Key, now: int) -> None:
-        # a hint, even of an absent key, may move its layer's group (Predicted: the visit)
-        self.memo.pop((key[0] if self.per_layer else 0, key[0]), None)
-        if key in self.recency:
-            self.put(key, now)
+        """A hint moved key's rank (the policy knows it already): re-ranked at the next victim
+        search (`_apply_hints`), like a forecast. Hints come on the compute thread, several
+        per MoE layer; a victim search runs on an I/O thread, at a miss (never, when the
+        cache holds everything), and ranks the key from the policy as it is then, which is
+        what re-ranking it at every hint would have left."""
+        self.hinted_keys[key] = None
+
+    def _apply_hints(self, now: int) -> None:
+        keys, self.hinted_keys = self.hinted_keys, {}
+        for key in keys:
+            # a hint, even of an absent key, may move its layer's group (Predicted: the visit)
+            self.memo.pop((key[0] if self.per_layer else 0, key[0]), None)
+            if key in self.recency:
+                self.put(key, now)
 
     def rebuild(self, now: int) -> None:
         """A forecast arrived: applied at the next victim search (`_apply_forecast`). A
@@ -172,6 +183,8 @@ class ScheduledIndex:
     def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
         if self.pending:
             self._apply_forecast(now)
+        if self.hinted_keys:
+            self._apply_hints(now)
         version = self.version
         if now > self.done:  # the ranks that ran out at the steps since the last search
             due, recency, put = self.due, self.recency, self.put

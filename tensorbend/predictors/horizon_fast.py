@@ -1,6 +1,7 @@
 """The horizon predictor's per-forward work in the runtime, in numpy (small arrays: numpy's
 per-op overhead is a fraction of torch's). Equal to `HorizonPredictor` up to float rounding
-(tests/test_horizon.py).
+(tests/test_horizon.py). With numba installed, `step` is one compiled kernel
+(predictors/decode_kernels.horizon_step_kernel), the same operations.
 
 Usage:
     fast = FastHorizon(pred)                    # pred: a trained HorizonPredictor
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorbend.jit import AVAILABLE, kernels
 from tensorbend.predictors.horizon import (
     COUNT_DECAYS,
     HIDDEN_EMA,
@@ -57,6 +59,10 @@ class FastHorizon:
             self.mlp = (sd["mlp.0.weight"].T.copy(), sd["mlp.0.bias"], W2.T.copy(), b2.copy())
         self.decays_C1 = np.asarray(COUNT_DECAYS, dtype=np.float32)[:, None]
         self.neg_inv_tau_T1 = (-1 / np.asarray(RECENCY_TAUS, dtype=np.float32))[:, None]
+        self.decays_C, self.neg_inv_tau_T = (
+            self.decays_C1[:, 0].copy(),
+            self.neg_inv_tau_T1[:, 0].copy(),
+        )
         h = J - 1
         # sums_2J @ p_LJE = (P(next use within h), sum over j < h of j * P(class j)): the
         # expected step of a use within h is base * the first + L * the second (steps below)
@@ -64,6 +70,7 @@ class FastHorizon:
         self.sums_2J[0, :h], self.sums_2J[1, :h] = 1.0, np.arange(h)
         self.m_L1 = np.arange(L, dtype=np.float64)[:, None]
         self.next_forward_probs = None
+        self._kernel = kernels().horizon_step_kernel if AVAILABLE else None  # (None: numpy)
 
     def new_state(self) -> FastState:
         s = self.spec
@@ -71,10 +78,30 @@ class FastHorizon:
 
     def step(self, st: FastState, used_LE: np.ndarray, hidden_D: np.ndarray | None, forward: int):
         """Observe forward `forward` and forecast: (ahead, after_first) lists for Reuse."""
+        if self._kernel is not None:
+            return self._step_compiled(st, used_LE, hidden_D, forward)
         self._observe(st, used_LE, hidden_D)
         p_LJE = self._probs(st)
         self.next_forward_probs = p_LJE[:, 0]
         return self._next_use_steps(p_LJE, st, forward)
+
+    def _step_compiled(self, st: FastState, used_LE, hidden_D, forward: int):
+        L, E = used_LE.shape
+        ahead_LE, after_LE = np.empty((L, E)), np.empty((L, E))
+        first_LE = np.empty((L, E), dtype=np.float32)
+        W1, b1, W2, b2 = self.mlp if self.mlp is not None else _NO_MLP
+        if hidden_D is None or self.mlp is None:
+            hidden_D = _NO_HIDDEN  # (the numpy path keeps the mean of a hidden it never reads)
+        hidden_D = np.ascontiguousarray(hidden_D, dtype=np.float32)
+        self._kernel(
+            np.ascontiguousarray(used_LE, dtype=np.float32), hidden_D, st.age_L1E.reshape(L, E),
+            st.counts_LCE, st.hidden_2D, st.forwards, self.w_LJX, self.b_LJE, self.decays_C,
+            self.neg_inv_tau_T, W1, b1, W2, b2, HIDDEN_EMA, EPS_RMS, forward, ahead_LE,
+            after_LE, first_LE,
+        )  # fmt: skip
+        st.forwards += 1
+        self.next_forward_probs = first_LE
+        return ahead_LE.tolist(), after_LE.tolist()
 
     def _observe(self, st: FastState, used_LE: np.ndarray, hidden_D: np.ndarray | None) -> None:
         used_L1E = used_LE.reshape(used_LE.shape[0], 1, -1)
@@ -129,3 +156,6 @@ class FastHorizon:
 
 
 _GELU_C = float(np.sqrt(2 / np.pi))
+_NO_MLP = (np.zeros((0, 0), np.float32), np.zeros(0, np.float32), np.zeros((0, 0), np.float32),
+           np.zeros(0, np.float32))  # fmt: skip
+_NO_HIDDEN = np.zeros(0, np.float32)

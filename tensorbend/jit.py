@@ -1,0 +1,48 @@
+"""The optional compiler: numba's `njit` when numba is installed, else a decorator that leaves
+functions as they are (and `AVAILABLE` False, so callers take their numpy/Python path).
+
+Usage:
+    from tensorbend.jit import AVAILABLE, njit
+
+    @njit(cache=True, nogil=True)
+    def kernel(x):  # compiled at its first call; cached on disk by numba between runs
+        ...
+
+    path = kernel if AVAILABLE else python_path
+
+`AVAILABLE` is known without importing numba (which takes ~1.5 s): a module that defines
+kernels imports it when it is imported, so the modules that use kernels import those lazily
+(prefetch.py, predictors/residual_fast.py, predictors/horizon_fast.py load
+predictors/decode_kernels.py only when they first need a kernel). `pip install
+tensorbend[fast]` installs numba. Every compiled path has a reference path that tests compare
+it with: cache/compiled.py (the demand replay) and predictors/decode_kernels.py (the
+runtime's one-token scoring).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+AVAILABLE = importlib.util.find_spec("numba") is not None
+
+
+def njit(*args, **kw):
+    """numba.njit(*args, **kw) when numba is installed; else the function itself."""
+    if AVAILABLE:
+        from numba import njit as numba_njit
+
+        return numba_njit(*args, **kw)
+    if len(args) == 1 and callable(args[0]) and not kw:
+        return args[0]
+    return lambda fn: fn
+
+
+def kernels():
+    """predictors/decode_kernels.py, imported at the first call (and numba with it)."""
+    name = "tensorbend.predictors.decode_kernels"
+    return sys.modules.get(name) or importlib.import_module(name)
+
+
+__all__ = ["AVAILABLE", "kernels", "njit"]
