@@ -50,6 +50,7 @@ Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A pred
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,8 +66,9 @@ from tensorbend.predictors.registry import check_roles
 INF = float("inf")
 
 
-@dataclass(frozen=True)
-class Prediction:
+class Prediction(NamedTuple):
+    """One expert to prefetch (an immutable tuple: a decode token makes dozens of them)."""
+
     layer: int
     expert: int
     step: int  # forward * L + layer: when the expert is wanted
@@ -155,6 +157,7 @@ class Prefetcher:
         self._has_prev_1 = (torch.tensor([False]), torch.tensor([True]))
         self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
         self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
+        self._rows_L1 = np.arange(spec.num_moe_layers)[:, None]
         if JIT and (self._asks or self.horizon is not None):
             kernels().warm()  # (the compiled one-token paths: not at the first decode token)
 
@@ -257,8 +260,9 @@ class Prefetcher:
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
         hidden_BD = hidden_TD.detach().float().cpu().numpy().reshape(B, -1, D)[:, -1]
-        ids_LBN = self.history.ids_TLK().numpy().transpose(1, 0, 2).reshape(L, B, -1)
-        rows_L1 = np.arange(L)[:, None]
+        cur = self.history.cur
+        ids_LBN = np.stack([cur[m].numpy().reshape(B, -1) for m in range(L)])  # (ids_TLK's)
+        rows_L1 = self._rows_L1
         ahead, after, first = [], [], []
         for b in range(B):
             used_LE = np.zeros((L, E), dtype=np.float32)
