@@ -131,7 +131,7 @@ bench-timing: bench-traces
 		--train-trace $(BENCH)/default/trace --json docs/simulate_validation.json \
 		--doc docs/simulate_validation.md > /dev/null
 	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
-		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --repeats 5 \
 		--json docs/bench/predictor_cost.json > /dev/null
 	$(PY) -m bench.replay_speed --json docs/bench/replay_speed.json \
 		--doc docs/bench/replay_speed.md > /dev/null
