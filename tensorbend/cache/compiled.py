@@ -173,9 +173,8 @@ def _exact_forecasts(ids_FLK: np.ndarray, n_FL: np.ndarray, E: int):
 # ---------------------------------------------------------------- the kernel (numba)
 # Keys are k = m * E + e. Per key: rec (recency sequence number), missed (the sequence number
 # of a pending demand, -1 none), pin (the step whose demand pinned it), count / last (LFU,
-# LFRU), g / has_g (Predicted's log count), hint (pending predicted step, -1 none), cursor
-# (its next recorded use in steps[ptr[k]:ptr[k + 1]]). ctr = [seq, evictions, Predicted's
-# clock, the forward of the forecast in force (-1 none)].
+# LFRU), g (Predicted's log count; -inf: never used, whose count exp(-inf) is 0), hint (pending predicted step, -1 none), nxt and
+# cursor (NextUse: its next recorded use, at steps[cursor[k]] of steps[ptr[k]:ptr[k + 1]]).
 
 
 @njit(cache=True)
@@ -203,20 +202,20 @@ def _next_recorded(k, now, cursor, ptr, steps):
 
 
 @njit(cache=True)
-def _estimate(m, gk, has, now, L, layer_hint, per_step, decay):
-    """Predicted._estimate for a key of layer m with log count gk (has: any use): the layer's
+def _estimate(m, gk, now, L, layer_hint, per_step, decay):
+    """Predicted._estimate for a key of layer m with log count gk (-inf: no use): the layer's
     next visit (one later when its prediction left the key out), stretched by the odds."""
     visit = now - now % L + m
     if visit <= now:
         visit += L
     if layer_hint[m] >= visit:
         visit += L
-    p = min(1.0, math.exp(gk + now * per_step) * (1 - decay)) if has else 0.0
+    p = min(1.0, math.exp(gk + now * per_step) * (1 - decay))  # (0.0 for -inf, as for None)
     return visit + L * (1 - p) / max(p, 1e-3)
 
 
 @njit(cache=True)
-def _next_use(code, k, now, L, E, g, has_g, hint, layer_hint, per_step, decay, foresight,
+def _next_use(code, k, now, L, E, g, hint, layer_hint, per_step, decay, foresight,
               nxt, cursor, ptr, steps, fc, ahead_FK, after_FK):  # fmt: skip
     """policy.next_use(k, now) (prefetch_worth's question): a step or inf; -1.0 for None."""
     if code <= _LFRU:
@@ -233,11 +232,11 @@ def _next_use(code, k, now, L, E, g, has_g, hint, layer_hint, per_step, decay, f
     if code == _REUSE and fc >= 0:
         v = ahead_FK[fc, k] if (fc + 1) * L + m > now else after_FK[fc, k]
         return max(v, now + 1.0)
-    return _estimate(m, g[k], has_g[k], now, L, layer_hint, per_step, decay)
+    return _estimate(m, g[k], now, L, layer_hint, per_step, decay)
 
 
 @njit(cache=True)
-def _victim(code, p, now, members, size, pin, rec, count, last, g, has_g, hint, layer_hint,
+def _victim(code, p, now, members, size, pin, rec, count, last, g, hint, layer_hint,
             head_L, nxt, cursor, ptr, steps, layer_K, L, E, per_step, decay, foresight, fc,
             ahead_FK, after_FK):  # fmt: skip
     """ResidentSet.victim: the evictable (pin != now) entry of pool p with the highest
@@ -246,84 +245,65 @@ def _victim(code, p, now, members, size, pin, rec, count, last, g, has_g, hint, 
     recency (cache/predicted.py), so only each layer's head of that order is estimated."""
     best, b1, b2, b3 = -1, 0.0, 0.0, 0  # rank (b1, b2, -b3): b3 the recency
     n = size[p]
-    if code == _LRU:
+    if code == _LRU:  # (integer ranks: their own loops, several times faster)
         for i in range(n):
             c = members[p, i]
             if pin[c] != now and (best < 0 or rec[c] < b3):
                 best, b3 = c, rec[c]
-    elif code == _LFU:
+        return best
+    if code == _LFU:
         for i in range(n):
             c = members[p, i]
             if pin[c] != now and (best < 0 or count[c] < b1 or (count[c] == b1 and rec[c] < b3)):
                 best, b1, b3 = c, count[c], rec[c]
-    elif code == _LFRU:
+        return best
+    if code != _PREDICTED and (code != _REUSE or fc >= 0):  # rank (first field, 0, -recency)
+        sight = INF if foresight < 0 else (now // L + foresight) * L  # (NextUse)
+        switch = now - (fc + 1) * L  # (Reuse) layers above it still read the first class
         for i in range(n):
             c = members[p, i]
             if pin[c] == now:
                 continue
-            r1 = 0.0 if last[c] < 0 else -(count[c] / (now - last[c] + 1))
-            if best < 0 or r1 > b1 or (r1 == b1 and rec[c] < b3):
-                best, b1, b3 = c, r1, rec[c]
-    elif code == _NEXT_USE:  # nxt: the next recorded use after the key's last use or now
-        sight = INF if foresight < 0 else (now // L + foresight) * L
-        for i in range(n):
-            c = members[p, i]
-            if pin[c] == now:
-                continue
-            if nxt[c] <= now:  # used at this step, not yet touched: its next use after now
-                nxt[c] = _next_recorded(c, now, cursor, ptr, steps)
-            r1 = nxt[c] if nxt[c] < sight else INF
-            if best < 0 or r1 > b1 or (r1 == b1 and rec[c] < b3):
-                best, b1, b3 = c, r1, rec[c]
-    elif code == _REUSE and fc >= 0:  # Reuse.rank under a forecast: (next use, -inf, -rec)
-        switch = now - (fc + 1) * L  # layers above it still read the forecast's first class
-        for i in range(n):
-            c = members[p, i]
-            if pin[c] == now:
-                continue
-            if hint[c] > now:
+            if code == _LFRU:
+                r1 = 0.0 if last[c] < 0 else -(count[c] / (now - last[c] + 1))
+            elif code == _NEXT_USE:  # nxt: the next recorded use after the key's last use
+                if nxt[c] <= now:  # used at this step, not yet touched: its next use after now
+                    nxt[c] = _next_recorded(c, now, cursor, ptr, steps)
+                r1 = nxt[c] if nxt[c] < sight else INF
+            elif hint[c] > now:  # Reuse under a forecast: (next use, -inf, -recency)
                 r1 = hint[c] * 1.0
             else:
                 r1 = ahead_FK[fc, c] if layer_K[c] > switch else after_FK[fc, c]
                 r1 = max(r1, now + 1.0)
             if best < 0 or r1 > b1 or (r1 == b1 and rec[c] < b3):
                 best, b1, b3 = c, r1, rec[c]
-    else:  # Predicted: hinted keys rank (hint, -inf, -recency); the rest by layer heads
-        b2 = -INF
-        head_L[:] = -1
-        for i in range(n):
-            c = members[p, i]
-            if pin[c] == now:
-                continue
-            if hint[c] > now:
-                r1 = hint[c] * 1.0
-                if best < 0 or r1 > b1 or (r1 == b1 and rec[c] < b3):
-                    best, b1, b3 = c, r1, rec[c]
-                continue
-            m = layer_K[c]
-            h = head_L[m]
-            if h < 0 or _before(has_g[c], g[c], rec[c], has_g[h], g[h], rec[h]):
-                head_L[m] = c
-        for m in range(L):
-            c = head_L[m]
-            if c < 0:
-                continue
-            r1 = _estimate(m, g[c], has_g[c], now, L, layer_hint, per_step, decay)
-            r2 = -g[c] if has_g[c] else INF
-            if best < 0 or r1 > b1 or (r1 == b1 and (r2 > b2 or (r2 == b2 and rec[c] < b3))):
-                best, b1, b2, b3 = c, r1, r2, rec[c]
+        return best
+    # Predicted (and Reuse before a forecast): hinted keys rank (hint, -inf, -recency); the
+    # rest by layer heads
+    b2 = -INF
+    head_L[:] = -1
+    for i in range(n):
+        c = members[p, i]
+        if pin[c] == now:
+            continue
+        if hint[c] > now:
+            r1 = hint[c] * 1.0
+            if best < 0 or r1 > b1 or (r1 == b1 and rec[c] < b3):
+                best, b1, b3 = c, r1, rec[c]
+            continue
+        m = layer_K[c]
+        h = head_L[m]
+        if h < 0 or g[c] < g[h] or (g[c] == g[h] and rec[c] < rec[h]):  # (log count, recency)
+            head_L[m] = c
+    for m in range(L):
+        c = head_L[m]
+        if c < 0:
+            continue
+        r1 = _estimate(m, g[c], now, L, layer_hint, per_step, decay)
+        r2 = -g[c]  # (inf for a key never used: -log_count.get(key, -inf))
+        if best < 0 or r1 > b1 or (r1 == b1 and (r2 > b2 or (r2 == b2 and rec[c] < b3))):
+            best, b1, b2, b3 = c, r1, r2, rec[c]
     return best
-
-
-@njit(cache=True)
-def _before(has_a, g_a, rec_a, has_b, g_b, rec_b):
-    """Whether key a comes before key b in a layer's (log count, recency) order (no use
-    first: its log count is -inf)."""
-    if has_a != has_b:
-        return not has_a
-    if has_a and g_a != g_b:
-        return g_a < g_b
-    return rec_a < rec_b
 
 
 @njit(cache=True)
@@ -340,7 +320,7 @@ def _kernel(ids_FLK, n_FL, E, code, slots, per_layer, prefetch_next, decay, fore
     size = np.zeros(n_pools, np.int64)
     pos, missed, pin = np.full(NK, -1), np.full(NK, -1), np.full(NK, -1)
     rec, count, last = np.zeros(NK, np.int64), np.zeros(NK, np.int64), np.full(NK, -1)
-    g, has_g = np.zeros(NK), np.zeros(NK, np.bool_)
+    g = np.full(NK, -INF)
     hint, layer_hint, head_L = np.full(NK, -1), np.full(L, -1), np.full(L, -1)
     cursor = ptr[:-1].copy()
     layer_K = np.arange(NK) // E
@@ -373,7 +353,7 @@ def _kernel(ids_FLK, n_FL, E, code, slots, per_layer, prefetch_next, decay, fore
                 p = m2 if per_layer else 0
                 v = -1
                 if size[p] >= caps[p] and caps[p] > 0:
-                    v = _victim(code, p, now, members, size, pin, rec, count, last, g, has_g,
+                    v = _victim(code, p, now, members, size, pin, rec, count, last, g,
                                 hint, layer_hint, head_L, nxt, cursor, ptr, steps, layer_K, L,
                                 E, per_step, decay, foresight, fc, ahead_FK,
                                 after_FK)  # fmt: skip
@@ -381,7 +361,7 @@ def _kernel(ids_FLK, n_FL, E, code, slots, per_layer, prefetch_next, decay, fore
                         outcome_P[n] = 2
                         n += 1
                         continue
-                    theirs = _next_use(code, v, now, L, E, g, has_g, hint, layer_hint,
+                    theirs = _next_use(code, v, now, L, E, g, hint, layer_hint,
                                        per_step, decay, foresight, nxt, cursor, ptr,
                                        steps, fc, ahead_FK, after_FK)  # fmt: skip
                     if not (theirs < 0 or theirs > when):  # prefetch_worth: no
@@ -409,9 +389,8 @@ def _kernel(ids_FLK, n_FL, E, code, slots, per_layer, prefetch_next, decay, fore
                 elif hints:
                     if now > clock:
                         clock = now
-                    c = math.exp(g[k] + now * per_step) if has_g[k] else 0.0
+                    c = math.exp(g[k] + now * per_step)  # (0.0 never used)
                     g[k] = math.log(c + 1.0) - now * per_step
-                    has_g[k] = True
                 seq += 1
                 if pos[k] >= 0:
                     rec[k] = seq
@@ -427,7 +406,7 @@ def _kernel(ids_FLK, n_FL, E, code, slots, per_layer, prefetch_next, decay, fore
                 elif size[p] < caps[p]:
                     seq = _admit(k, -1, p, seq, members, size, pos, missed, rec)
                 else:
-                    v = _victim(code, p, now, members, size, pin, rec, count, last, g, has_g,
+                    v = _victim(code, p, now, members, size, pin, rec, count, last, g,
                                 hint, layer_hint, head_L, nxt, cursor, ptr, steps, layer_K, L,
                                 E, per_step, decay, foresight, fc, ahead_FK,
                                 after_FK)  # fmt: skip
