@@ -25,7 +25,8 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
     >>> likeliest([0.2, 0.7, 0.7, 0.1], 2)
     [1, 2]
 
-One token: its top-(K + extra) guesses, best first (`-1`: no guess). Several tokens (prefill,
+One token: its top-(K + extra) guesses, best first (`-1`: no guess); with numba, ours scores
+and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested). Several tokens (prefill,
 a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
 horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
 The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
@@ -92,28 +93,38 @@ class StepClock:
 
 @dataclass
 class RoutingHistory:
-    """Routing seen so far: this forward's ids per layer, and the previous forward's last token's."""
+    """Routing seen so far: this forward's ids per layer, and the previous forward's last token's
+    (numpy views of the same memory beside the tensors: indexing a tensor costs ~2 us, an
+    array ~0.2, and a decode token reads them once per layer)."""
 
     num_layers: int
     cur: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_TK (CPU)
-    prev: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_K (last token)
+    cur_np: dict[int, np.ndarray] = field(default_factory=dict)  # m -> the same, numpy
+    prev: dict[int, np.ndarray] = field(default_factory=dict)  # m -> ids_K (last token)
     batch: int = 1
     """Sequences per forward, in lockstep (their tokens in order): prev then holds each
     sequence's last token, [B, K]."""
 
+    def put(self, m: int, ids_TK: torch.Tensor) -> None:
+        """Layer m's routed ids this forward ([T, K], CPU)."""
+        self.cur[m] = ids_TK
+        self.cur_np[m] = ids_TK.numpy()
+
     def begin_prompt(self) -> None:
         self.cur.clear()
+        self.cur_np.clear()
         self.prev.clear()
 
     def begin_forward(self) -> None:
         if self.batch == 1:
-            self.prev.update({m: ids_TK[-1] for m, ids_TK in self.cur.items()})
+            self.prev.update({m: ids_TK[-1] for m, ids_TK in self.cur_np.items()})
         else:
             B = self.batch
             self.prev.update(
-                {m: ids.view(B, -1, ids.shape[-1])[:, -1] for m, ids in self.cur.items()}
+                {m: ids.reshape(B, -1, ids.shape[-1])[:, -1] for m, ids in self.cur_np.items()}
             )
         self.cur.clear()
+        self.cur_np.clear()
 
     def ids_TLK(self) -> torch.Tensor:
         """This forward's routing, [T, L, K]."""
@@ -158,6 +169,13 @@ class Prefetcher:
         self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
         self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
         self._rows_L1 = np.arange(spec.num_moe_layers)[:, None]
+        # the fused one-token path (compiled, ours): target layer -> the kernel's weight args
+        # (False: not covered; the general path scores it)
+        self._plans: dict[int, tuple | bool] = {}
+        self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
+        self._uses_prev = bool(getattr(predictor, "token_uses_prev", True))
+        self._out_E = np.empty(spec.num_experts, dtype=np.float32)
+        self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
             kernels().warm()  # (the compiled one-token paths: not at the first decode token)
 
@@ -198,7 +216,12 @@ class Prefetcher:
             if self.wants_layer_input:
                 out += self._within(layer, layer, hidden_TD)
             return out
-        self.history.cur[layer] = routed_ids_TK.detach().reshape(-1, routed_ids_TK.shape[-1]).cpu()
+        ids_TK = (
+            routed_ids_TK
+            if routed_ids_TK.dim() == 2
+            else routed_ids_TK.reshape(-1, routed_ids_TK.shape[-1])
+        )  # (integer ids carry no gradient: no detach)
+        self.history.put(layer, ids_TK.cpu() if ids_TK.is_cuda else ids_TK)
         if self.horizon is not None and layer == self.spec.num_moe_layers - 1:
             out += self._foresee(hidden_TD.reshape(-1, hidden_TD.shape[-1]))
         la = self.la
@@ -215,14 +238,25 @@ class Prefetcher:
             return []
         if self.ahead is not None:
             return self._ranked_pairs(self.ahead(self.clock.step(source)), hint=True)
-        return self._predict(m, hidden_TD.reshape(-1, self.spec.hidden_size))
+        return self._predict(m, hidden_TD)
 
     def _predict(self, m: int, hidden_TD: torch.Tensor) -> list[Prediction]:
-        """Score target layer m from its source point, as sources_from_rows does offline."""
-        T, K = hidden_TD.shape[0], self.spec.top_k
+        """Score target layer m from its source point, as sources_from_rows does offline
+        (hidden_TD: any leading shape, [..., D])."""
+        D, K = self.spec.hidden_size, self.spec.top_k
+        T = hidden_TD.numel() // D
         route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
+        prev_np = self.history.prev.get(m)
+        if T == 1 and self._fused:
+            plan = self._plans.get(m)
+            if plan is None:
+                plan = self._plans[m] = self.predictor.token_plan(m) or False
+            if plan:
+                src_np = self.history.cur_np[route_layer] if route_layer >= 0 else None
+                return self._predict_token(m, plan, hidden_TD, src_np, prev_np)
         src_ids_TK = self.history.cur[route_layer] if route_layer >= 0 else None
-        prev = self.history.prev.get(m)
+        prev = None if prev_np is None else torch.from_numpy(prev_np)
+        hidden_TD = hidden_TD.reshape(T, D)
         if T == 1:  # decode, the hot path: no tensor made here (~2-10 us of dispatch each)
             has_prev_T = self._has_prev_1[prev is not None]
             prev_TK = prev.view(1, K) if prev is not None else self._no_prev_1K
@@ -243,6 +277,25 @@ class Prefetcher:
         when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 
+    def _predict_token(self, m: int, plan: tuple, hidden_1D, src_ids_1K, prev_K):  # (numpy ids)
+        """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
+        the same scores and list, without a tensor op or an intermediate array between
+        scoring and the top ids (each ~1-5 us of dispatch, most of a call's cost otherwise)."""
+        h = hidden_1D.detach() if hidden_1D.requires_grad else hidden_1D
+        if h.dtype != torch.float32 or h.is_cuda:
+            h = h.float().cpu()
+        has_prev = self._uses_prev and prev_K is not None
+        n = kernels().predict_token_kernel(
+            h.numpy().reshape(-1),
+            _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
+            _ids(prev_K) if has_prev else _NO_IDS,
+            has_prev, *plan, self.spec.top_k + self.extra, self._out_E, self._out_J,
+        )  # fmt: skip
+        when = self.clock.step(m)
+        return [
+            _new(Prediction, (m, e, when, r, True)) for r, e in enumerate(self._out_J[:n].tolist())
+        ]
+
     def _foresee(self, hidden_TD: torch.Tensor) -> list[Prediction]:
         """At the last MoE layer's router: update the horizon's request history (a new one at
         a request's first forward), publish the forecast, name the next forward's experts.
@@ -259,9 +312,12 @@ class Prefetcher:
             self._state = [self.horizon.new_state() for _ in range(B)]
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
-        hidden_BD = hidden_TD.detach().float().cpu().numpy().reshape(B, -1, D)[:, -1]
-        cur = self.history.cur
-        ids_LBN = np.stack([cur[m].numpy().reshape(B, -1) for m in range(L)])  # (ids_TLK's)
+        h = hidden_TD.detach() if hidden_TD.requires_grad else hidden_TD
+        if h.dtype != torch.float32 or h.is_cuda:
+            h = h.float().cpu()
+        hidden_BD = h.numpy().reshape(B, -1, D)[:, -1]
+        cur = self.history.cur_np
+        ids_LBN = np.stack([cur[m].reshape(B, -1) for m in range(L)])  # (ids_TLK's)
         rows_L1 = self._rows_L1
         ahead, after, first = [], [], []
         for b in range(B):
@@ -285,7 +341,16 @@ class Prefetcher:
 
     @staticmethod
     def _ranked_pairs(pairs, hint: bool) -> list[Prediction]:
-        return [Prediction(m, e, when, r, hint) for r, ((m, e), when) in enumerate(pairs)]
+        return [_new(Prediction, (m, e, when, r, hint)) for r, ((m, e), when) in enumerate(pairs)]
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handling (~1 us each)
+
+
+def _ids(ids_K: np.ndarray) -> np.ndarray:
+    """Expert ids as the compiled kernel's type (int64, contiguous): routers give int64."""
+    return ids_K if ids_K.dtype == np.int64 else ids_K.astype(np.int64)
 
 
 def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:

@@ -257,6 +257,38 @@ def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_pat
                 assert prefetch._token_list(fast, width) == want
 
 
+def test_the_fused_one_token_path_names_what_the_general_path_names(real_trace, tmp_path):
+    """Prefetcher's fused decode path (decode_kernels.predict_token_kernel: scores and top
+    ids in one compiled call, numpy views of the routing history) against its general path
+    (SourceBatch, ResidualGatePredictor.scores, _token_list) on a real trace's rows, each fed
+    as a one-token forward through observe: the same predictions, call by call."""
+    pytest.importorskip("numba")
+    from tensorbend.prefetch import Prefetcher
+
+    for la in ("d1", "pre_attn"):
+        p, rows = _perturbed_ours(real_trace, tmp_path, la)
+        spec = p.spec
+        fused, general = Prefetcher(spec, p, extra=2), Prefetcher(spec, p, extra=2)
+        assert fused._fused
+        general._fused = False
+        hidden_TLD = rows[f"{p.lookahead.hidden}_TLD"].float()
+        ids_TLK = rows["expert_ids_TLK"].long()
+        n = 0
+        for pf in (fused, general):
+            pf.begin_request()
+        for t in range(min(60, ids_TLK.shape[0])):
+            for m in range(spec.num_moe_layers):
+                h = hidden_TLD[t, m][None]
+                got = [pf.observe(m, hidden_TD=h) for pf in (fused, general)]
+                got += [pf.observe(m, hidden_TD=h, routed_ids_TK=ids_TLK[t, m][None])
+                        for pf in (fused, general)]  # fmt: skip
+                assert got[0] == got[1] and got[2] == got[3]
+                n += len(got[0]) + len(got[2])
+            for pf in (fused, general):
+                pf.on_token_end()
+        assert n > 0 and fused._plans and all(fused._plans.values())
+
+
 def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):
     with pytest.raises(TensorbendError, match="expected 'all' or names from spec_gate"):
         EvalConfig(trace=planted / "t", baselines=("nope",))

@@ -248,6 +248,21 @@ def _score_token_compiled(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
     return torch.from_numpy(out_E.reshape(1, E))
 
 
+def token_plan(p, w: TokenWeights | None) -> tuple | None:
+    """decode_kernels.predict_token_kernel's weight arguments for one target layer, in its
+    order (after x_D, src_K, prev_K, has_prev; before width, out_E, out_J); None without the
+    compiled kernel or where `score_token` does not cover the layer."""
+    if w is None or w.kernel is None:
+        return None
+    return (
+        w.w_cat_DX, p.H, w.w_ids_2EH, w.b1_H, w.b1_prev_H, w.w2_HE, w.b2_E, w.alpha,
+        w.kernel_gate, p.lookahead.hidden == "layer_input",
+        _NONE_E if w.bias_E is None else w.bias_E,
+        _NONE_E if w.correction_E is None else w.correction_E,
+        w.eps, EPS_RMS, p.spec.n_group or 1, p.spec.topk_group or 1,
+    )  # fmt: skip
+
+
 _c = np.ascontiguousarray  # (the kernel's compiled types: C-contiguous arrays)
 _NO_IDS = np.zeros(0, dtype=np.int64)
 _NONE_E = np.zeros(0, dtype=np.float32)

@@ -43,7 +43,13 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
-from tensorbend.predictors.residual_fast import fold_layer, score_folded, score_token, token_weights
+from tensorbend.predictors.residual_fast import (
+    fold_layer,
+    score_folded,
+    score_token,
+    token_plan,
+    token_weights,
+)
 from tensorbend.routers import router_scores
 
 OursLoss = Literal["listwise", "bce"]
@@ -216,6 +222,19 @@ class ResidualGatePredictor(PredictorBase):
         if token is not None and len(src) == 1:
             return score_token(self, token, src)
         return score_folded(self, folded, m, src)
+
+    def token_plan(self, m: int) -> tuple | None:
+        """The compiled one-token kernel's weight arguments for target layer m, or None
+        (residual_fast.token_plan): prefetch.Prefetcher's fused decode path."""
+        if m not in self._fast:
+            folded = fold_layer(self, m)
+            self._fast[m] = (folded, token_weights(self, folded, m))
+        return token_plan(self, self._fast[m][1])
+
+    @property
+    def token_uses_prev(self) -> bool:
+        """Whether the one-token score reads the previous token's experts."""
+        return bool(self.cfg.use_prev)
 
     def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
         """The training-time computation (tests compare the fast path against it)."""
