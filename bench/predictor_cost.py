@@ -70,7 +70,9 @@ def main(argv=None) -> int:
         "horizon": args.horizon,
         "threads": args.threads,
         **iso,
-        "stack_ratio": iso["results"][-1]["ratio_to_decode_forward"],
+        "stack_ratio": next(  # the whole stack given (a general-path twin is a row too)
+            r["ratio_to_decode_forward"] for r in iso["results"] if r["stack"] == list(stacks)[-1]
+        ),
         "target_ratio": TARGET_RATIO,
         "in_runtime": rt,
         "loadavg": _loadavg(),

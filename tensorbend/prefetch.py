@@ -26,8 +26,8 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
     [1, 2]
 
 One token: its top-(K + extra) guesses, best first (`-1`: no guess); with numba, ours scores
-and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested). Several tokens (prefill,
-a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
+and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested).
+Several tokens (prefill, a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
 horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
 The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
 (`simulate.plan`) applies `prefetch_list` and `likeliest` to ranked rows; an engine calls the
@@ -94,8 +94,8 @@ class StepClock:
 @dataclass
 class RoutingHistory:
     """Routing seen so far: this forward's ids per layer, and the previous forward's last token's
-    (numpy views of the same memory beside the tensors: indexing a tensor costs ~2 us, an
-    array ~0.2, and a decode token reads them once per layer)."""
+    (numpy views of the same memory beside the tensors: a decode token reads them once per
+    layer, and indexing an array costs less than a tensor op)."""
 
     num_layers: int
     cur: dict[int, torch.Tensor] = field(default_factory=dict)  # m -> ids_TK (CPU)
@@ -173,7 +173,7 @@ class Prefetcher:
         # (False: not covered; the general path scores it)
         self._plans: dict[int, tuple | bool] = {}
         self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
-        self._uses_prev = bool(getattr(predictor, "token_uses_prev", True))
+        self._uses_prev = self._fused and predictor.token_uses_prev
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -280,16 +280,12 @@ class Prefetcher:
     def _predict_token(self, m: int, plan: tuple, hidden_1D, src_ids_1K, prev_K):  # (numpy ids)
         """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
         the same scores and list, without a tensor op or an intermediate array between
-        scoring and the top ids (each ~1-5 us of dispatch, most of a call's cost otherwise)."""
-        h = hidden_1D.detach() if hidden_1D.requires_grad else hidden_1D
-        if h.dtype != torch.float32 or h.is_cuda:
-            h = h.float().cpu()
-        has_prev = self._uses_prev and prev_K is not None
+        scoring and the top ids."""
         n = kernels().predict_token_kernel(
-            h.numpy().reshape(-1),
+            _host_f32(hidden_1D).reshape(-1),
             _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
-            _ids(prev_K) if has_prev else _NO_IDS,
-            has_prev, *plan, self.spec.top_k + self.extra, self._out_E, self._out_J,
+            _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS,
+            *plan, self.spec.top_k + self.extra, self._out_E, self._out_J,
         )  # fmt: skip
         when = self.clock.step(m)
         return [
@@ -312,10 +308,7 @@ class Prefetcher:
             self._state = [self.horizon.new_state() for _ in range(B)]
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
-        h = hidden_TD.detach() if hidden_TD.requires_grad else hidden_TD
-        if h.dtype != torch.float32 or h.is_cuda:
-            h = h.float().cpu()
-        hidden_BD = h.numpy().reshape(B, -1, D)[:, -1]
+        hidden_BD = _host_f32(hidden_TD).reshape(B, -1, D)[:, -1]
         cur = self.history.cur_np
         ids_LBN = np.stack([cur[m].reshape(B, -1) for m in range(L)])  # (ids_TLK's)
         rows_L1 = self._rows_L1
@@ -345,7 +338,15 @@ class Prefetcher:
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
-_new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handling (~1 us each)
+_new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handling
+
+
+def _host_f32(t: torch.Tensor) -> np.ndarray:
+    """A hidden state as a float32 numpy array on the CPU (a view when it is one already)."""
+    t = t.detach() if t.requires_grad else t
+    if t.dtype != torch.float32 or t.is_cuda:
+        t = t.float().cpu()
+    return t.numpy()
 
 
 def _ids(ids_K: np.ndarray) -> np.ndarray:

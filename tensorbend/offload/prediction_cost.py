@@ -9,7 +9,9 @@ model's experts):
 
 Isolated: per decode step, one batch-1 resident forward with a KV cache, then one token's
 `prefetch.Prefetcher.observe` calls per stack (after every MoE layer's router, random router
-inputs and ids: the cost does not depend on values), interleaved; medians.
+inputs and ids: the cost does not depend on values), interleaved; medians. A stack whose
+Prefetcher takes the fused one-token path (numba) is timed beside its general-path twin
+("<stack>, general path": the same predictions, tested), in the same loop.
 
 In the runtime: `OffloadSession.run_policy` with the cache holding every expert and no link
 cap, so after the first prompt's loads the only difference between a `prefetch` run and the
@@ -53,6 +55,9 @@ def prediction_stacks(predictor, horizon) -> dict[str, tuple]:
 def isolated_cost(model, spec, stacks: dict, steps: int = 64, seed: int = 0) -> dict:
     """Resident decode forward and each stack's observe calls per token, interleaved."""
     pfs = {k: Prefetcher(spec, p, h) for k, (p, h) in stacks.items()}
+    for k in [k for k, pf in pfs.items() if pf._fused]:  # the one-token path's A/B
+        pfs[f"{k}, general path"] = general = Prefetcher(spec, *stacks[k])
+        general._fused = False
     for pf in pfs.values():
         pf.begin_request()
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ when numba is installed, `tensorbend.jit.AVAILABLE`; otherwise they run their nu
     score_token_kernel(x_D, w_cat_DX, H, w_ids_2EH, b_H, src_K, prev_K, w2_HE, b2_E, alpha,
                        gate, layer_input, bias_E, correction_E, eps, out_E)
     ids = top_ids(out_E, K + extra)              # best first; -inf scores left out
-    n = predict_token_kernel(x_D, src_K, prev_K, has_prev, ..., width, out_E, out_J)  # both
+    n = predict_token_kernel(x_D, src_K, prev_K, ..., width, out_E, out_J)  # both in one call
     horizon_step_kernel(state arrays..., forward, ahead_LE, after_LE, first_LE)
 
 In the runtime, a decode token asks ours once per target layer and the horizon once per forward,
@@ -147,15 +147,17 @@ def top_ids(values_E, width):
 
 
 @njit(cache=True)
-def predict_token_kernel(x_D, src_K, prev_K, has_prev, w_cat_DX, H, w_ids_2EH, b1_H, b1_prev_H,
-                         w2_HE, b2_E, alpha, gate, layer_input, bias_E, correction_E, eps, eps_rms,
-                         n_group, topk_group, width, out_E, out_J):  # fmt: skip
-    """One decode call in one compiled call: score_token_kernel (previous token's experts and
-    the has_prev bias only when `has_prev`), then top_ids into out_J; returns how many ids it
-    wrote (prefetch.Prefetcher's fused one-token path: no per-op dispatch between them)."""
-    score_token_kernel(x_D, w_cat_DX, H, w_ids_2EH, b1_prev_H if has_prev else b1_H, src_K,
-                       prev_K if has_prev else prev_K[:0], w2_HE, b2_E, alpha, gate, layer_input,
-                       bias_E, correction_E, eps, eps_rms, n_group, topk_group, out_E)  # fmt: skip
+def predict_token_kernel(x_D, src_K, prev_K, w_cat_DX, H, w_ids_2EH, b1_H, b1_prev_H, w2_HE, b2_E,
+                         alpha, gate, layer_input, bias_E, correction_E, eps, eps_rms, n_group,
+                         topk_group, width, out_E, out_J):  # fmt: skip
+    """One decode call in one compiled call: score_token_kernel (prev_K empty: no previous
+    token, and b1 without the has_prev row), then the `width` top ids into out_J; returns how
+    many it wrote (width 0: scores only). residual_fast.TokenWeights.plan holds the arguments
+    from w_cat_DX to topk_group."""
+    b_H = b1_prev_H if prev_K.shape[0] else b1_H
+    score_token_kernel(x_D, w_cat_DX, H, w_ids_2EH, b_H, src_K, prev_K, w2_HE, b2_E, alpha, gate,
+                       layer_input, bias_E, correction_E, eps, eps_rms, n_group, topk_group,
+                       out_E)  # fmt: skip
     ids = top_ids(out_E, width)
     for j in range(ids.shape[0]):
         out_J[j] = ids[j]
@@ -260,7 +262,7 @@ def warm() -> None:
                        np.zeros(1, i64), np.zeros((1, 2), f32), z1, f32(1.0), GATE_GROUP, True,
                        z1, z1, 1e-6, 1e-6, 1, 1, out)  # fmt: skip
     top_ids(out, 1)
-    predict_token_kernel(z1, np.zeros(1, i64), np.zeros(1, i64), True, np.zeros((2, 3), f32), 1,
+    predict_token_kernel(z1, np.zeros(1, i64), np.zeros(1, i64), np.zeros((2, 3), f32), 1,
                          z2, z1[:1].copy(), z1[:1].copy(), np.zeros((1, 2), f32), z1, f32(1.0),
                          GATE_GROUP, True, z1, z1, 1e-6, 1e-6, 1, 1, 1, out,
                          np.zeros(2, i64))  # fmt: skip

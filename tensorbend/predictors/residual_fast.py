@@ -149,9 +149,9 @@ class TokenWeights:
     bias_E: np.ndarray | None  # the router's logit bias
     correction_E: np.ndarray | None  # sigmoid_bias: added after the sigmoid
     correction2_E: np.ndarray | None  # twice that (score_token's tanh form)
-    kernel: object = None  # decode_kernels.score_token_kernel (None: numpy)
     kernel_gate: int = 0  # its gate mode (decode_kernels.GATE_NONE, ...)
     eps: float = EPS_STD  # standardise's eps for the router term (doubled in tanh form)
+    plan: tuple | None = None  # predict_token_kernel's weight arguments (None: numpy)
 
 
 def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
@@ -166,7 +166,7 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
     gate = 0 if k is None else (
         k.GATE_NONE if not p.cfg.use_gate else k.GATE_SIGMOID if kind == "sigmoid_bias"
         else k.GATE_GROUP if kind == "group_limited" else k.GATE_LOGITS)  # fmt: skip
-    return TokenWeights(
+    w = TokenWeights(
         w_cat_DX=np.ascontiguousarray(a(f.w_cat_DX)[:, : H + E]),
         w_ids_2EH=a(f.w_ids_2EH),
         b1_H=a(f.b1_H),
@@ -177,16 +177,18 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
         bias_E=a(f.router.get(f"layers.{m}.bias")),
         correction_E=correction_E,
         correction2_E=None if correction_E is None else 2 * correction_E,
-        kernel=None if k is None else k.score_token_kernel,
         kernel_gate=gate,
         eps=2 * EPS_STD if kind == "sigmoid_bias" else EPS_STD,
     )
+    if k is not None:
+        w.plan = _plan(p, w)
+    return w
 
 
 def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
     """[1, E] scores of a one-token batch: score_folded's operations in numpy (compiled, with
     numba: predictors/decode_kernels.py)."""
-    if w.kernel is not None:
+    if w.plan is not None:
         return _score_token_compiled(p, w, src)
     H, E = p.H, p.spec.num_experts
     # (tensor.numpy()[0], np.dot, np.add.reduce, scalars in Python floats: np.mean/std, numpy
@@ -235,25 +237,18 @@ def _score_token_compiled(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
     E = p.spec.num_experts
     has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
     out_E = np.empty(E, dtype=np.float32)
-    w.kernel(
-        _c(src.hidden_TD.float().numpy()[0]), w.w_cat_DX, p.H, w.w_ids_2EH,
-        w.b1_prev_H if has_prev else w.b1_H,
+    kernels().predict_token_kernel(
+        _c(src.hidden_TD.float().numpy()[0]),
         _NO_IDS if src.src_ids_TK is None else _c(src.src_ids_TK.numpy()[0].astype(np.int64)),
         _c(src.prev_ids_TK.numpy()[0].astype(np.int64)) if has_prev else _NO_IDS,
-        w.w2_HE, w.b2_E, w.alpha, w.kernel_gate, p.lookahead.hidden == "layer_input",
-        _NONE_E if w.bias_E is None else w.bias_E,
-        _NONE_E if w.correction_E is None else w.correction_E,
-        w.eps, EPS_RMS, p.spec.n_group or 1, p.spec.topk_group or 1, out_E,
+        *w.plan, 0, out_E, _NO_IDS,
     )  # fmt: skip
     return torch.from_numpy(out_E.reshape(1, E))
 
 
-def token_plan(p, w: TokenWeights | None) -> tuple | None:
+def _plan(p, w: TokenWeights) -> tuple:
     """decode_kernels.predict_token_kernel's weight arguments for one target layer, in its
-    order (after x_D, src_K, prev_K, has_prev; before width, out_E, out_J); None without the
-    compiled kernel or where `score_token` does not cover the layer."""
-    if w is None or w.kernel is None:
-        return None
+    order (after x_D, src_K, prev_K; before width, out_E, out_J)."""
     return (
         w.w_cat_DX, p.H, w.w_ids_2EH, w.b1_H, w.b1_prev_H, w.w2_HE, w.b2_E, w.alpha,
         w.kernel_gate, p.lookahead.hidden == "layer_input",

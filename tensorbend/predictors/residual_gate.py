@@ -47,7 +47,6 @@ from tensorbend.predictors.residual_fast import (
     fold_layer,
     score_folded,
     score_token,
-    token_plan,
     token_weights,
 )
 from tensorbend.routers import router_scores
@@ -215,21 +214,23 @@ class ResidualGatePredictor(PredictorBase):
     def scores(self, m: int, src: SourceBatch) -> torch.Tensor:
         """Fast path (residual_fast.py): equal to `scores_reference` up to float rounding;
         one token (decode) in numpy where it covers the layer."""
-        if m not in self._fast:
-            folded = fold_layer(self, m)
-            self._fast[m] = (folded, token_weights(self, folded, m))
-        folded, token = self._fast[m]
+        folded, token = self._fast_layer(m)
         if token is not None and len(src) == 1:
             return score_token(self, token, src)
         return score_folded(self, folded, m, src)
 
     def token_plan(self, m: int) -> tuple | None:
-        """The compiled one-token kernel's weight arguments for target layer m, or None
-        (residual_fast.token_plan): prefetch.Prefetcher's fused decode path."""
+        """The compiled one-token kernel's weight arguments for target layer m (TokenWeights.
+        plan), or None where it does not cover the layer: prefetch.Prefetcher's fused path."""
+        token = self._fast_layer(m)[1]
+        return None if token is None else token.plan
+
+    def _fast_layer(self, m: int) -> tuple:
+        """(FoldedLayer, TokenWeights | None) of target layer m, made at its first call."""
         if m not in self._fast:
             folded = fold_layer(self, m)
             self._fast[m] = (folded, token_weights(self, folded, m))
-        return token_plan(self, self._fast[m][1])
+        return self._fast[m]
 
     @property
     def token_uses_prev(self) -> bool:
