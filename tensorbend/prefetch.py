@@ -26,7 +26,9 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
     [1, 2]
 
 One token: its top-(K + extra) guesses, best first (`-1`: no guess); with numba, ours scores
-and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested).
+and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested), and
+the horizon steps a batch-1 decode token's forecast and ranks the next forward's experts in
+another (`_foresee_token`, `horizon_fast.FastHorizon.step_token`: the same, tested).
 Several tokens (prefill, a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
 horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
 The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
@@ -174,6 +176,7 @@ class Prefetcher:
         self._plans: dict[int, tuple | bool] = {}
         self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
         self._uses_prev = self._fused and predictor.token_uses_prev
+        self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -306,6 +309,8 @@ class Prefetcher:
         )
         if not self.history.prev or self._state is None:  # a request's first forward
             self._state = [self.horizon.new_state() for _ in range(B)]
+        if B == 1 and hidden_TD.shape[0] == 1 and self._fused_horizon:
+            return self._foresee_token(hidden_TD)
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
         hidden_BD = _host_f32(hidden_TD).reshape(B, -1, D)[:, -1]
@@ -331,6 +336,23 @@ class Prefetcher:
             for e in likeliest(first_LE[m], K)
         ]
         return self._ranked_pairs(pairs, hint=False)
+
+    def _foresee_token(self, hidden_1D: torch.Tensor) -> list[Prediction]:
+        """_foresee's one-token case at batch 1 (a decode token) in one compiled call
+        (FastHorizon.step_token): the same forecast and list, without building used_LE or
+        ranking the next forward's experts in numpy."""
+        L, f = self.spec.num_moe_layers, self.clock.forward
+        cur = self.history.cur_np
+        ids_LK = _ids(np.concatenate([cur[m] for m in range(L)]))  # (each [1, K]: one token)
+        hidden_D = _host_f32(hidden_1D)[0]
+        n = min(self.token_ahead_layers, L)
+        ahead, after, first_NK = self.horizon.step_token(
+            self._state[0], ids_LK, hidden_D, f, n, self.spec.top_k
+        )
+        self.forecast = (f, ahead, after)
+        base = (f + 1) * L
+        pairs = [(m, e) for m in range(n) for e in first_NK[m]]
+        return [_new(Prediction, (m, e, base + m, r, False)) for r, (m, e) in enumerate(pairs)]
 
     @staticmethod
     def _ranked_pairs(pairs, hint: bool) -> list[Prediction]:

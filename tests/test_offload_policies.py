@@ -182,3 +182,27 @@ def test_reuse_next_use_by_hand_and_victim_choice():
     for key, step in (((0, 0), 4), ((0, 1), 4), ((1, 1), 5)):
         rs.access(key, step)
     assert sorted(rs) == [(0, 0), (1, 1)]  # (0, 1), expected back last, left
+
+
+@pytest.mark.parametrize("ranked", ["indexed", "resident"])
+def test_hints_handed_over_at_once_evict_as_hints_one_by_one(ranked):
+    """hint_many (a decode call's hints in one call) leaves the policy, and so every later
+    victim, as hint() per (key, step) in order: a random workload with random hints, some
+    earlier than a pending one, some later, some already passed."""
+    from tensorbend.cache.victim_heap import IndexedResidentSet
+
+    make = IndexedResidentSet if ranked == "indexed" else ResidentSet
+    rng = random.Random(0)
+    a, b = (make(capacity=6, num_layers=3, policy=Predicted(3)) for _ in range(2))
+    for step in range(400):
+        hints = [((rng.randrange(3), rng.randrange(8)), step + rng.randrange(-2, 6))
+                 for _ in range(rng.randrange(5))]  # fmt: skip
+        a.hint_many(hints)
+        for key, when in hints:
+            b.hint(key, when)
+        assert a.policy.hints == b.policy.hints and a.policy.layer_hint == b.policy.layer_hint
+        key = (step % 3, rng.randrange(8))
+        for rs in (a, b):
+            if not rs.use(key, step):
+                rs.place(key, step)
+        assert a._recency.keys() == b._recency.keys()

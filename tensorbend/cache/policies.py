@@ -72,6 +72,12 @@ class LRU:
     def hint(self, key: Key, when: int) -> None:
         """A prediction: key will be used at step `when`."""
 
+    def hint_many(self, hints: list[tuple[Key, int]]) -> None:
+        """hint() for each (key, when) in order (a policy that keeps hints does it in one
+        loop: a decode call hints several experts at once)."""
+        for key, when in hints:
+            self.hint(key, when)
+
     def new_request(self) -> None:
         """A new request (prompt) begins: request-level state resets (cache/evictor.py)."""
 

@@ -67,6 +67,15 @@ class Predicted(LRU):
         self.layer_hint[key[0]] = max(when, self.layer_hint.get(key[0], -1))
         self._reach_at = None  # (`group_bound`'s reach, for the step it was computed at)
 
+    def hint_many(self, hints: list[tuple[Key, int]]) -> None:
+        hints_d, layer_hint, clock = self.hints, self.layer_hint, self._clock  # (hint, inline)
+        for key, when in hints:
+            old = hints_d.get(key)
+            if old is None or old <= clock or when < old:
+                hints_d[key] = when
+            layer_hint[key[0]] = max(when, layer_hint.get(key[0], -1))
+        self._reach_at = None
+
     def next_use(self, key: Key, now: int) -> float:
         h = self.hints.get(key)
         if h is not None and h > now:

@@ -110,6 +110,10 @@ class ResidentSet:
         """A prediction that key is used at step `when` (passed to the policy)."""
         self.policy.hint(key, when)
 
+    def hint_many(self, hints: list[tuple[Key, int]]) -> None:
+        """hint() for each (key, when) in order."""
+        self.policy.hint_many(hints)
+
     def new_request(self) -> None:
         """A new request (prompt) begins (passed to the policy: a learned policy's request
         features reset)."""

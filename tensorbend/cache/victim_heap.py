@@ -119,6 +119,12 @@ class IndexedResidentSet(ResidentSet):
         self.policy.hint(key, when)
         self._index.hinted(key, self._now)
 
+    def hint_many(self, hints: list[tuple[Key, int]]) -> None:
+        self.policy.hint_many(hints)
+        hinted, now = self._index.hinted, self._now
+        for key, _ in hints:
+            hinted(key, now)
+
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         super().set_forecast(forward, ahead_LE, after_first_LE)
         self._index.rebuild(self._now)

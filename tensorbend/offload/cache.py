@@ -149,8 +149,7 @@ class ExpertCache:
     def hint_many(self, hints: list[tuple[Key, int]]) -> None:
         """hint() for each (key, when) in order, under one lock round-trip."""
         with self._cond:
-            for key, when in hints:
-                self.resident.hint(key, when)
+            self.resident.hint_many(hints)
 
     def new_request(self) -> None:
         """A new request (prompt) begins: the policy's request-level state resets."""

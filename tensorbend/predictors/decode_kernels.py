@@ -8,14 +8,17 @@ when numba is installed, `tensorbend.jit.AVAILABLE`; otherwise they run their nu
     ids = top_ids(out_E, K + extra)              # best first; -inf scores left out
     n = predict_token_kernel(x_D, src_K, prev_K, ..., width, out_E, out_J)  # both in one call
     horizon_step_kernel(state arrays..., forward, ahead_LE, after_LE, first_LE)
+    horizon_token_kernel(ids_LK, ..., forward, used_LE, ahead_LE, after_LE, first_LE, k, out_NK)
 
 In the runtime, a decode token asks ours once per target layer and the horizon once per forward,
 for arrays of a few hundred values: numpy's ~1-3 us per call, not the arithmetic, was most of
 that time (docs/bench/predictor_cost.md). Each kernel is the numpy path's operations in one
 compiled loop nest. They keep the interpreter lock: each runs for microseconds, less than
-handing the lock to an I/O thread and waiting to get it back would cost. Float32 as there; sums may round in another order, so scores agree to rounding and
-the experts they rank first are the same on real traces (tests/test_predictors.py,
-tests/test_horizon.py compare both paths).
+handing the lock to an I/O thread and waiting to get it back would cost (and running them,
+with their queueing, on a prediction thread of their own was slower end to end: the Python
+around them needs the lock either way). Float32 as there; sums may round in another order,
+so scores agree to rounding and the experts they rank first are the same on real traces
+(tests/test_predictors.py, tests/test_horizon.py compare both paths).
 
 Shapes: D hidden, H correction width, E experts, K top-k, L MoE layers, J = h + 1 horizon
 classes, X horizon features, C count decays, T recency taus, M the horizon MLP's width.
@@ -252,6 +255,27 @@ def horizon_step_kernel(used_LE, hidden_D, age_LE, counts_LCE, hidden_2D, forwar
             first_LE[m, e] = z_LJE[m, 0, e]
 
 
+@njit(cache=True)
+def horizon_token_kernel(ids_LK, hidden_D, age_LE, counts_LCE, hidden_2D, forwards, w_LJX, b_LJE,
+                         decays_C, neg_inv_tau_T, W1, b1, W2, b2, hidden_ema, eps_rms, forward,
+                         used_LE, ahead_LE, after_LE, first_LE, k, out_NK):  # fmt: skip
+    """horizon_step_kernel for one token's forward (a decode token at batch 1): the routed ids
+    [L, K] in place of used_LE (filled here), then the `k` likeliest experts of the next
+    forward (first_LE's largest, ties by lower id: prefetch.likeliest) at each of the first
+    out_NK.shape[0] layers into out_NK."""
+    used_LE[:, :] = 0.0
+    for m in range(ids_LK.shape[0]):
+        for j in range(ids_LK.shape[1]):
+            used_LE[m, ids_LK[m, j]] = 1.0
+    horizon_step_kernel(used_LE, hidden_D, age_LE, counts_LCE, hidden_2D, forwards, w_LJX, b_LJE,
+                        decays_C, neg_inv_tau_T, W1, b1, W2, b2, hidden_ema, eps_rms, forward,
+                        ahead_LE, after_LE, first_LE)  # fmt: skip
+    for m in range(out_NK.shape[0]):
+        ids = top_ids(first_LE[m], k)
+        for j in range(ids.shape[0]):
+            out_NK[m, j] = ids[j]
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) every kernel for the argument types the runtime
     passes, so that no decode token pays for it (`prefetch.Prefetcher` calls this)."""
@@ -272,6 +296,13 @@ def warm() -> None:
                         np.zeros(3, f32), np.zeros(3, f32), np.zeros((4, 1), f32), np.zeros(1, f32),
                         np.zeros((1, L * J * E), f32), np.zeros(L * J * E, f32), 0.8, 1e-6, 0,
                         np.zeros((L, E)), np.zeros((L, E)), np.zeros((L, E), f32))  # fmt: skip
+    horizon_token_kernel(np.zeros((L, 1), i64), z1, np.zeros((L, E), f32),
+                         np.zeros((L, 3, E), f32), np.zeros(4, f32), 0, np.zeros((L, J, X), f32),
+                         np.zeros((L, J, E), f32), np.zeros(3, f32), np.zeros(3, f32),
+                         np.zeros((4, 1), f32), np.zeros(1, f32), np.zeros((1, L * J * E), f32),
+                         np.zeros(L * J * E, f32), 0.8, 1e-6, 0, np.zeros((L, E), f32),
+                         np.zeros((L, E)), np.zeros((L, E)), np.zeros((L, E), f32), 1,
+                         np.zeros((L, 1), i64))  # fmt: skip
 
 
 _INV_SQRT2 = np.float32(1 / math.sqrt(2))

@@ -8,6 +8,7 @@ Usage:
     state = fast.new_state()                    # one per request
     ahead, after = fast.step(state, used_LE, hidden_D, forward=f)   # Reuse.set_forecast lists
     first_LE = fast.next_forward_probs          # P(next use at f + 1) [L, E], for prefetches
+    ahead, after, first_NK = fast.step_token(state, ids_LK, hidden_D, f, n, k)  # one token
 
 Shape legend: L MoE layers, E experts, J = h + 1 classes, X features, C count decays, T
 recency taus, D hidden, H width.
@@ -71,6 +72,7 @@ class FastHorizon:
         self.m_L1 = np.arange(L, dtype=np.float64)[:, None]
         self.next_forward_probs = None
         self._kernel = kernels().horizon_step_kernel if AVAILABLE else None  # (None: numpy)
+        self._token_bufs = None  # step_token's arrays, made at its first call
 
     def new_state(self) -> FastState:
         s = self.spec
@@ -85,23 +87,47 @@ class FastHorizon:
         self.next_forward_probs = p_LJE[:, 0]
         return self._next_use_steps(p_LJE, st, forward)
 
+    def step_token(self, st: FastState, ids_LK: np.ndarray, hidden_D, forward: int,
+                   first_layers: int, k: int):  # fmt: skip
+        """`step` for one token's forward (a decode token at batch 1), compiled only: the
+        routed ids [L, K] (int64) in place of used_LE, and the `k` likeliest experts of the
+        next forward at each of the first `first_layers` layers (prefetch.likeliest's lists)
+        from the same call: (ahead, after_first, first ids [first_layers][k]) lists. Its
+        arrays are reused: next_forward_probs holds until the next call."""
+        bufs = self._token_bufs
+        if bufs is None or bufs[-1].shape != (first_layers, k):
+            L, E = self.spec.num_moe_layers, self.spec.num_experts
+            bufs = self._token_bufs = (
+                np.empty((L, E), np.float32), np.empty((L, E)), np.empty((L, E)),
+                np.empty((L, E), np.float32), np.empty((first_layers, k), np.int64),
+            )  # fmt: skip
+        used_LE, ahead_LE, after_LE, first_LE, first_NK = bufs
+        kernels().horizon_token_kernel(ids_LK, *self._kernel_args(st, hidden_D), forward,
+                                       used_LE, ahead_LE, after_LE, first_LE, k, first_NK)  # fmt: skip
+        st.forwards += 1
+        self.next_forward_probs = first_LE
+        return ahead_LE.tolist(), after_LE.tolist(), first_NK.tolist()
+
     def _step_compiled(self, st: FastState, used_LE, hidden_D, forward: int):
         L, E = used_LE.shape
         ahead_LE, after_LE = np.empty((L, E)), np.empty((L, E))
         first_LE = np.empty((L, E), dtype=np.float32)
+        self._kernel(np.ascontiguousarray(used_LE, dtype=np.float32),
+                     *self._kernel_args(st, hidden_D), forward, ahead_LE, after_LE, first_LE)  # fmt: skip
+        st.forwards += 1
+        self.next_forward_probs = first_LE
+        return ahead_LE.tolist(), after_LE.tolist()
+
+    def _kernel_args(self, st: FastState, hidden_D) -> tuple:
+        """The compiled step's arguments from hidden_D to eps_rms (one list for both kernels)."""
         W1, b1, W2, b2 = self.mlp if self.mlp is not None else _NO_MLP
         if hidden_D is None or self.mlp is None:
             hidden_D = _NO_HIDDEN  # (the numpy path keeps the mean of a hidden it never reads)
         hidden_D = np.ascontiguousarray(hidden_D, dtype=np.float32)
-        self._kernel(
-            np.ascontiguousarray(used_LE, dtype=np.float32), hidden_D, st.age_L1E.reshape(L, E),
-            st.counts_LCE, st.hidden_2D, st.forwards, self.w_LJX, self.b_LJE, self.decays_C,
-            self.neg_inv_tau_T, W1, b1, W2, b2, HIDDEN_EMA, EPS_RMS, forward, ahead_LE,
-            after_LE, first_LE,
-        )  # fmt: skip
-        st.forwards += 1
-        self.next_forward_probs = first_LE
-        return ahead_LE.tolist(), after_LE.tolist()
+        L, E = st.age_L1E.shape[0], st.age_L1E.shape[2]
+        return (hidden_D, st.age_L1E.reshape(L, E), st.counts_LCE, st.hidden_2D, st.forwards,
+                self.w_LJX, self.b_LJE, self.decays_C, self.neg_inv_tau_T, W1, b1, W2, b2,
+                HIDDEN_EMA, EPS_RMS)  # fmt: skip
 
     def _observe(self, st: FastState, used_LE: np.ndarray, hidden_D: np.ndarray | None) -> None:
         used_L1E = used_LE.reshape(used_LE.shape[0], 1, -1)
