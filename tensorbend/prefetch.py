@@ -177,6 +177,12 @@ class Prefetcher:
         self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
         self._uses_prev = self._fused and predictor.token_uses_prev
         self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
+        # observe's per-call constants (it runs at every source point of every forward)
+        self._L, self._D = spec.num_moe_layers, spec.hidden_size
+        self._layer_input = self._asks and self.la.hidden == "layer_input"
+        self._gate_distance = (
+            self.la.distance if self.la is not None and self.la.hidden == "gate_input" else None
+        )  # (None: nothing fires at a router but the horizon)
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -185,7 +191,7 @@ class Prefetcher:
     @property
     def wants_layer_input(self) -> bool:
         """Whether observe() before attention does anything (lookahead pre_attn)."""
-        return self._asks and self.la.hidden == "layer_input"
+        return self._layer_input
 
     def begin_request(self) -> None:
         self.history.begin_prompt()
@@ -204,34 +210,31 @@ class Prefetcher:
     ) -> list[Prediction]:
         """What to prefetch now: before layer `layer`'s attention (hidden_TD = its input, no
         routed ids) or right after its router (hidden_TD = the router's input, its ids)."""
-        if hidden_TD is not None and hidden_TD.shape[-1] != self.spec.hidden_size:
+        if hidden_TD is not None and hidden_TD.shape[-1] != self._D:
             raise PredictorInputError(
                 f"Prefetcher.observe(layer {layer}): expected hidden_TD [..., "
-                f"{self.spec.hidden_size}] (this model's hidden size), found "
+                f"{self._D}] (this model's hidden size), found "
                 f"{tuple(hidden_TD.shape)}; pass the router's input or the layer's input"
             )
-        if self._own_clock and self._new_forward:
-            self.clock.begin_forward()
-            self.history.begin_forward()
-        self._new_forward = False
-        out: list[Prediction] = []
+        if self._new_forward:
+            if self._own_clock:
+                self.clock.begin_forward()
+                self.history.begin_forward()
+            self._new_forward = False
         if routed_ids_TK is None:
-            if self.wants_layer_input:
-                out += self._within(layer, layer, hidden_TD)
-            return out
+            return self._within(layer, layer, hidden_TD) if self._layer_input else []
         ids_TK = (
             routed_ids_TK
             if routed_ids_TK.dim() == 2
             else routed_ids_TK.reshape(-1, routed_ids_TK.shape[-1])
         )  # (integer ids carry no gradient: no detach)
         self.history.put(layer, ids_TK.cpu() if ids_TK.is_cuda else ids_TK)
-        if self.horizon is not None and layer == self.spec.num_moe_layers - 1:
-            out += self._foresee(hidden_TD.reshape(-1, hidden_TD.shape[-1]))
-        la = self.la
-        if la is None or la.hidden != "gate_input":
-            return out
-        if self.ahead is not None or layer + la.distance < self.spec.num_moe_layers:
-            out += self._within(layer, layer + la.distance, hidden_TD)
+        out = []
+        if self.horizon is not None and layer == self._L - 1:
+            out = self._foresee(hidden_TD.reshape(-1, self._D))
+        d = self._gate_distance
+        if d is not None and (self.ahead is not None or layer + d < self._L):
+            out += self._within(layer, layer + d, hidden_TD)
         return out
 
     # ------------------------------------------------------------ helpers
@@ -246,7 +249,7 @@ class Prefetcher:
     def _predict(self, m: int, hidden_TD: torch.Tensor) -> list[Prediction]:
         """Score target layer m from its source point, as sources_from_rows does offline
         (hidden_TD: any leading shape, [..., D])."""
-        D, K = self.spec.hidden_size, self.spec.top_k
+        D, K = self._D, self.spec.top_k
         T = hidden_TD.numel() // D
         route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
         prev_np = self.history.prev.get(m)
@@ -364,16 +367,21 @@ _new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handl
 
 
 def _host_f32(t: torch.Tensor) -> np.ndarray:
-    """A hidden state as a float32 numpy array on the CPU (a view when it is one already)."""
-    t = t.detach() if t.requires_grad else t
-    if t.dtype != torch.float32 or t.is_cuda:
-        t = t.float().cpu()
-    return t.numpy()
+    """A hidden state as a float32 numpy array on the CPU (a view when it is one already:
+    tried first, without reading the tensor's attributes one by one)."""
+    try:
+        a = t.numpy()
+    except (RuntimeError, TypeError):  # it needs a gradient, lives on a GPU, or is bfloat16
+        return t.detach().float().cpu().numpy()
+    return a if a.dtype is _F32 else a.astype(np.float32)
 
 
 def _ids(ids_K: np.ndarray) -> np.ndarray:
-    """Expert ids as the compiled kernel's type (int64, contiguous): routers give int64."""
-    return ids_K if ids_K.dtype == np.int64 else ids_K.astype(np.int64)
+    """Expert ids as the compiled kernel's type (int64): routers give int64."""
+    return ids_K if ids_K.dtype is _I64 else ids_K.astype(np.int64)
+
+
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)  # (`is`: a dtype's == costs ~1 us)
 
 
 def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:

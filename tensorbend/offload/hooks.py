@@ -138,8 +138,9 @@ class PredictionHooks:
 
     def _predict(self, m: int, hidden, ids_TK) -> None:
         pf = self.prefetcher
-        before, first = pf.forecast, not pf.history.prev  # (before observe rolls nothing:
-        preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK)  # the Recorder does)
+        before = pf.forecast  # (observe rolls no history, the Recorder does: `first` holds)
+        first = self.observed is not None and not pf.history.prev
+        preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK)
         if self.observed is not None:  # tests: replay these through a standalone Prefetcher
             inputs = (m, hidden.detach().cpu().clone(),
                       None if ids_TK is None else ids_TK.detach().cpu().clone())  # fmt: skip

@@ -73,9 +73,12 @@ class Loader:
     def prefetch_many(self, requests: list[tuple[Key, float, int]]) -> int:
         """prefetch() for each (key, priority, when) in order, under one lock round-trip;
         returns how many were queued."""
-        queued = 0
+        queued, entries = 0, self.cache.entries
+        requests = [r for r in requests if r[0] not in entries]  # (rechecked under the lock:
+        if not requests:  # a decode call's experts are often all held, and then no lock)
+            return 0
         with self._lock:
-            entries, queue = self.cache.entries, self.queue
+            queue = self.queue
             for key, priority, when in requests:
                 if key not in entries and queue.prefetch(key, when, priority):
                     queued += 1
