@@ -152,3 +152,22 @@ def test_repeats_give_a_median_row_and_per_repeat_ratios_by_hand():
     assert one["vs_best_cache_repeats"] == pytest.approx([1.0, 1.1, 1.1])  # 44/44, 44/40, 46.2/42
     assert format_ratio(one) == "1.10x [1.00, 1.10]"  # the range holds 1.00: no gain claimed
     assert format_ratio({"vs_best_cache": 1.05}) == "1.05x"
+
+
+@pytest.mark.parametrize(
+    ("resident", "lru_tok_s", "verdict"),
+    [(0.04, 50.0, "met over both"), (0.04, 75.0, "met over one only"),
+     (0.06, 50.0, "met over one only"), (0.06, 75.0, "met over neither")],
+)  # fmt: skip
+def test_the_report_judges_the_runtime_cost_over_both_steps(resident, lru_tok_s, verdict):
+    """The whole stack's decode calls, 800 us a token, over the lru runs' own step, by hand:
+    800e-6 s * 50 tok/s = 4.0%, * 75 tok/s = 6.0%; the limit is 5%."""
+    from tensorbend.results.report_page import _runtime_verdict
+
+    rt = {"lru_decode_tok_s": lru_tok_s,
+          "results": [{"stack": "both", "decode_predict_us_per_token": 800.0,
+                       "decode_share_of_resident_step": resident}]}  # fmt: skip
+    got = _runtime_verdict(rt)
+    lru = {50.0: "4.0%", 75.0: "6.0%"}[lru_tok_s]
+    assert f"{resident:.1%} of the resident step, {lru} of the lru runs'" in got
+    assert got.endswith(f"limit 5%: {verdict}.")
