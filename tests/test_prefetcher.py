@@ -248,3 +248,26 @@ def test_compiled_top_ids_ranks_like_torch_topk():
                 if v > -float("inf")]  # fmt: skip
         assert top_ids(s.numpy(), width).tolist() == want
     assert top_ids(np.array([1.0, 3.0, 3.0, 2.0], np.float32), 3).tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "needs_grad", "strided"])
+def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(kind):
+    """prefetch._host_f32 (the one step from a hidden state to the compiled paths' float32
+    numpy input) tries the tensor's own numpy view first: whatever the tensor, the values it
+    hands over are the tensor's as float32, and a float32 CPU tensor is not copied."""
+    from tensorbend.prefetch import _host_f32
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 8, generator=g)
+    t = {
+        "float32": base,
+        "float16": base.half(),
+        "bfloat16": base.bfloat16(),
+        "needs_grad": base.clone().requires_grad_(True),
+        "strided": base.t(),
+    }[kind]
+    got = _host_f32(t)
+    assert got.dtype == np.float32 and got.shape == tuple(t.shape)
+    np.testing.assert_array_equal(got, t.detach().float().numpy())
+    if kind == "float32":
+        assert np.shares_memory(got, base.numpy())
