@@ -12,7 +12,8 @@ global / per_layer x admission all / frequency); prefetch with no predictor (Pre
 alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its forecasts
 driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
-on top; with `--evictor` (train --predictor evictor) the learned eviction under its shadow
+on top, with and without those next-forward prefetches (the ablation row
+`horizon(evict only)+d1:...`); with `--evictor` (train --predictor evictor) the learned eviction under its shadow
 guard; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
 whole run), run after the caches: past its sight it ranks like the no-prediction cache with
 the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
@@ -147,6 +148,9 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
         ]
         if ours is not None:
             pc = PolicyConfig("prefetch", admission="predicted", **common)
+            plan.append((pc, ours, horizon))
+            # the ablation: the same without the horizon's next-forward prefetches
+            pc = PolicyConfig("prefetch", admission="predicted", token_ahead_layers=0, **common)
             plan.append((pc, ours, horizon))
     if a.evictor:  # the learned eviction under its shadow guard (cache/evictor.py)
         plan.append((PolicyConfig("evictor", evictor=a.evictor, **common), None, None))
