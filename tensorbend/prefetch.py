@@ -353,9 +353,8 @@ class Prefetcher:
             self._state[0], ids_LK, hidden_D, f, n, self.spec.top_k
         )
         self.forecast = (f, ahead, after)
-        base = (f + 1) * L
-        pairs = [(m, e) for m in range(n) for e in first_NK[m]]
-        return [_new(Prediction, (m, e, base + m, r, False)) for r, (m, e) in enumerate(pairs)]
+        pairs = [((m, e), (f + 1) * L + m) for m in range(n) for e in first_NK[m]]
+        return self._ranked_pairs(pairs, hint=False)
 
     @staticmethod
     def _ranked_pairs(pairs, hint: bool) -> list[Prediction]:
@@ -381,7 +380,7 @@ def _ids(ids_K: np.ndarray) -> np.ndarray:
     return ids_K if ids_K.dtype is _I64 else ids_K.astype(np.int64)
 
 
-_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)  # (`is`: a dtype's == costs ~1 us)
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)  # (`is`: cheaper than a dtype's ==)
 
 
 def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ In the runtime, a decode token asks ours once per target layer and the horizon o
 for arrays of a few hundred values: numpy's ~1-3 us per call, not the arithmetic, was most of
 that time (docs/bench/predictor_cost.md). Each kernel is the numpy path's operations in one
 compiled loop nest. They keep the interpreter lock: each runs for microseconds, less than
-handing the lock to an I/O thread and waiting to get it back would cost (and running them,
-with their queueing, on a prediction thread of their own was slower end to end: the Python
-around them needs the lock either way). Float32 as there; sums may round in another order,
+handing the lock to an I/O thread and waiting to get it back would cost (a prediction thread
+of their own would not take them off the compute thread's path: the Python around them, and
+their queueing, needs the lock either way). Float32 as there; sums may round in another order,
 so scores agree to rounding and the experts they rank first are the same on real traces
 (tests/test_predictors.py, tests/test_horizon.py compare both paths).
 
