@@ -35,17 +35,20 @@ lint: setup
 BENCH := runs/bench
 # Held-out domains: predictors fitted on the other topics' prompts, tested on these topics'.
 DOMAIN_TOPICS := multilingual,poetry,python,tables
+# A trace is done when its manifest says complete (an interrupted collection leaves a manifest
+# that does not, and `collect --resume` continues it, keeping every finished prompt).
+trace_done = grep -qs '"complete": true' $(1)/manifest.json
 TRACE_FLAGS := --decode teacher --max-new-tokens 64 --features ids weights gate_input layer_input
 
 bench: bench-accuracy bench-timing
 
 bench-traces: setup
-	test -f $(BENCH)/default/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:default \
-		--out $(BENCH)/default/trace $(TRACE_FLAGS) --quiet
-	test -f $(BENCH)/qwen/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:qwen3moe-tiny \
-		--out $(BENCH)/qwen/trace $(TRACE_FLAGS) --quiet
-	test -f $(BENCH)/deep/trace/manifest.json || $(PY) -m tensorbend collect --model zoo:dsv3-deep \
-		--out $(BENCH)/deep/trace $(TRACE_FLAGS) --quiet
+	$(call trace_done,$(BENCH)/default/trace) || $(PY) -m tensorbend collect --model zoo:default \
+		--out $(BENCH)/default/trace $(TRACE_FLAGS) --resume --quiet
+	$(call trace_done,$(BENCH)/qwen/trace) || $(PY) -m tensorbend collect --model zoo:qwen3moe-tiny \
+		--out $(BENCH)/qwen/trace $(TRACE_FLAGS) --resume --quiet
+	$(call trace_done,$(BENCH)/deep/trace) || $(PY) -m tensorbend collect --model zoo:dsv3-deep \
+		--out $(BENCH)/deep/trace $(TRACE_FLAGS) --resume --quiet
 	for m in default qwen deep; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
