@@ -35,9 +35,11 @@ lint: setup
 BENCH := runs/bench
 # Held-out domains: predictors fitted on the other topics' prompts, tested on these topics'.
 DOMAIN_TOPICS := multilingual,poetry,python,tables
-# A trace is done when its manifest says complete (an interrupted collection leaves a manifest
-# that does not, and `collect --resume` continues it, keeping every finished prompt).
-trace_done = grep -qs '"complete": true' $(1)/manifest.json
+# A trace is done when it opens and says complete (Trace.info, as `trace info` prints it): an
+# interrupted collection leaves a manifest that does not, and `collect --resume` continues it,
+# keeping every finished prompt.
+trace_done = $(PY) -c "import sys; from tensorbend.trace import Trace; \
+	sys.exit(not Trace.open(sys.argv[1]).info()['complete'])" $(1) 2>/dev/null
 TRACE_FLAGS := --decode teacher --max-new-tokens 64 --features ids weights gate_input layer_input
 
 bench: bench-accuracy bench-timing

@@ -15,6 +15,7 @@ import pytest
 import torch
 from tiny_models import save_checkpoint, write_prompts
 
+from tensorbend.cli import main
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.hf import DecodeConfig
 from tensorbend.trace import Trace
@@ -163,8 +164,6 @@ def test_training_over_ranks_without_separate_layers_is_refused(setup, monkeypat
     """The refusal comes before the process group is joined and reads only torchrun's
     WORLD_SIZE (train._ranks), so it runs in this process with that variable set, as torchrun
     would set it (no launch: the two tests above run torchrun itself)."""
-    from tensorbend.cli import main
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     out = setup / "refused.safetensors"
     code = main(["train", "--trace", str(setup / "ref"), "--epochs", "1", "--out", str(out),
