@@ -42,7 +42,7 @@ import torch
 
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
-from tensorbend.cache.report import best_rule, median_row, run_label, what_ran
+from tensorbend.cache.report import best_rule, host_warning, median_row, run_label, what_ran
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     _plot_foresight(links, report, out.with_name(out.name + "_foresight.png"))
     print(format_table(links[0]["runs"], 0.25))
     print(json.dumps({e["link"]["name"]: e["by_frac"].get("0.25") for e in links}, indent=1))
+    if report["host_warning"]:
+        print(f"warning: {report['host_warning']}", file=sys.stderr)
     return 0
 
 
@@ -216,6 +218,8 @@ def _report(a, model, sess, prompts, links, seconds: float) -> dict:
         "all_outputs_match_resident": all(
             r["output_matches_resident"] for r in runs if r["policy"] != "resident"
         ),
+        "host_busy": any(r.get("host_busy") for r in runs),
+        "host_warning": host_warning(runs),
     }
 
 

@@ -112,11 +112,14 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from tensorbend.cache.report import host_warning
     from tensorbend.offload.runner import RunConfig, run
 
     result = run(config_from_args(RunConfig, args)).to_json()
     _write_json(args.json, result)
     print(_format_summary({k: v for k, v in result.items() if k != "counters"}))
+    if warning := host_warning([result]):
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

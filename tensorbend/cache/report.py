@@ -46,6 +46,7 @@ from __future__ import annotations
 import statistics
 
 from tensorbend.cache.config import POLICIES
+from tensorbend.host_load import warning
 
 ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
             "admission", "foresight", "oracle_beyond", "cache_frac", "decode_tok_s",
@@ -203,7 +204,8 @@ def _s_per_token(r: dict) -> float:
 def median_row(rows: list[dict]) -> dict:
     """One configuration from its interleaved repeats (paired by `what_ran`): the first repeat's
     row (its counters, so its label's note) with every timing the median of the repeats, and
-    the repeats kept (`decode_tok_s_repeats`)."""
+    the repeats kept (`decode_tok_s_repeats`, `host_other_cores_repeats`); `host_busy` if any
+    repeat was."""
     out = dict(rows[0])
     if len(rows) == 1:
         return out
@@ -214,7 +216,31 @@ def median_row(rows: list[dict]) -> dict:
             out[key] = statistics.median(xs)
     out["decode_tok_s_repeats"] = [r["decode_tok_s"] for r in rows]
     out["output_matches_resident"] = all(r.get("output_matches_resident") for r in rows)
+    out["host_busy"] = any(r.get("host_busy") for r in rows)
+    out["host_other_cores_repeats"] = [_other_cores(r) for r in rows]
     return out
+
+
+def host_warning(rows: list[dict]) -> str | None:
+    """`host_load.warning` over run rows (their passes and the resident reference), or None."""
+    cores: dict[str, float | None] = {}
+    cpus = 1
+    for r in rows:
+        name = r.get("label") or run_label(r)
+        load = r.get("host_load") or {}
+        for part, label in (("reference", "resident reference"), ("run", name)):
+            x = (load.get(part) or {}).get("other_cores")
+            cpus = max(cpus, (load.get(part) or {}).get("cpus") or 1)
+            if x is not None:
+                cores[label] = max(x, cores.get(label) or 0.0)
+        for x in r.get("host_other_cores_repeats") or ():
+            if x is not None:
+                cores[name] = max(x, cores.get(name) or 0.0)
+    return warning(cores, cpus)
+
+
+def _other_cores(row: dict) -> float | None:
+    return ((row.get("host_load") or {}).get("run") or {}).get("other_cores")
 
 
 def repeat_ratios(row: dict, best: dict) -> list[float] | None:

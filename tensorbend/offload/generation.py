@@ -12,7 +12,8 @@ Per forward the recorder advances the logical clock and the routing history, tim
 call (synchronising CUDA first, so the time is the computation's), keeps the last position's
 logits of every sequence ([B, V], fp32, CPU) for the comparison with the resident run, counts
 real tokens (padding excluded), the routing [T, L, K] when asked
-(the oracle replays it), and adds the cache's counters of that forward to its phase's.
+(the oracle replays it), and adds the cache's counters of that forward to its phase's. The
+whole pass records the CPU cores other processes used meanwhile (`host_load.HostLoad`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tqdm import tqdm
 
 from tensorbend.cache.slots import CacheStats
 from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_batch, decode_prompt
+from tensorbend.host_load import CpuMeter, HostLoad
 from tensorbend.offload.hooks import RoutingHistory, StepClock
 
 PHASES = ("prefill", "decode")
@@ -42,6 +44,7 @@ class Generation:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     stats: dict[str, CacheStats] = field(default_factory=lambda: {p: CacheStats() for p in PHASES})
+    host_load: HostLoad | None = None  # the cores this and other processes used over the pass
 
     @property
     def forwards(self) -> int:
@@ -114,6 +117,7 @@ def generate(
     groups = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
     bar = tqdm(total=len(inputs), desc="generate", unit="prompt", disable=not progress,
                file=sys.stderr)  # fmt: skip
+    meter = CpuMeter()
     with torch.inference_mode():
         for g, group in enumerate(groups):
             recorder.history.begin_prompt()
@@ -129,4 +133,5 @@ def generate(
             recorder.gen.decoded += runs
             bar.update(len(group))
     bar.close()
+    recorder.gen.host_load = meter.stop()
     return recorder.gen

@@ -221,6 +221,7 @@ class OffloadSession:
         dec = phase_numbers(gen.stats["decode"], gen.tokens["decode"])
         total = cache.stats if cache is not None else gen.stats["decode"]
         la = None if predictor is None else predictor.lookahead
+        ref_load = self.reference.host_load
         return RunResult(
             model=self.model_name,
             policy=pc.policy,
@@ -256,6 +257,8 @@ class OffloadSession:
             batch=self.cfg.batch,
             evictor=pc.evictor,
             guard_window=pc.guard_window if POLICIES[pc.policy].learned else None,
+            host_load={"run": _load_json(gen.host_load), "reference": _load_json(ref_load)},
+            host_busy=any(x is not None and x.busy for x in (gen.host_load, ref_load)),
         )
 
 
@@ -263,6 +266,10 @@ def expert_layout(model, spec: RoutingSpec) -> ExpertLayout:
     """The packed layout of one routed expert (the same in every MoE layer)."""
     check_supported(spec.family)
     return ExpertLayout.of(getattr(moe_block(model, spec, 0), spec.experts_attr))
+
+
+def _load_json(load) -> dict | None:
+    return None if load is None else load.to_json()
 
 
 def _store_matches(path: Path, fingerprint: str) -> bool:

@@ -61,6 +61,8 @@ def markdown(report: dict) -> str:
             "understated here."
         ),
     ]
+    if report.get("host_warning"):
+        lines += ["", f"**Warning: {report['host_warning']}.**"]
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
            for r in runs):  # fmt: skip

@@ -1,0 +1,69 @@
+"""The CPU meter sees a planted busy process and our own work apart; the warning names the
+disturbed passes of real run rows (the keys `run --json` writes)."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorbend.cache.report import host_warning, median_row
+from tensorbend.host_load import BUSY_CORES, CpuMeter
+
+linux = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux /proc/stat")
+
+_BURN = "import time\nt = time.time() + {s}\nwhile time.time() < t: pass\n"
+
+
+@linux
+def test_meter_counts_a_planted_busy_process_as_other():
+    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=3.0)])
+    try:
+        time.sleep(0.3)  # let it start
+        meter = CpuMeter()
+        time.sleep(1.5)  # we sleep: nearly all busy CPU time is the child's
+        load = meter.stop()
+    finally:
+        child.wait()
+    assert load.own_cores < 0.2, load
+    assert load.other_cores > 0.6, load  # one spinning process: about one core
+    assert load.busy
+
+
+@linux
+def test_meter_counts_our_own_spinning_as_ours():
+    meter = CpuMeter()
+    t = time.perf_counter() + 1.0
+    while time.perf_counter() < t:
+        pass
+    load = meter.stop()
+    assert load.own_cores > 0.8, load
+    assert load.other_cores is not None and load.other_cores < load.own_cores
+
+
+def _row(policy: str, run_cores, ref_cores=0.01, **kw) -> dict:
+    load = {"run": {"other_cores": run_cores, "cpus": 2},
+            "reference": {"other_cores": ref_cores, "cpus": 2}}  # fmt: skip
+    busy = any(x is not None and x > BUSY_CORES for x in (run_cores, ref_cores))
+    return {"policy": policy, "pool": "global", "admission": "all", "cache_frac": 0.25,
+            "decode_tok_s": 10.0, "bytes_read_per_token": 1.0, "host_load": load,
+            "host_busy": busy, **kw}  # fmt: skip
+
+
+def test_host_warning_names_the_disturbed_repeat_and_only_it():
+    quiet = [_row("lru", 0.02), _row("lfu", 0.03)]
+    assert host_warning(quiet) is None
+    lru = median_row([_row("lru", 0.02), _row("lru", 1.4), _row("lru", 0.05)])
+    assert lru["host_busy"] and lru["host_other_cores_repeats"] == [0.02, 1.4, 0.05]
+    text = host_warning([lru, _row("lfu", 0.03)])
+    assert "lru 1.40" in text and "lfu" not in text and "of 2" in text
+
+
+def test_host_warning_flags_a_busy_resident_reference():
+    text = host_warning([_row("lru", 0.0, ref_cores=0.9)])
+    assert "resident reference 0.90" in text and "lru" not in text
+
+
+def test_rows_without_host_load_give_no_warning():
+    assert host_warning([{"policy": "lru", "pool": "global", "admission": "all"}]) is None
