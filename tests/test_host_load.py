@@ -18,13 +18,14 @@ _BURN = "import time\nt = time.time() + {s}\nwhile time.time() < t: pass\n"
 
 @linux
 def test_meter_counts_a_planted_busy_process_as_other():
-    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=3.0)])
+    child = subprocess.Popen([sys.executable, "-c", _BURN.format(s=30.0)])
     try:
-        time.sleep(0.3)  # let it start
+        time.sleep(0.2)  # let it start
         meter = CpuMeter()
-        time.sleep(1.5)  # we sleep: nearly all busy CPU time is the child's
+        time.sleep(1.0)  # we sleep: nearly all busy CPU time is the child's
         load = meter.stop()
     finally:
+        child.kill()  # before wait(): a child we waited for would count as ours
         child.wait()
     assert load.own_cores < 0.2, load
     assert load.other_cores > 0.6, load  # one spinning process: about one core
@@ -34,7 +35,7 @@ def test_meter_counts_a_planted_busy_process_as_other():
 @linux
 def test_meter_counts_our_own_spinning_as_ours():
     meter = CpuMeter()
-    t = time.perf_counter() + 1.0
+    t = time.perf_counter() + 0.7
     while time.perf_counter() < t:
         pass
     load = meter.stop()
