@@ -48,10 +48,13 @@ names the next forward's first `token_ahead_layers` layers' likeliest experts (`
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
 `recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
+`score_s` adds up the wall seconds spent scoring (the compiled one-token kernels, the horizon's
+step, a predictor's `scores`): the rest of `observe` is the Python around it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -164,6 +167,7 @@ class Prefetcher:
         self.clock = clock or StepClock(spec.num_moe_layers)
         self.history = history or RoutingHistory(spec.num_moe_layers)
         self.forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE)
+        self.score_s = 0.0  # wall seconds scoring (kernels, model calls): the rest is glue
         self._state = None  # the horizon's per-request history
         self._new_forward = True
         # decode's one-token inputs, made once (read-only: predictors build new tensors)
@@ -274,8 +278,10 @@ class Prefetcher:
             has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
+        t0 = time.perf_counter()
         with self._no_grad:
             scores_TE = self.predictor.scores(m, src).float()
+        self.score_s += time.perf_counter() - t0
         if T == 1:
             experts = _token_list(scores_TE, K + self.extra)
         else:
@@ -287,12 +293,14 @@ class Prefetcher:
         """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
         the same scores and list, without a tensor op or an intermediate array between
         scoring and the top ids."""
+        args = (_host_f32(hidden_1D).reshape(-1),
+                _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
+                _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
+        t0 = time.perf_counter()
         n = kernels().predict_token_kernel(
-            _host_f32(hidden_1D).reshape(-1),
-            _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
-            _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS,
-            *plan, self.spec.top_k + self.extra, self._out_E, self._out_J,
-        )  # fmt: skip
+            *args, *plan, self.spec.top_k + self.extra, self._out_E, self._out_J
+        )
+        self.score_s += time.perf_counter() - t0
         when = self.clock.step(m)
         return [
             _new(Prediction, (m, e, when, r, True)) for r, e in enumerate(self._out_J[:n].tolist())
@@ -324,7 +332,9 @@ class Prefetcher:
         for b in range(B):
             used_LE = np.zeros((L, E), dtype=np.float32)
             used_LE[rows_L1, ids_LBN[:, b]] = 1.0
+            t0 = time.perf_counter()
             fc = self.horizon.step(self._state[b], used_LE, hidden_BD[b], forward=f)
+            self.score_s += time.perf_counter() - t0
             ahead.append(fc[0])
             after.append(fc[1])
             first.append(self.horizon.next_forward_probs)
@@ -349,9 +359,11 @@ class Prefetcher:
         ids_LK = _ids(np.concatenate([cur[m] for m in range(L)]))  # (each [1, K]: one token)
         hidden_D = _host_f32(hidden_1D)[0]
         n = min(self.token_ahead_layers, L)
+        t0 = time.perf_counter()
         ahead, after, first_NK = self.horizon.step_token(
             self._state[0], ids_LK, hidden_D, f, n, self.spec.top_k
         )
+        self.score_s += time.perf_counter() - t0
         self.forecast = (f, ahead, after)
         pairs = [((m, e), (f + 1) * L + m) for m in range(n) for e in first_NK[m]]
         return self._ranked_pairs(pairs, hint=False)

@@ -438,7 +438,8 @@ def test_predictions_followed_by_a_wait_for_a_load_count_as_overlapping_it():
     it). With a cache of top-k slots and a link far slower than the tiny model's math, every
     layer waits for a load (its experts were evicted by the layers between its visits; a
     prefetch is still on the wire), so none is exposed; with every expert held and no link
-    cap, exposed seconds are part of the decode prediction seconds."""
+    cap, exposed seconds are part of the decode prediction seconds, and so are its scoring
+    and queueing seconds; a run without a predictor scores nothing."""
     sess = _session("deepseek_v3", n_new=4)
     spec = sess.spec
     pred = build_baseline("spec_gate", spec, "d1", router_params=router_params_of(sess))
@@ -450,5 +451,10 @@ def test_predictions_followed_by_a_wait_for_a_load_count_as_overlapping_it():
         assert r["decode_predict_exposed_s_per_token"] == 0.0
         r = _check(sess.run_policy(PolicyConfig("prefetch", cache_frac=1.0), pred))
         assert 0.0 <= r["decode_predict_exposed_s_per_token"] <= r["decode_predict_s_per_token"]
+        # decode's split: scoring (the baseline's scores calls) and queueing are parts of it
+        score, queue = r["decode_predict_score_s_per_token"], r["decode_predict_queue_s_per_token"]
+        assert score > 0 and queue > 0 and score + queue <= r["decode_predict_s_per_token"]
+        lru = _check(sess.run_policy(PolicyConfig("lru", cache_frac=1.0)))
+        assert lru["decode_predict_score_s_per_token"] == 0.0  # nothing scores without one
     finally:
         sess.close()

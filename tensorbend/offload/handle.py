@@ -132,6 +132,8 @@ class OffloadHandle:
             "decode_predict_s": self.hooks.decode_predict_s,
             "decode_predict_exposed_s": self.hooks.decode_exposed_s,
             "predict_queue_s": self.hooks.queue_s,
+            "decode_predict_score_s": self.hooks.decode_score_s,
+            "decode_predict_queue_s": self.hooks.decode_queue_s,
             "predict_calls": self.hooks.predict_calls,
             "decode_predict_calls": self.hooks.decode_predict_calls,
             "expert_compute": self.compute.rows(),

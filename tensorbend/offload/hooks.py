@@ -85,6 +85,8 @@ class PredictionHooks:
         self.decode_predict_calls = 0  # the part of predict_calls made in decode forwards
         self.queue_s = 0.0  # the part of predict_s spent handing forecasts, hints, prefetches over
         self.decode_exposed_s = 0.0  # the part of decode_predict_s no load wait followed (`settle`)
+        self.decode_score_s = 0.0  # the part of decode_predict_s scoring (`Prefetcher.score_s`)
+        self.decode_queue_s = 0.0  # the part of decode_predict_s in queue_s
         self._unsettled = 0.0  # decode prediction seconds since the last MoE layer settled
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
@@ -108,6 +110,8 @@ class PredictionHooks:
         self._issue(m, hidden, None)
 
     def _issue(self, m: int, hidden, ids_TK) -> None:
+        pf = self.prefetcher
+        score0, queue0 = pf.score_s, self.queue_s
         t0 = time.perf_counter()
         try:
             self._predict(m, hidden, ids_TK)
@@ -116,6 +120,8 @@ class PredictionHooks:
             self.predict_s += dt
             if self.phase == "decode":
                 self.decode_predict_s += dt
+                self.decode_score_s += pf.score_s - score0
+                self.decode_queue_s += self.queue_s - queue0
                 self.decode_predict_calls += 1
                 self._unsettled += dt
             self.predict_calls += 1
@@ -133,6 +139,7 @@ class PredictionHooks:
 
     def reset_counters(self) -> None:
         self.predict_s = self.decode_predict_s = self.queue_s = self.decode_exposed_s = 0.0
+        self.decode_score_s = self.decode_queue_s = 0.0
         self._unsettled = 0.0
         self.predict_calls = self.decode_predict_calls = 0
 

@@ -18,14 +18,18 @@ cap, so after the first prompt's loads the only difference between a `prefetch` 
 `lru` run beside it is the prediction work; repeats interleave lru and every stack. Per run:
 `RunResult.predict_s_per_token` (seconds inside the prediction hooks, both phases' calls, per
 decode token: an upper bound on decode's share), `decode_predict_s_per_token` (decode
-forwards' calls only: decode's share) and `predict_queue_s_per_token` (of all of it, the
+forwards' calls only: decode's share), `predict_queue_s_per_token` (of all of it, the
 handing of forecasts, hints and prefetches to the cache and loader) and
 `decode_predict_exposed_s_per_token` (of decode's, the part followed by no wait for an
 expert load: with every expert held no layer waits once the first loads are in, so from then
-on all of it), as a share of the resident decode step (the
-session's reference run) and of the lru run's own decode step (same repeat, less exposed to
-the machine's load drifting), and decode tok/s over lru's. Medians over repeats, with the
-tok/s ratio's range. Timings need a quiet machine; the ratios are what to compare.
+on all of it), each as a share of the resident decode step (the session's reference run) and
+of the lru run's own decode step (same repeat, less exposed to the machine's load drifting),
+and decode tok/s over lru's. Decode's calls are split three ways: scoring
+(`decode_predict_score_s_per_token`: the compiled kernels, the horizon's step, a predictor's
+`scores`; `Prefetcher.score_s`, timed in isolation too as `score_us_per_token`, the same calls
+warm in a tight loop), queueing (`decode_predict_queue_s_per_token`) and the rest (glue: the
+Python of the hooks and of `observe`). Medians over repeats, with the tok/s ratio's range.
+Timings need a quiet machine; the ratios are what to compare.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def isolated_cost(model, spec, stacks: dict, steps: int = 64, seed: int = 0) -> 
     for pf in pfs.values():
         pf.begin_request()
     g = torch.Generator().manual_seed(seed)
-    fwd, cost = [], {k: [] for k in pfs}
+    fwd, cost, score = [], {k: [] for k in pfs}, {k: [] for k in pfs}
     kw = cache_kwarg(model)
     with torch.inference_mode():
         ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=g)
@@ -73,15 +77,18 @@ def isolated_cost(model, spec, stacks: dict, steps: int = 64, seed: int = 0) -> 
             fwd.append(time.perf_counter() - t0)
             calls = _token_calls(spec, g)
             for name, pf in pfs.items():
+                s0 = pf.score_s
                 t0 = time.perf_counter()
                 for m, hidden_TD, ids_TK in calls:
                     pf.observe(m, hidden_TD=hidden_TD, routed_ids_TK=ids_TK)
                 pf.on_token_end()
                 cost[name].append(time.perf_counter() - t0)
+                score[name].append(pf.score_s - s0)
     f = _median(fwd[4:])  # skip warm-up steps
     rows = [
         {"stack": k, "us_per_token": _median(v[4:]) * 1e6,
-         "ratio_to_decode_forward": _median(v[4:]) / f}
+         "ratio_to_decode_forward": _median(v[4:]) / f,
+         "score_us_per_token": _median(score[k][4:]) * 1e6}
         for k, v in cost.items()
     ]  # fmt: skip
     return {"decode_forward_ms": f * 1e3, "results": rows}
@@ -109,6 +116,8 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
         dec_s = [r.decode_predict_s_per_token for r in got[name]]
         queue_s = [r.predict_queue_s_per_token for r in got[name]]
         exposed_s = [r.decode_predict_exposed_s_per_token for r in got[name]]
+        dec_score = [r.decode_predict_score_s_per_token for r in got[name]]
+        dec_queue = [r.decode_predict_queue_s_per_token for r in got[name]]
         ratio = [
             r.decode_tok_s / b.decode_tok_s for r, b in zip(got[name], got["lru"], strict=True)
         ]
@@ -121,6 +130,11 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
             "decode_share_of_resident_step": _median(dec_s) / step_s,
             "queue_us_per_token": _median(queue_s) * 1e6,
             "decode_exposed_us_per_token": _median(exposed_s) * 1e6,
+            "decode_score_us_per_token": _median(dec_score) * 1e6,
+            "decode_queue_us_per_token": _median(dec_queue) * 1e6,
+            "decode_glue_us_per_token": _median(
+                [d - a - b for d, a, b in zip(dec_s, dec_score, dec_queue, strict=True)]
+            ) * 1e6,
             "share_of_lru_step": _median(lru_share),
             "tok_s_ratio_vs_lru": _median(ratio),
             "tok_s_ratio_range": [min(ratio), max(ratio)],

@@ -46,6 +46,9 @@ class RunResult:
     decode_predict_exposed_s_per_token (of decode_predict_s_per_token, the seconds followed
     by no wait for an expert load in their MoE layer: the rest overlapped I/O, which on CPU
     does not make it free, `offload.hooks.PredictionHooks.settle`);
+    decode_predict_score_s_per_token and decode_predict_queue_s_per_token (of
+    decode_predict_s_per_token, the seconds scoring: kernels, model calls, `Prefetcher.score_s`;
+    and the seconds handing forecasts, hints and prefetches over; the rest is Python glue);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
     (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy
@@ -95,6 +98,8 @@ class RunResult:
     decode_predict_s_per_token: float | None = None
     predict_queue_s_per_token: float | None = None
     decode_predict_exposed_s_per_token: float | None = None
+    decode_predict_score_s_per_token: float | None = None
+    decode_predict_queue_s_per_token: float | None = None
     oracle_beyond: str | None = None
     predict_calls: int | None = None
     expert_compute: list | None = None

@@ -180,6 +180,12 @@ class OffloadSession:
             decode_predict_exposed_s_per_token=(
                 handle.hooks.decode_exposed_s / decode if decode else None
             ),
+            decode_predict_score_s_per_token=(
+                handle.hooks.decode_score_s / decode if decode else None
+            ),
+            decode_predict_queue_s_per_token=(
+                handle.hooks.decode_queue_s / decode if decode else None
+            ),
             predict_calls=handle.hooks.predict_calls,
             expert_compute=handle.compute.rows(),
         )

@@ -63,6 +63,10 @@ def markdown(report: dict) -> str:
     ]
     if report.get("host_warning"):
         lines += ["", f"**Warning: {report['host_warning']}.**"]
+    elif (most := _most_other_cores(report)) is not None:
+        lines += ["", f"Other processes used at most {most:.2f} CPU cores during any timed "
+                  "pass (`host_load` in the JSON; above 0.3 this page would carry a "
+                  "warning)."]  # fmt: skip
     runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
            for r in runs):  # fmt: skip
@@ -145,3 +149,13 @@ def format_table(runs: list[dict], frac: float) -> str:
             f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {r['output_matches_resident']} |"
         )
     return "\n".join(lines)
+
+
+def _most_other_cores(report: dict) -> float | None:
+    """The most CPU cores other processes used over any timed pass (None: not recorded)."""
+    runs = [r for e in report["links"] for r in e["runs"]]
+    xs = [x for r in runs for x in r.get("host_other_cores_repeats") or ()]
+    xs += [((r.get("host_load") or {}).get(p) or {}).get("other_cores")
+           for r in runs for p in ("run", "reference")]  # fmt: skip
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None

@@ -138,7 +138,7 @@ def _cost(root: Path) -> str:
         "horizon's work grows with MoE layers x experts (about 120x zoo:default's on "
         "Kimi-K2.5), so its cost does not stay the same on a large model. The projections "
         f"below charge prediction zero seconds.{_in_runtime(rep.get('in_runtime'))}"
-        f"{_stall_against_cost(root, rep)}\n"
+        f"{_split(rep)}{_stall_against_cost(root, rep)}\n"
     )
 
 
@@ -170,6 +170,29 @@ def _stall_against_cost(root: Path, cost: dict) -> str:
             if all_lose
             else ""
         )
+    )
+
+
+def _split(rep: dict) -> str:
+    """Where the runtime's decode prediction time goes: scoring (beside the same scoring
+    timed in isolation), queueing, glue (absent from older JSON)."""
+    rt = rep.get("in_runtime")
+    iso = {r["stack"]: r.get("score_us_per_token") for r in rep["results"]}
+    rows = [r for r in (rt or {}).get("results", []) if "decode_score_us_per_token" in r]
+    if not rows:
+        return ""
+    parts = "; ".join(
+        f"{r['stack']} {r['decode_predict_us_per_token']:.0f} us = scoring "
+        f"{r['decode_score_us_per_token']:.0f} us"
+        + (f" ({iso[r['stack']]:.0f} us in isolation)" if iso.get(r["stack"]) else "")
+        + f" + queueing {r['decode_queue_us_per_token']:.0f} us + glue "
+        f"{r['decode_glue_us_per_token']:.0f} us"
+        for r in rows
+    )
+    return (
+        " Where decode's calls go in the runtime (medians per decode token; scoring: the "
+        "compiled kernels and the horizon's step; queueing: handing forecasts, hints and "
+        f"prefetches to the cache and loader; glue: the Python of the hooks and of observe): {parts}."
     )
 
 
