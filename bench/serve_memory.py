@@ -63,8 +63,20 @@ def main(argv=None) -> int:
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     policies = dict(NO_PREDICTION)
     if args.horizon:  # the forecast as eviction alone: no prefetch, no within-token predictor
-        policies["ours: horizon(evict only)"] = ["--policy", "prefetch", "--horizon",
-                                                 str(args.horizon), "--token-ahead-layers", "0"]  # fmt: skip
+        evict = [
+            "--policy",
+            "prefetch",
+            "--horizon",
+            str(args.horizon),
+            "--token-ahead-layers",
+            "0",
+        ]
+        policies["ours: horizon(evict only)"] = evict
+        policies["ours: horizon(evict only)/per_layer"] = evict + ["--pool", "per_layer"]
+        if args.predictor:  # + within-token prefetches, in the best cache's pool
+            policies["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
+                "--pool", "per_layer", "--predictor", str(args.predictor),
+                "--admission", "predicted"]  # fmt: skip
     if args.horizon or args.predictor:
         ours = ["--policy", "prefetch", "--admission", "predicted"]
         ours += ["--horizon", str(args.horizon)] if args.horizon else []

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import tensorbend
 from tensorbend.cli import main
+from tensorbend.jit import AVAILABLE as JIT
 from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
@@ -187,10 +188,8 @@ def test_layout_and_dtype_refused(tmp_path):
         OffloadHandle(lm, spec, small, path, PolicyConfig("lru", cache_frac=0.5))
 
 
-def test_generate_cli_streams_and_stays_within_budget(tmp_path):
-    """A checkpoint whose experts are 3x the memory budget: `tensorbend generate` in its own
-    process streams text, reads every expert from the store on disk, and its peak RSS (mapped
-    file pages included) stays within the import baseline + the budget."""
+def _wide_checkpoint(path):
+    """A Qwen3-MoE checkpoint of 302 MB of routed experts (4 layers x 32 experts of 2.4 MB)."""
     import transformers
     from tiny_models import COMMON
 
@@ -200,16 +199,27 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
                                          num_experts_per_tok=2, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(tmp_path / "ckpt")
-    char_tokenizer().save_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return model
+
+
+def _import_baseline() -> int:
+    from tensorbend.serving import IMPORT_BASELINE as code
+
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout)  # fmt: skip
+
+
+def test_generate_cli_streams_and_stays_within_budget(tmp_path):
+    """A checkpoint whose experts are 3x the memory budget: `tensorbend generate` in its own
+    process streams text, reads every expert from the store on disk, and its peak RSS (mapped
+    file pages included) stays within the import baseline + the budget."""
+    _wide_checkpoint(tmp_path / "ckpt")
     expert_bytes = 3 * 128 * 1536 * 4
     total = 4 * 32 * expert_bytes  # 302 MB of routed experts
     budget = 96 * 10**6
-    del model
-    from tensorbend.serving import IMPORT_BASELINE as code
-
-    base = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True).stdout)  # fmt: skip
+    base = _import_baseline()
     out = subprocess.run(
         [sys.executable, "-m", "tensorbend", "generate", "--model", str(tmp_path / "ckpt"),
          "--prompt", "alpha beta", "--max-new-tokens", "12", "--max-memory", str(budget),
@@ -223,6 +233,47 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
     assert s["bytes_read_per_token"] > 0 and s["decode_tokens"] > 0
     assert (tmp_path / "store" / "experts-float32.safetensors").stat().st_size > total
     assert s["peak_rss_bytes"] <= base + budget, (s["peak_rss_bytes"], base)
+
+
+@pytest.mark.skipif(not JIT, reason="numba is not installed: no compiled kernels to charge")
+def test_budget_holds_with_a_predictors_compiled_kernels(tmp_path):
+    """With a predictor, numba and the compiled kernels (~130 MB) come into the process: the
+    plan charges them as the model's part, so peak RSS stays within the import baseline + the
+    budget (it did not when the kernels were warmed after the plan's measurement), and
+    TENSORBEND_JIT=0 (the numpy paths) hands that memory to the cache: more slots, the same
+    tokens."""
+    import os
+
+    from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.predictors.registry import build_baseline
+    from tensorbend.routers import model_fingerprint
+
+    ref = _wide_checkpoint(tmp_path / "ckpt")
+    spec = describe_model(ref)
+    ids = torch.randint(0, spec.num_experts, (40, spec.num_moe_layers, spec.top_k))
+    rows = {"expert_ids_TLK": ids, "prompt_T": torch.zeros(40, dtype=torch.long),
+            "position_T": torch.arange(40), "phase_T": torch.ones(40, dtype=torch.long)}  # fmt: skip
+    p = build_baseline("frequency", spec, "d1", train_rows=rows)
+    pred = save_predictor(p, tmp_path / "freq.safetensors",
+                          fingerprint=model_fingerprint(ref, spec))  # fmt: skip
+    del ref
+    budget, expert_bytes = 250 * 10**6, 3 * 128 * 1536 * 4
+    base = _import_baseline()
+    got = {}
+    for jit in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, "-m", "tensorbend", "generate", "--model", str(tmp_path / "ckpt"),
+             "--prompt", "alpha beta", "--max-new-tokens", "8", "--max-memory", str(budget),
+             "--store-dir", str(tmp_path / "store"), "--quiet", "--policy", "prefetch",
+             "--predictor", str(pred), "--json", str(tmp_path / f"s{jit}.json")],
+            capture_output=True, text=True, env={**os.environ, "TENSORBEND_JIT": jit},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        s = json.loads((tmp_path / f"s{jit}.json").read_text())
+        assert s["peak_rss_bytes"] <= base + budget, (jit, s["peak_rss_bytes"], base)
+        got[jit] = (s["cache_slots"], out.stdout)
+    assert got["0"][1] == got["1"][1]  # prediction changes what is read, never the text
+    assert got["0"][0] - got["1"][0] >= 60 * 10**6 // expert_bytes, got  # numba's memory
 
 
 def test_memory_plan_charges_the_measured_model_part():
