@@ -14,8 +14,7 @@ store does now). Per condition: the median forward ms, and the copies done per s
 beside it. A forward slowed by `memoryview` and not by `tensor` is the lock, not the memory
 bus. `--expert-mb` 18.1 is the expert of bench.serve_memory's inflated checkpoint, and 50 a
 second about the read rate of its runs (8 tok/s x 6-7 experts read per token). Needs a
-quiet machine (timings). (Copying without pause, the memoryview copy stalls every torch op
-of the forward for up to a copy's length: forwards take seconds.)
+quiet machine (timings).
 """
 
 from __future__ import annotations

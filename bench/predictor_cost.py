@@ -13,7 +13,8 @@ no link cap, lru and each stack interleaved `--repeats` times: `predict_s_per_to
 share of the resident decode step and of lru's, decode tok/s over lru's (median and
 range), and decode's calls split into scoring (beside the same scoring timed in isolation,
 `score_us_per_token` in (a)), queueing and glue (`decode_score_us_per_token`,
-`decode_queue_us_per_token`, `decode_glue_us_per_token`). Issue target for the whole stack: <= 5% of a resident decode step (goal 2%).
+`decode_queue_us_per_token`, `decode_glue_us_per_token`). Issue target for the whole stack:
+<= 5% of a resident decode step (goal 2%).
 Timing numbers need a quiet machine (the lead reruns this alone).
 """
 

@@ -63,14 +63,8 @@ def main(argv=None) -> int:
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     policies = dict(NO_PREDICTION)
     if args.horizon:  # the forecast as eviction alone: no prefetch, no within-token predictor
-        evict = [
-            "--policy",
-            "prefetch",
-            "--horizon",
-            str(args.horizon),
-            "--token-ahead-layers",
-            "0",
-        ]
+        evict = ["--policy", "prefetch", "--horizon", str(args.horizon),
+                 "--token-ahead-layers", "0"]  # fmt: skip
         policies["ours: horizon(evict only)"] = evict
         policies["ours: horizon(evict only)/per_layer"] = evict + ["--pool", "per_layer"]
         if args.predictor:  # + within-token prefetches, in the best cache's pool

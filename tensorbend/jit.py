@@ -11,9 +11,11 @@ Usage:
     path = kernel if AVAILABLE else python_path
 
 `TENSORBEND_JIT=0` in the environment turns it off (AVAILABLE False) with numba installed:
-importing numba and its compiled kernels adds about 130 MB to a process's resident set, which
-a tight `--max-memory` budget may rather give to the expert cache (the reference paths cost
-more CPU per token instead). `AVAILABLE` is known without importing numba (which takes ~1.5 s): a module that defines
+numba and its compiled kernels add to a process's resident set what a tight `--max-memory`
+budget may rather give to the expert cache (the reference paths cost more CPU per token
+instead; `tensorbend generate` prints the plan's split either way).
+
+`AVAILABLE` is known without importing numba (which takes ~1.5 s): a module that defines
 kernels imports it when it is imported, so the modules that use kernels import those lazily
 (prefetch.py, predictors/residual_fast.py, predictors/horizon_fast.py load
 predictors/decode_kernels.py only when they first need a kernel). `pip install

@@ -17,10 +17,10 @@ What happens, in order, and what lives in memory at each step:
    checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
-   modeling code, Python objects, numba and the predictors' compiled kernels when numba is
-   installed: about 130 MB, `TENSORBEND_JIT=0` leaves them out) - the top-k staging slots - `reserve` (KV cache and
-   activations), in whole experts; or `cache_frac`
-   of all routed experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
+   modeling code, Python objects, and with numba installed numba and the predictors'
+   compiled kernels, which `TENSORBEND_JIT=0` leaves out) - the top-k staging slots -
+   `reserve` (KV cache and activations), in whole experts; or `cache_frac` of all routed
+   experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
    the predictors, to the model in place; counters are on `model.tensorbend`.
 Greedy outputs equal the resident model's exactly (tests per family); prediction changes
 only what is read when.
@@ -200,7 +200,8 @@ def memory_plan(
     bounce buffer (one expert each). loaded_bytes: on CPU, how much the process's resident set
     grew while the model was built without its experts and the predictors loaded (the
     model's modeling code and Python objects, the predictors' weights and, with numba, their
-    compiled kernels, beside its tensors): charged as the model's part when it exceeds the non-expert tensors' bytes."""
+    compiled kernels, beside its tensors): charged as the model's part when it exceeds the
+    non-expert tensors' bytes."""
     budget = parse_bytes(cfg.max_memory)
     model = max(non_expert_bytes, loaded_bytes or 0)
     what = f"non-expert weights {_mb(non_expert_bytes)}"
