@@ -228,8 +228,8 @@ bench-evictor: bench-traces
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 bench-serve: bench-traces
-	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
-		--max-new-tokens 24 --predictor $(BENCH)/default/ours_d1.safetensors \
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 3 \
+		--max-new-tokens 48 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/bench/serve_memory.json --doc docs/serve_memory.md > /dev/null
 

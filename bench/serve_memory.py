@@ -2,7 +2,7 @@
 policy, `tensorbend generate` in a fresh process per run, median of interleaved repeats.
 
 Usage:
-    python -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 \
+    python -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 \
         --predictor runs/bench/default/ours_d1.safetensors \
         --horizon runs/bench/default/horizon_routing_hidden.safetensors \
         --json docs/bench/serve_memory.json --doc docs/serve_memory.md
@@ -15,7 +15,9 @@ expert read comes from the disk, not the page cache; its peak RSS (mapped file p
 included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The import baseline
 is the peak RSS of a process that imports torch, transformers' modeling and generation code
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
-repeat after repeat; the table gives the median decode tok/s with its range. Nothing else
+repeat after repeat; the table gives the median decode tok/s with its range. Rows ending
+`/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache).
+Nothing else
 should run on the machine meanwhile.
 The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,9 +52,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--factor", type=int, default=184)
     ap.add_argument("--max-memory", default="1GB")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=3, help="test prompts per run")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
@@ -77,6 +80,12 @@ def main(argv=None) -> int:
         ours += ["--predictor", str(args.predictor)] if args.predictor else []
         label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
         policies[f"ours: {label}/adm=predicted"] = ours
+    envs = {}  # rows run with TENSORBEND_JIT=0: numpy paths, numba's memory goes to the cache
+    for name in [n for n in policies if n.startswith("ours: horizon(evict only)/per_layer")] + [
+        n for n in policies if n.startswith("ours: horizon(evict only)+d1")
+    ]:
+        policies[name + "/jit=0"] = policies[name]
+        envs[name + "/jit=0"] = {"TENSORBEND_JIT": "0"}
     store = args.workdir / "store"
     base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
             str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
@@ -86,10 +95,10 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     for r in range(args.repeats):
         for name, flags in policies.items():
-            runs[name].append(_run(base + flags))
+            runs[name].append(_run(base + flags, envs.get(name)))
             print(f"repeat {r}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)  # fmt: skip
-    result = _aggregate(runs, args, ckpt, baseline)
+    result = _aggregate(runs, args, ckpt, baseline, envs)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
+def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
     experts = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     rows = []
     for name, rs in runs.items():
@@ -113,6 +122,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
             "cache_slots": rs[0]["cache_slots"],
             "decode_tokens": rs[0]["decode_tokens"],
+            "env": envs.get(name, {}),
         })  # fmt: skip
     best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
     every = [r for rs in runs.values() for r in rs]
@@ -148,9 +158,10 @@ def _split(run: dict) -> dict:
     return {k: v for k, v in run["memory_plan"].items() if k != "measured"}
 
 
-def _run(cmd: list[str]) -> dict:
+def _run(cmd: list[str], env: dict | None = None) -> dict:
+    env = {**os.environ, **env} if env else None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True)
+        out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, env=env)
         if out.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
         return json.loads(Path(f.name).read_text())

@@ -22,7 +22,8 @@ def markdown(res: dict) -> str:
         f"per run, a fresh process per run, {res['repeats']} interleaved repeats: median decode "
         f"tok/s [range]. vs best = the median [range] of the per-repeat ratios to the best "
         f"policy without prediction ({res['best_no_prediction']}); a range that holds 1.00 is "
-        f"no gain.",
+        f"no gain. Rows ending /jit=0 run with `TENSORBEND_JIT=0` (numpy paths instead of "
+        f"numba's compiled kernels, whose memory then goes to the cache).",
         "",
         "| policy | decode tok/s [range] | vs best | MB read / token | hit rate | prediction ms "
         "/ token | cache slots | peak RSS (MB) | RSS - baseline (MB) | budget (MB) |",
