@@ -196,8 +196,8 @@ def memory_plan(
 ):
     """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
-    bypassed miss is computed from, plus, for `--io direct` on CPU, each I/O thread's aligned
-    bounce buffer (one expert each). loaded_bytes: on CPU, how much the process's resident set
+    bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
+    its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes: on CPU, how much the process's resident set
     grew while the model was built without its experts and the predictors loaded (the
     model's modeling code and Python objects, the predictors' weights and, with numba, their
     compiled kernels, beside its tensors): charged as the model's part when it exceeds the
@@ -210,8 +210,7 @@ def memory_plan(
         what += f"{_mb(non_expert_bytes)})"
     auto = 2048 * kv_bytes + RESERVE_FIXED
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
-    bounce = cfg.io_threads if cfg.io == "direct" and cfg.device == "cpu" else 0
-    staging = (spec.top_k + bounce) * expert_bytes
+    staging = spec.top_k * expert_bytes
     need_slots = max(spec.top_k, spec.num_moe_layers if cfg.offload.pool == "per_layer" else 1)
     minimum = model + staging + reserve + need_slots * expert_bytes
     if budget < minimum:

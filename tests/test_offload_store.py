@@ -10,7 +10,14 @@ from tiny_models import build
 from tensorbend.cache.transfers import Link, parse_link, real_link
 from tensorbend.errors import StoreError
 from tensorbend.models import describe_model, moe_block
-from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    StoreConfig,
+    aligned_empty,
+    stride,
+    write_store,
+)
 
 
 def _experts(family):
@@ -46,12 +53,28 @@ def test_round_trip_is_byte_exact(ds_store, io):
 
 def test_store_is_standard_safetensors_one_tensor_per_expert(ds_store):
     experts, layout, path = ds_store
+    E = experts[0].gate_up_proj.shape[0]
     with safe_open(str(path), "pt") as f:
         keys = list(f.keys())
-        assert len(keys) == len(experts) * experts[0].gate_up_proj.shape[0]
+        assert len([k for k in keys if ".experts." in k]) == len(experts) * E
         t = f.get_tensor("layers.001.experts.0003")
+        pads = [f.get_tensor(k) for k in keys if k.startswith("pad.")]
     assert t.shape == (layout.numel,)
     assert torch.equal(layout.views(t)["down_proj"], experts[1].down_proj[3])
+    assert layout.nbytes % 4096 != 0  # (else no pads: the padding below would be untested)
+    assert len(pads) == len(experts) * E
+    assert all(p.numel() == stride(layout.nbytes) - layout.nbytes and not p.any() for p in pads)
+
+
+def test_every_expert_starts_on_a_4096_byte_boundary(ds_store):
+    experts, layout, path = ds_store
+    store = ExpertStore.open(path)
+    E = store.num_experts
+    starts = [store._data_start + store._offsets[f"layers.{m:03d}.experts.{e:04d}"][0]
+              for m in range(store.num_layers) for e in range(E)]  # fmt: skip
+    store.close()
+    assert store._data_start % 4096 == 0 and all(s % 4096 == 0 for s in starts)
+    assert starts[1] - starts[0] == stride(layout.nbytes)
 
 
 def test_gpt_oss_layout_keeps_biases():
@@ -97,16 +120,37 @@ def test_not_a_store_is_a_clear_error(tmp_path):
 
 
 def test_direct_io_reads_the_same_bytes_or_says_how_to_fix(ds_store):
+    """Into an aligned slot the read is no copy (no bounce), into a misaligned one it bounces;
+    both give the expert's exact bytes, and nothing is written past the slot."""
     experts, layout, path = ds_store
     try:
         store = ExpertStore.open(path, StoreConfig("direct"))
     except StoreError as e:  # e.g. tmpfs has no O_DIRECT: nothing was read, so nothing is tested
         assert "try --io fadvise" in str(e)
         pytest.skip(f"this filesystem refuses O_DIRECT, so direct reads cannot run here: {e}")
-    flat = torch.empty(layout.numel, dtype=layout.dtype)
-    store.read_into(1, 2, flat)
-    assert torch.equal(layout.views(flat)["gate_up_proj"], experts[1].gate_up_proj[2])
+    pool = aligned_empty(3, layout.numel, layout.dtype).fill_(7.0)
+    misaligned = torch.empty(layout.numel + 1, dtype=layout.dtype)[1:]
+    assert misaligned.data_ptr() % 4096 != 0
+    for m, e in ((1, 2), (0, 0), (store.num_layers - 1, store.num_experts - 1)):
+        store.read_into(m, e, pool[1])
+        assert store.bounced_reads == 0, "an aligned slot went through the bounce buffer"
+        for name, part in layout.views(pool[1]).items():
+            assert torch.equal(part, getattr(experts[m], name)[e]), (m, e, name)
+        assert (pool[0] == 7).all() and (pool[2] == 7).all()  # its neighbours untouched
+    store.read_into(1, 2, misaligned)
+    assert store.bounced_reads == 1
+    assert torch.equal(layout.views(misaligned)["gate_up_proj"], experts[1].gate_up_proj[2])
     store.close()
+
+
+def test_a_store_of_the_old_format_is_refused_with_how_to_fix(ds_store, tmp_path):
+    _, layout, path = ds_store
+    old = tmp_path / "old.safetensors"
+    blob = path.read_bytes().replace(b'"format_version": "2"', b'"format_version": "1"', 1)
+    old.write_bytes(blob)
+    with pytest.raises(StoreError, match=r"format_version 2\), found a store of format_version 1"
+                       r".*delete it and rerun to rebuild it"):  # fmt: skip
+        ExpertStore.open(old)
 
 
 def test_link_speedup_scales_bandwidth_and_latency():

@@ -73,6 +73,29 @@ def test_store_from_shards_equals_model_and_generate_equals_resident(family, tmp
         model(ids)
 
 
+def test_direct_io_reads_every_expert_straight_into_its_slot(tmp_path):
+    """io="direct" (O_DIRECT, the page cache bypassed): the cache's slots are 4096-aligned and
+    the store's experts start on 4096-byte boundaries, so no read goes through the bounce
+    buffer, and generate() equals the resident model's."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    ref = _resident(ckpt)
+    try:
+        model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "store", cache_frac=0.25,
+                                          io="direct", progress=False)  # fmt: skip
+    except tensorbend.TensorbendError as e:  # e.g. tmpfs: no O_DIRECT, nothing to test here
+        assert "try --io fadvise" in str(e)
+        pytest.skip(f"this filesystem refuses O_DIRECT: {e}")
+    h = model.tensorbend
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    c = h.counters()
+    assert c["totals"]["bytes_read"] > 0 and h.store.bounced_reads == 0
+    h.close()
+
+
 def test_batch_sampling_streamer_pipeline_equal_resident(tmp_path):
     """Batch of two left-padded prompts, seeded sampling, a TextStreamer and a text-generation
     pipeline give what the resident model gives; reset() zeroes the counters."""

@@ -43,6 +43,7 @@ from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.slots import CacheStats, SlotTable
 from tensorbend.errors import StoreError
+from tensorbend.offload.store import aligned_empty
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,11 @@ class ExpertCache:
         self.capacity = resident.capacity
         self.entries = self.slots.entries  # read without the lock only for "is it there"
         self.device = torch.device(cfg.device)
-        self.pool_CN = torch.empty(
-            self.capacity + cfg.scratch, numel, dtype=dtype, device=self.device
+        rows = self.capacity + cfg.scratch
+        self.pool_CN = (  # (on the CPU every slot 4096-aligned: direct reads land with no copy)
+            aligned_empty(rows, numel, dtype)
+            if self.device.type == "cpu"
+            else torch.empty(rows, numel, dtype=dtype, device=self.device)
         )
         self._cond = threading.Condition()
         self.waits = 0  # wait_ready calls that blocked (the compute thread waited for a load)

@@ -43,7 +43,7 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.shards import Checkpoint, TensorRef
-from tensorbend.offload.store import ExpertLayout, store_header
+from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
 
 
 @dataclass
@@ -167,7 +167,7 @@ def build_store(
         if done == 0:
             os.ftruncate(fd, 0)
             os.pwrite(fd, header, 0)
-            os.ftruncate(fd, len(header) + L * E * layout.nbytes)
+            os.ftruncate(fd, expert_offset(len(header), L, 0, E, layout.nbytes))  # (pads: zeros)
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
         flat = torch.empty(layout.numel, dtype=dtype)  # one expert, reused: memory stays flat
@@ -176,7 +176,8 @@ def build_store(
             for e in range(E):
                 plan.expert_into(m, e, flat, staging)
                 data = memoryview(flat.view(torch.uint8).numpy())
-                if os.pwrite(fd, data, len(header) + (m * E + e) * layout.nbytes) != len(data):
+                at = expert_offset(len(header), m, e, E, layout.nbytes)
+                if os.pwrite(fd, data, at) != len(data):
                     raise StoreError(f"{partial}: short write (disk full?); free space and rerun")
                 bar.update(1)
             os.fsync(fd)

@@ -10,13 +10,20 @@ Every routed expert of every MoE layer is packed into one flat tensor named
 `layers.{m:03d}.experts.{e:04d}` (its parts, e.g. gate_up_proj then down_proj, back to back),
 so loading an expert is one `os.preadv` straight into a cache slot. The file is a standard
 safetensors file (`safe_open` reads it); its metadata carries `format_version`, the model
-fingerprint and the part layout. Reads release the GIL, so I/O threads overlap compute.
+fingerprint and the part layout. Every expert starts on a 4096-byte boundary of the file (the
+header is padded, and a `pad.{m:03d}.{e:04d}` tensor of zeros fills an expert out to
+`stride(nbytes)` bytes), so an O_DIRECT read needs no bounce buffer for the expert's body.
+Reads release the GIL, so I/O threads overlap compute.
 
 A `cache.transfers.Link` caps the transfer: every read is booked on one `Wire` (the one the
 simulator books in event time; here with the wall clock, serialised over all I/O threads) and
 returns when the booking ends, so a CPU machine reproduces the transfer/compute ratio of a real
 system. `io` chooses how to read past the page cache: `buffered` (plain reads),
-`fadvise` (drop the pages after each read) or `direct` (O_DIRECT through an aligned buffer).
+`fadvise` (drop the pages after each read) or `direct` (O_DIRECT). A direct read into a
+4096-aligned buffer (`aligned_empty`: the cache's slots are) lands in it with no copy: the
+expert's whole 4096-byte blocks go straight into the buffer and its last partial block
+through a one-block bounce buffer, in one `preadv`; into any other buffer the read goes
+through a bounce buffer and a tensor copy (`bounced_reads` counts those).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from tensorbend.atomic import atomic_write
 from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: experts on 4096-byte boundaries (1 had no padding)
 IOMode = Literal["buffered", "fadvise", "direct"]
 IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -48,7 +55,7 @@ _ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 class StoreConfig:
     io: IOMode = "buffered"
     """How expert reads treat the page cache: buffered, fadvise (drop the pages after each
-    read) or direct (O_DIRECT through an aligned buffer)."""
+    read) or direct (O_DIRECT: straight into an aligned buffer)."""
 
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
@@ -97,17 +104,38 @@ class ExpertLayout:
         return out
 
 
+def stride(nbytes: int) -> int:
+    """Bytes from one expert's start in the store to the next's: nbytes rounded up to 4096.
+
+    >>> stride(4096), stride(4097), stride(10)
+    (4096, 8192, 4096)
+    """
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def expert_offset(header_len: int, m: int, e: int, num_experts: int, nbytes: int) -> int:
+    """Where expert e of MoE layer m starts in the store file (header_len: `store_header`'s)."""
+    return header_len + (m * num_experts + e) * stride(nbytes)
+
+
 def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: dict) -> bytes:
-    """The store's safetensors header (length prefix included) for experts in (m, e) order."""
+    """The store's safetensors header (length prefix included, padded to a multiple of 4096
+    bytes) for experts in (m, e) order, each followed by its pad to `stride(nbytes)`."""
     header, at = {}, 0
+    nbytes, pad = layout.nbytes, stride(layout.nbytes) - layout.nbytes
     for m in range(num_layers):
         for e in range(num_experts):
             header[_name(m, e)] = {
                 "dtype": _DTYPES[layout.dtype],
                 "shape": [layout.numel],
-                "data_offsets": [at, at + layout.nbytes],
+                "data_offsets": [at, at + nbytes],
             }
-            at += layout.nbytes
+            at += nbytes
+            if pad:  # (safetensors allows no holes: the padding is a tensor of its own)
+                header[f"pad.{m:03d}.{e:04d}"] = {
+                    "dtype": "U8", "shape": [pad], "data_offsets": [at, at + pad]
+                }  # fmt: skip
+                at += pad
     header["__metadata__"] = {
         **meta,
         "format_version": FORMAT_VERSION,
@@ -116,7 +144,7 @@ def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: 
         "layout": json.dumps(layout.parts),
     }
     blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(8 + len(blob)) % _ALIGN)  # (spaces: safetensors' own header padding)
     return struct.pack("<Q", len(blob)) + blob
 
 
@@ -127,6 +155,7 @@ def write_store(
     half-written). A checkpoint on disk goes through `checkpoint.build_store` instead."""
     E = experts_by_layer[0].gate_up_proj.shape[0]
     header = store_header(len(experts_by_layer), E, layout, meta)
+    pad = bytes(stride(layout.nbytes) - layout.nbytes)
 
     def write(f: BinaryIO) -> None:
         f.write(header)
@@ -134,6 +163,7 @@ def write_store(
             for e in range(E):
                 flat = torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
                 f.write(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                f.write(pad)
 
     return atomic_write(path, write)
 
@@ -144,7 +174,9 @@ class ExpertStore:
     def __init__(self, path: Path, header: dict, data_start: int, cfg: StoreConfig, link: Link):
         self.path, self.cfg, self.link = Path(path), cfg, link
         self.meta = header.pop("__metadata__", {})
-        self._offsets = {k: tuple(v["data_offsets"]) for k, v in header.items()}
+        self._offsets = {
+            k: tuple(v["data_offsets"]) for k, v in header.items() if not k.startswith("pad.")
+        }
         self.num_layers = int(self.meta["num_layers"])
         self.num_experts = int(self.meta["num_experts"])
         self._data_start = data_start
@@ -159,6 +191,7 @@ class ExpertStore:
         self._wire_lock = threading.Lock()
         self._wire = Wire(link)
         self._local = threading.local()
+        self.bounced_reads = 0  # direct reads that went through a bounce buffer and a copy
 
     @classmethod
     def open(
@@ -175,10 +208,13 @@ class ExpertStore:
                 f"expert store {path}: unreadable header ({e}); rebuild it (delete the "
                 f"file and rerun)"
             ) from e
-        if header is None or header.get("__metadata__", {}).get("format_version") != FORMAT_VERSION:
+        found = header.get("__metadata__", {}).get("format_version") if header else None
+        if found != FORMAT_VERSION:
+            what = (f"a store of format_version {found} (an older tensorbend's)" if found
+                    else "another file")  # fmt: skip
             raise StoreError(
                 f"expert store {path}: expected a tensorbend store (format_version "
-                f"{FORMAT_VERSION}), found another file; delete it and rerun"
+                f"{FORMAT_VERSION}), found {what}; delete it and rerun to rebuild it"
             )
         need = (
             8 + hlen + max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
@@ -201,7 +237,8 @@ class ExpertStore:
             self._fd = None
 
     def read_into(self, m: int, e: int, out_flat: torch.Tensor) -> int:
-        """Read expert e of MoE layer m into the contiguous CPU tensor `out_flat`; returns bytes."""
+        """Read expert e of MoE layer m into the contiguous CPU tensor `out_flat`; returns bytes.
+        With io=direct, into a 4096-aligned `out_flat` (`aligned_empty`) it is no copy."""
         start, end = self._offsets[_name(m, e)]
         nbytes = end - start
         assert out_flat.is_contiguous() and out_flat.numel() * out_flat.element_size() == nbytes
@@ -242,21 +279,56 @@ class ExpertStore:
             return self._wire.book(time.perf_counter(), nbytes)
 
     def _read_direct(self, out_flat: torch.Tensor, offset: int, nbytes: int) -> int:
-        """O_DIRECT: the aligned span into this thread's page-aligned bounce buffer, then the
-        expert's bytes into `out_flat` by a tensor copy, which releases the interpreter lock
-        (a memoryview slice copy holds it: an 18 MB expert stalled the compute thread's Python
-        for its ~3 ms copy)."""
+        """O_DIRECT. Into an aligned buffer: the expert's whole blocks straight into it, its last
+        partial block into a one-block bounce buffer, in one preadv (the expert starts on a
+        block: format 2), then that block's few bytes copied. Otherwise: the aligned span into
+        a bounce buffer, then into `out_flat` by a tensor copy, which releases the interpreter
+        lock (a memoryview slice copy holds it: an 18 MB expert stalled the compute thread's
+        Python for its ~3 ms copy)."""
+        out = out_flat.view(torch.uint8)
+        if offset % _ALIGN == 0 and out.data_ptr() % _ALIGN == 0:
+            body = nbytes - nbytes % _ALIGN
+            iov = [memoryview(out[:body].numpy())] if body else []
+            tail = nbytes - body
+            if tail:
+                mm, mm_t = self._bounce(_ALIGN)
+                iov.append(memoryview(mm)[:_ALIGN])
+            got = os.preadv(self._fd, iov, offset)
+            if tail and got > body:
+                out[body:nbytes].copy_(mm_t[: min(tail, got - body)])
+            return min(got, nbytes)
+        self.bounced_reads += 1
         lo = offset - offset % _ALIGN
         hi = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None or len(bounce[0]) < hi - lo:
-            mm = mmap.mmap(-1, hi - lo)  # page-aligned
-            bounce = self._local.bounce = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        mm, mm_t = bounce
+        mm, mm_t = self._bounce(hi - lo)
         got = os.preadv(self._fd, [memoryview(mm)[: hi - lo]], lo)
         got = max(0, min(nbytes, got - (offset - lo)))
-        out_flat.view(torch.uint8)[:got].copy_(mm_t[offset - lo : offset - lo + got])
+        out[:got].copy_(mm_t[offset - lo : offset - lo + got])
         return got
+
+    def _bounce(self, n: int) -> tuple[mmap.mmap, torch.Tensor]:
+        """This thread's page-aligned bounce buffer of at least n bytes (and a tensor on it)."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None or len(bounce[0]) < n:
+            mm = mmap.mmap(-1, n)  # page-aligned
+            bounce = self._local.bounce = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        return bounce
+
+
+def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, numel] of `dtype` whose every row starts on a 4096-byte boundary (rows are
+    `stride` bytes apart): direct reads land in each row with no copy.
+
+    >>> t = aligned_empty(3, 5, torch.float32)
+    >>> t.shape, [t[i].data_ptr() % 4096 for i in range(3)], t[1].is_contiguous()
+    (torch.Size([3, 5]), [0, 0, 0], True)
+    """
+    itemsize = dtype.itemsize
+    assert _ALIGN % itemsize == 0, dtype
+    row = stride(numel * itemsize) // itemsize
+    raw = torch.empty(rows * row + _ALIGN // itemsize, dtype=dtype)
+    skip = (-raw.data_ptr() % _ALIGN) // itemsize
+    return raw[skip : skip + rows * row].view(rows, row)[:, :numel]
 
 
 def _name(m: int, e: int) -> str:
