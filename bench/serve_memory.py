@@ -17,8 +17,7 @@ is the peak RSS of a process that imports torch, transformers' modeling and gene
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range. Rows ending
 `/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache).
-Nothing else
-should run on the machine meanwhile.
+Nothing else should run on the machine meanwhile.
 The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.
 """
 
@@ -81,9 +80,8 @@ def main(argv=None) -> int:
         label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
         policies[f"ours: {label}/adm=predicted"] = ours
     envs = {}  # rows run with TENSORBEND_JIT=0: numpy paths, numba's memory goes to the cache
-    for name in [n for n in policies if n.startswith("ours: horizon(evict only)/per_layer")] + [
-        n for n in policies if n.startswith("ours: horizon(evict only)+d1")
-    ]:
+    jit_off = ("ours: horizon(evict only)/per_layer", "ours: horizon(evict only)+d1")
+    for name in [n for n in policies if n.startswith(jit_off)]:
         policies[name + "/jit=0"] = policies[name]
         envs[name + "/jit=0"] = {"TENSORBEND_JIT": "0"}
     store = args.workdir / "store"

@@ -197,8 +197,8 @@ def memory_plan(
     """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
     bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
-    its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes: on CPU, how much the process's resident set
-    grew while the model was built without its experts and the predictors loaded (the
+    its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
+    on CPU, how much the process's resident set grew while the model was built without its experts and the predictors loaded (the
     model's modeling code and Python objects, the predictors' weights and, with numba, their
     compiled kernels, beside its tensors): charged as the model's part when it exceeds the
     non-expert tensors' bytes."""

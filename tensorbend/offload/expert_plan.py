@@ -43,7 +43,7 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.shards import Checkpoint, TensorRef
-from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
+from tensorbend.offload.store import ExpertLayout, expert_offset, store_header, stride
 
 
 @dataclass
@@ -167,7 +167,7 @@ def build_store(
         if done == 0:
             os.ftruncate(fd, 0)
             os.pwrite(fd, header, 0)
-            os.ftruncate(fd, expert_offset(len(header), L, 0, E, layout.nbytes))  # (pads: zeros)
+            os.ftruncate(fd, len(header) + L * E * stride(layout.nbytes))  # (pads: zeros)
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
         flat = torch.empty(layout.numel, dtype=dtype)  # one expert, reused: memory stays flat

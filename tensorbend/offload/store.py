@@ -281,12 +281,13 @@ class ExpertStore:
     def _read_direct(self, out_flat: torch.Tensor, offset: int, nbytes: int) -> int:
         """O_DIRECT. Into an aligned buffer: the expert's whole blocks straight into it, its last
         partial block into a one-block bounce buffer, in one preadv (the expert starts on a
-        block: format 2), then that block's few bytes copied. Otherwise: the aligned span into
+        block: format 2), then that block's few bytes copied. Otherwise: the expert's blocks into
         a bounce buffer, then into `out_flat` by a tensor copy, which releases the interpreter
         lock (a memoryview slice copy holds it: an 18 MB expert stalled the compute thread's
         Python for its ~3 ms copy)."""
         out = out_flat.view(torch.uint8)
-        if offset % _ALIGN == 0 and out.data_ptr() % _ALIGN == 0:
+        assert offset % _ALIGN == 0, "format 2 stores start every expert on a block"
+        if out.data_ptr() % _ALIGN == 0:
             body = nbytes - nbytes % _ALIGN
             iov = [memoryview(out[:body].numpy())] if body else []
             tail = nbytes - body
@@ -298,12 +299,9 @@ class ExpertStore:
                 out[body:nbytes].copy_(mm_t[: min(tail, got - body)])
             return min(got, nbytes)
         self.bounced_reads += 1
-        lo = offset - offset % _ALIGN
-        hi = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-        mm, mm_t = self._bounce(hi - lo)
-        got = os.preadv(self._fd, [memoryview(mm)[: hi - lo]], lo)
-        got = max(0, min(nbytes, got - (offset - lo)))
-        out[:got].copy_(mm_t[offset - lo : offset - lo + got])
+        mm, mm_t = self._bounce(stride(nbytes))
+        got = min(nbytes, os.preadv(self._fd, [memoryview(mm)[: stride(nbytes)]], offset))
+        out[:got].copy_(mm_t[:got])
         return got
 
     def _bounce(self, n: int) -> tuple[mmap.mmap, torch.Tensor]:
