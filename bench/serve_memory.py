@@ -116,6 +116,10 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
             "decode_tok_s_repeats": tok_s,
             "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
             "demand_hit_rate": statistics.median(r["demand_hit_rate"] for r in rs),
+            "stall_s_per_token": statistics.median(r["stall_s_per_token"] for r in rs),
+            "no_stall_ceiling": statistics.median(  # per repeat: tok/s with every wait hidden
+                1 / (1 - r["stall_s_per_token"] * r["decode_tok_s"]) for r in rs
+            ),
             "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
             "cache_slots": rs[0]["cache_slots"],

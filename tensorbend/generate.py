@@ -114,10 +114,14 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
 def format_summary(s: dict) -> str:
     tok_s = f"{s['decode_tok_s']:.2f}" if s["decode_tok_s"] else "-"
     dev = f" | peak cuda {s['peak_device_bytes'] / 1e6:.0f} MB" if s["peak_device_bytes"] else ""
+    stall, share = s["stall_s_per_token"], None
+    if stall is not None and s["decode_tok_s"]:
+        share = stall * s["decode_tok_s"]  # of decode's seconds: what prefetching could hide
+    waited = f" | waited {stall * 1e3:.1f} ms/token for loads ({share:.0%})" if share else ""
     return (
         f"[tensorbend] {s['decode_tokens']} decode tokens at {tok_s} tok/s | "
         f"{s['bytes_read_per_token'] / 1e6:.2f} MB experts read/token | hit rate "
-        f"{s['demand_hit_rate']:.2f} | cache {s['cache_slots']} experts of "
+        f"{s['demand_hit_rate']:.2f}{waited} | cache {s['cache_slots']} experts of "
         f"{s['expert_bytes'] / 1e6:.2f} MB | peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
         f"policy {s['policy']}{_plan_line(s.get('memory_plan'))}"
     )

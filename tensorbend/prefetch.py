@@ -28,7 +28,10 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
 One token: its top-(K + extra) guesses, best first (`-1`: no guess); with numba, ours scores
 and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested), and
 the horizon steps a batch-1 decode token's forecast and ranks the next forward's experts in
-another (`_foresee_token`, `horizon_fast.FastHorizon.step_token`: the same, tested).
+another (`_foresee_token`, `horizon_fast.FastHorizon.step_token`: the same, tested); a decode
+token's router call reaches them through `_observe_token`, in numpy from the routed ids on
+(each tensor touched costs microseconds in the runtime, where a call finds the CPU's caches
+cold: bench/cold_call.py).
 Several tokens (prefill, a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
 horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
 The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
@@ -110,10 +113,20 @@ class RoutingHistory:
     """Sequences per forward, in lockstep (their tokens in order): prev then holds each
     sequence's last token, [B, K]."""
 
-    def put(self, m: int, ids_TK: torch.Tensor) -> None:
-        """Layer m's routed ids this forward ([T, K], CPU)."""
+    def put(self, m: int, ids_TK: torch.Tensor) -> np.ndarray:
+        """Layer m's routed ids this forward ([T, K], or [..., K]; on any device); returns
+        their numpy view [T, K] (on the CPU)."""
+        try:
+            a = ids_TK.numpy()  # (the CPU case first: no attribute read before it)
+        except TypeError:  # on a GPU
+            ids_TK = ids_TK.cpu()
+            a = ids_TK.numpy()
+        if a.ndim != 2:
+            a = a.reshape(-1, a.shape[-1])
+            ids_TK = ids_TK.reshape(-1, ids_TK.shape[-1])
         self.cur[m] = ids_TK
-        self.cur_np[m] = ids_TK.numpy()
+        self.cur_np[m] = a
+        return a
 
     def begin_prompt(self) -> None:
         self.cur.clear()
@@ -181,6 +194,7 @@ class Prefetcher:
         self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
         self._uses_prev = self._fused and predictor.token_uses_prev
         self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
+        self._token_path = self._fused or self._fused_horizon  # (observe's one-token path)
         # observe's per-call constants (it runs at every source point of every forward)
         self._L, self._D = spec.num_moe_layers, spec.hidden_size
         self._layer_input = self._asks and self.la.hidden == "layer_input"
@@ -214,25 +228,23 @@ class Prefetcher:
     ) -> list[Prediction]:
         """What to prefetch now: before layer `layer`'s attention (hidden_TD = its input, no
         routed ids) or right after its router (hidden_TD = the router's input, its ids)."""
-        if hidden_TD is not None and hidden_TD.shape[-1] != self._D:
-            raise PredictorInputError(
-                f"Prefetcher.observe(layer {layer}): expected hidden_TD [..., "
-                f"{self._D}] (this model's hidden size), found "
-                f"{tuple(hidden_TD.shape)}; pass the router's input or the layer's input"
-            )
         if self._new_forward:
             if self._own_clock:
                 self.clock.begin_forward()
                 self.history.begin_forward()
             self._new_forward = False
         if routed_ids_TK is None:
+            if hidden_TD is not None:
+                self._check_hidden(layer, hidden_TD.shape)
             return self._within(layer, layer, hidden_TD) if self._layer_input else []
-        ids_TK = (
-            routed_ids_TK
-            if routed_ids_TK.dim() == 2
-            else routed_ids_TK.reshape(-1, routed_ids_TK.shape[-1])
-        )  # (integer ids carry no gradient: no detach)
-        self.history.put(layer, ids_TK.cpu() if ids_TK.is_cuda else ids_TK)
+        ids_TK = self.history.put(layer, routed_ids_TK)  # (integer ids carry no gradient)
+        if self._token_path and ids_TK.shape[0] == 1 and hidden_TD is not None:
+            x_D = _host_f32(hidden_TD)  # a decode token: numpy from here
+            if x_D.shape[-1] != self._D:
+                self._check_hidden(layer, x_D.shape)
+            return self._observe_token(layer, x_D.reshape(-1))
+        if hidden_TD is not None:
+            self._check_hidden(layer, hidden_TD.shape)
         out = []
         if self.horizon is not None and layer == self._L - 1:
             out = self._foresee(hidden_TD.reshape(-1, self._D))
@@ -242,6 +254,39 @@ class Prefetcher:
         return out
 
     # ------------------------------------------------------------ helpers
+
+    def _check_hidden(self, layer: int, shape) -> None:
+        if shape[-1] != self._D:
+            raise PredictorInputError(
+                f"Prefetcher.observe(layer {layer}): expected hidden_TD [..., "
+                f"{self._D}] (this model's hidden size), found "
+                f"{tuple(shape)}; pass the router's input or the layer's input"
+            )
+
+    def _observe_token(self, layer: int, x_D: np.ndarray) -> list[Prediction]:
+        """observe() at a router for one token (a decode token, batch 1) with a compiled
+        path: the same predictions as the general path (tested), from numpy arrays, with no
+        tensor touched between the routed ids and the kernels."""
+        out = []
+        if self.horizon is not None and layer == self._L - 1:
+            if self.history.batch == 1 and self._fused_horizon:
+                if not self.history.prev or self._state is None:  # a request's first forward
+                    self._state = [self.horizon.new_state()]
+                out = self._foresee_token(x_D)
+            else:
+                out = self._foresee(torch.from_numpy(x_D).view(1, -1))
+        d = self._gate_distance
+        if d is not None and (self.ahead is not None or layer + d < self._L):
+            m = layer + d
+            plan = self._plans.get(m) if self.ahead is None and self._fused else False
+            if plan is None:
+                plan = self._plans[m] = self.predictor.token_plan(m) or False
+            if plan:
+                src = self.history.cur_np.get(m - max(d, 1))  # the latest layer routed
+                out += self._predict_token(m, plan, x_D, src, self.history.prev.get(m))
+            else:
+                out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
+        return out
 
     def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
         if not self._asks:
@@ -293,7 +338,7 @@ class Prefetcher:
         """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
         the same scores and list, without a tensor op or an intermediate array between
         scoring and the top ids."""
-        args = (_host_f32(hidden_1D).reshape(-1),
+        args = (_host_f32(hidden_1D).reshape(-1),  # (a numpy hidden passes as it is)
                 _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
                 _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
         t0 = time.perf_counter()
@@ -357,7 +402,7 @@ class Prefetcher:
         L, f = self.spec.num_moe_layers, self.clock.forward
         cur = self.history.cur_np
         ids_LK = _ids(np.concatenate([cur[m] for m in range(L)]))  # (each [1, K]: one token)
-        hidden_D = _host_f32(hidden_1D)[0]
+        hidden_D = _host_f32(hidden_1D).reshape(-1)
         n = min(self.token_ahead_layers, L)
         t0 = time.perf_counter()
         ahead, after, first_NK = self.horizon.step_token(
@@ -379,7 +424,9 @@ _new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handl
 
 def _host_f32(t: torch.Tensor) -> np.ndarray:
     """A hidden state as a float32 numpy array on the CPU (a view when it is one already:
-    tried first, without reading the tensor's attributes one by one)."""
+    tried first, without reading the tensor's attributes one by one); a numpy array passes."""
+    if type(t) is np.ndarray:
+        return t if t.dtype is _F32 else t.astype(np.float32)
     try:
         a = t.numpy()
     except (RuntimeError, TypeError):  # it needs a gradient, lives on a GPU, or is bfloat16

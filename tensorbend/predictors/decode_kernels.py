@@ -6,7 +6,7 @@ when numba is installed, `tensorbend.jit.AVAILABLE`; otherwise they run their nu
     score_token_kernel(x_D, w_cat_DX, H, w_ids_2EH, b_H, src_K, prev_K, w2_HE, b2_E, alpha,
                        gate, layer_input, bias_E, correction_E, eps, out_E)
     ids = top_ids(out_E, K + extra)              # best first; -inf scores left out
-    n = predict_token_kernel(x_D, src_K, prev_K, ..., width, out_E, out_J)  # both in one call
+    n = predict_token_kernel(x_D, src_K, prev_K, *plan, width, out_E, out_J)  # both in one call
     horizon_step_kernel(state arrays..., forward, ahead_LE, after_LE, first_LE)
     horizon_token_kernel(ids_LK, ..., forward, used_LE, ahead_LE, after_LE, first_LE, k, out_NK)
 
@@ -150,17 +150,22 @@ def top_ids(values_E, width):
 
 
 @njit(cache=True)
-def predict_token_kernel(x_D, src_K, prev_K, w_cat_DX, H, w_ids_2EH, b1_H, b1_prev_H, w2_HE, b2_E,
-                         alpha, gate, layer_input, bias_E, correction_E, eps, eps_rms, n_group,
-                         topk_group, width, out_E, out_J):  # fmt: skip
+def predict_token_kernel(x_D, src_K, prev_K, w_cat_DX, w_ids_2EH, b1_H, b1_prev_H, w2_HE, b2_E,
+                         bias_E, correction_E, cfg_8, width, out_E, out_J):  # fmt: skip
     """One decode call in one compiled call: score_token_kernel (prev_K empty: no previous
     token, and b1 without the has_prev row), then the `width` top ids into out_J; returns how
     many it wrote (width 0: scores only). residual_fast.TokenWeights.plan holds the arguments
-    from w_cat_DX to topk_group."""
+    from w_cat_DX to cfg_8: score_token_kernel's scalars in one float64 array (H, alpha,
+    gate, layer_input, eps, eps_rms, n_group, topk_group; exact in float64), since each
+    argument costs the call's dispatch time, and most in the runtime, where a call finds the
+    dispatcher's code out of the CPU caches."""
+    H, alpha = int(cfg_8[0]), np.float32(cfg_8[1])
+    gate, layer_input = int(cfg_8[2]), cfg_8[3] != 0.0
+    n_group, topk_group = int(cfg_8[6]), int(cfg_8[7])
     b_H = b1_prev_H if prev_K.shape[0] else b1_H
     score_token_kernel(x_D, w_cat_DX, H, w_ids_2EH, b_H, src_K, prev_K, w2_HE, b2_E, alpha, gate,
-                       layer_input, bias_E, correction_E, eps, eps_rms, n_group, topk_group,
-                       out_E)  # fmt: skip
+                       layer_input, bias_E, correction_E, cfg_8[4], cfg_8[5], n_group,
+                       topk_group, out_E)  # fmt: skip
     ids = top_ids(out_E, width)
     for j in range(ids.shape[0]):
         out_J[j] = ids[j]
@@ -286,9 +291,9 @@ def warm() -> None:
                        np.zeros(1, i64), np.zeros((1, 2), f32), z1, f32(1.0), GATE_GROUP, True,
                        z1, z1, 1e-6, 1e-6, 1, 1, out)  # fmt: skip
     top_ids(out, 1)
-    predict_token_kernel(z1, np.zeros(1, i64), np.zeros(1, i64), np.zeros((2, 3), f32), 1,
-                         z2, z1[:1].copy(), z1[:1].copy(), np.zeros((1, 2), f32), z1, f32(1.0),
-                         GATE_GROUP, True, z1, z1, 1e-6, 1e-6, 1, 1, 1, out,
+    predict_token_kernel(z1, np.zeros(1, i64), np.zeros(1, i64), np.zeros((2, 3), f32), z2,
+                         z1[:1].copy(), z1[:1].copy(), np.zeros((1, 2), f32), z1, z1, z1,
+                         np.array([1, 1, GATE_GROUP, 1, 1e-6, 1e-6, 1, 1], np.float64), 1, out,
                          np.zeros(2, i64))  # fmt: skip
     L, J, X, E = 1, 2, 7, 2
     horizon_step_kernel(np.zeros((L, E), f32), z1, np.zeros((L, E), f32), np.zeros((L, 3, E), f32),

@@ -248,13 +248,17 @@ def _score_token_compiled(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
 
 def _plan(p, w: TokenWeights) -> tuple:
     """decode_kernels.predict_token_kernel's weight arguments for one target layer, in its
-    order (after x_D, src_K, prev_K; before width, out_E, out_J)."""
+    order (after x_D, src_K, prev_K; before width, out_E, out_J): the arrays, then the
+    scalars in one float64 array (the kernel's cfg_8)."""
+    cfg_8 = np.array([
+        p.H, w.alpha, w.kernel_gate, p.lookahead.hidden == "layer_input", w.eps, EPS_RMS,
+        p.spec.n_group or 1, p.spec.topk_group or 1,
+    ], dtype=np.float64)  # fmt: skip
     return (
-        w.w_cat_DX, p.H, w.w_ids_2EH, w.b1_H, w.b1_prev_H, w.w2_HE, w.b2_E, w.alpha,
-        w.kernel_gate, p.lookahead.hidden == "layer_input",
+        w.w_cat_DX, w.w_ids_2EH, w.b1_H, w.b1_prev_H, w.w2_HE, w.b2_E,
         _NONE_E if w.bias_E is None else w.bias_E,
         _NONE_E if w.correction_E is None else w.correction_E,
-        w.eps, EPS_RMS, p.spec.n_group or 1, p.spec.topk_group or 1,
+        cfg_8,
     )  # fmt: skip
 
 

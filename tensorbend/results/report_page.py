@@ -138,7 +138,30 @@ def _cost(root: Path) -> str:
         "horizon's work grows with MoE layers x experts (about 120x zoo:default's on "
         "Kimi-K2.5), so its cost does not stay the same on a large model. The projections "
         f"below charge prediction zero seconds.{_in_runtime(rep.get('in_runtime'))}"
-        f"{_split(rep)}{_stall_against_cost(root, rep)}\n"
+        f"{_split(rep)}{_cold_call(root)}{_stall_against_cost(root, rep)}\n"
+    )
+
+
+def _cold_call(root: Path) -> str:
+    """Why a call costs more in the runtime: one call after other work (bench/cold_call.py)."""
+    rep = readme_section.load(root, "docs/bench/cold_call.json")
+    if rep is None:
+        return ""
+    by = {(r["call"], r["after"]): r["us"] for r in rep["results"]}
+    calls = list(dict.fromkeys(r["call"] for r in rep["results"]))
+    parts = "; ".join(
+        f"{c}: {by[(c, 'back_to_back')]:.0f} us right after the same call, "
+        f"{by[(c, 'spin_2ms')]:.0f} after 2 ms of a Python loop, {by[(c, 'sleep_2ms')]:.0f} "
+        f"after 2 ms asleep, {by[(c, 'decode_forward')]:.0f} after a decode forward"
+        for c in calls
+    )
+    return (
+        " Why the same calls cost several times more in the runtime (`python -m "
+        f"bench.cold_call`, medians of {rep['calls']} calls each, interleaved): {parts}. A "
+        "call finds the CPU's caches holding the model's work, not its own code and data; "
+        "in the runtime every call comes one MoE layer after the last, so a token pays "
+        "about its number of calls times the after-forward cost. Trimming the Python of a "
+        "call barely moves that; fewer calls per token would."
     )
 
 
