@@ -57,7 +57,36 @@ def _serving(root: Path) -> str:
             f"{r['demand_hit_rate']:.2f} | {(r['peak_rss_bytes'] - base) / 1e6:.0f} of "
             f"{budget / 1e6:.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _serving_stall(rep)
+
+
+def _serving_stall(rep: dict) -> str:
+    """Where a serving token's time goes: the best cache's wait for loads (the most any
+    prefetcher could hide) beside our row that waits least (absent from older JSON)."""
+    rows = rep["results"]
+    if not all("no_stall_ceiling" in r for r in rows):
+        return ""
+    best = next(r for r in rows if r["policy"] == rep["best_no_prediction"])
+    ours = min((r for r in rows if r["policy"].startswith("ours")),
+               key=lambda r: r["stall_s_per_token"], default=None)  # fmt: skip
+    rest = lambda r: (1 / r["decode_tok_s"] - r["stall_s_per_token"]) * 1e3  # noqa: E731
+    text = (
+        f"\nThe best cache ({best['policy']}) waits {best['stall_s_per_token'] * 1e3:.1f} ms "
+        f"per decode token for expert loads; the rest of its {1e3 / best['decode_tok_s']:.0f} "
+        f"ms is compute and overhead, so hiding every wait would make it at most "
+        f"{best['no_stall_ceiling']:.2f}x faster at the same bytes."
+    )
+    if ours is not None:
+        text += (
+            f" Our row that waits least ({ours['policy']}) waits "
+            f"{ours['stall_s_per_token'] * 1e3:.1f} ms, but reads "
+            f"{ours['bytes_read_per_token'] / 1e6:.0f} MB per token (against "
+            f"{best['bytes_read_per_token'] / 1e6:.0f}) and spends "
+            f"{ours['predict_s_per_token'] * 1e3:.1f} ms predicting; the rest of its token "
+            f"takes {rest(ours):.0f} ms against {rest(best):.0f}, so it runs "
+            f"{ours['vs_best_cache']:.2f}x the best cache."
+        )
+    return text + "\n"
 
 
 def load(root: Path, rel: str) -> dict | None:
