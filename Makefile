@@ -138,6 +138,9 @@ bench-timing: bench-traces
 	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --repeats 5 \
 		--json docs/bench/predictor_cost.json > /dev/null
+	$(PY) -m bench.cold_call --predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--json docs/bench/cold_call.json > /dev/null
 	$(PY) -m bench.replay_speed --json docs/bench/replay_speed.json \
 		--doc docs/bench/replay_speed.md > /dev/null
 	$(PY) -m bench.capture_overhead --json docs/bench/capture_overhead.json > /dev/null
