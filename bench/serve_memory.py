@@ -16,7 +16,9 @@ included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The impo
 is the peak RSS of a process that imports torch, transformers' modeling and generation code
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range. Rows ending
-`/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache).
+`/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache);
+`/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
+predictions: fewer than the K routed).
 Nothing else should run on the machine meanwhile.
 The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.
 """
@@ -84,6 +86,11 @@ def main(argv=None) -> int:
     for name in [n for n in policies if n.startswith(jit_off)]:
         policies[name + "/jit=0"] = policies[name]
         envs[name + "/jit=0"] = {"TENSORBEND_JIT": "0"}
+    narrow = "ours: horizon(evict only)+d1/per_layer/adm=predicted"
+    for extra in (-2, -3) if narrow in policies else ():  # fewer prefetches than the K routed
+        name = f"{narrow}/extra={extra}/jit=0"
+        policies[name] = policies[narrow] + ["--prefetch-extra", str(extra)]
+        envs[name] = {"TENSORBEND_JIT": "0"}
     store = args.workdir / "store"
     base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
             str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",

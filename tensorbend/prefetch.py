@@ -64,7 +64,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tensorbend.errors import PredictorInputError
+from tensorbend.errors import PredictorInputError, TensorbendError
 from tensorbend.jit import AVAILABLE as JIT
 from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec
@@ -167,6 +167,12 @@ class Prefetcher:
         check_roles(
             None if predictor is None else predictor.kind, None if horizon is None else horizon.kind
         )
+        if spec.top_k + extra < 1:
+            raise TensorbendError(
+                f"--prefetch-extra {extra}: expected at least {1 - spec.top_k} (a one-token "
+                f"call prefetches its top-(K + extra) predictions; this model routes top-"
+                f"{spec.top_k})"
+            )
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)

@@ -269,22 +269,24 @@ def test_the_fused_one_token_path_names_what_the_general_path_names(real_trace, 
         p, rows = _perturbed_ours(real_trace, tmp_path, la)
         spec = p.spec
         fused, general = Prefetcher(spec, p, extra=2), Prefetcher(spec, p, extra=2)
+        top1 = Prefetcher(spec, p, extra=1 - spec.top_k)  # (--prefetch-extra 1 - K)
         assert fused._fused
         general._fused = False
         hidden_TLD = rows[f"{p.lookahead.hidden}_TLD"].float()
         ids_TLK = rows["expert_ids_TLK"].long()
         n = 0
-        for pf in (fused, general):
+        for pf in (fused, general, top1):
             pf.begin_request()
         for t in range(min(60, ids_TLK.shape[0])):
             for m in range(spec.num_moe_layers):
                 h = hidden_TLD[t, m][None]
-                got = [pf.observe(m, hidden_TD=h) for pf in (fused, general)]
+                got = [pf.observe(m, hidden_TD=h) for pf in (fused, general, top1)]
                 got += [pf.observe(m, hidden_TD=h, routed_ids_TK=ids_TLK[t, m][None])
-                        for pf in (fused, general)]  # fmt: skip
-                assert got[0] == got[1] and got[2] == got[3]
-                n += len(got[0]) + len(got[2])
-            for pf in (fused, general):
+                        for pf in (fused, general, top1)]  # fmt: skip
+                assert got[0] == got[1] and got[3] == got[4]
+                assert got[2] == got[0][:1] and got[5] == got[3][:1]  # the likeliest only
+                n += len(got[0]) + len(got[3])
+            for pf in (fused, general, top1):
                 pf.on_token_end()
         assert n > 0 and fused._plans and all(fused._plans.values())
 

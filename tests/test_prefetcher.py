@@ -76,6 +76,44 @@ def test_a_hidden_state_of_another_width_is_refused():
         pf.observe(0, hidden_TD=torch.zeros(1, 33), routed_ids_TK=torch.zeros(1, 4).long())
 
 
+def test_a_negative_extra_prefetches_the_likeliest_only_and_changes_no_output():
+    """--prefetch-extra 1 - K: each one-token call names only the first of the list the same
+    call names with extra 0 (the likeliest); -K is refused before anything runs; offloaded with
+    it, the model generates what the resident model does."""
+    from tensorbend.errors import TensorbendError
+
+    torch.set_num_threads(1)
+    model = build("deepseek_v3", 0)
+    spec = describe_model(model)
+    K = spec.top_k
+    pred = build_baseline("spec_gate", spec, "d1", router_params=router_params(model, spec))
+    full, one = Prefetcher(spec, pred), Prefetcher(spec, pred, extra=1 - K)
+    g = torch.Generator().manual_seed(0)
+    named = 0
+    for pf in (full, one):
+        pf.begin_request()
+    for _ in range(3):  # decode tokens
+        for m in range(spec.num_moe_layers):
+            hidden = torch.randn(1, spec.hidden_size, generator=g)
+            ids = torch.randperm(spec.num_experts, generator=g)[:K].view(1, K)
+            want = full.observe(m, hidden_TD=hidden, routed_ids_TK=ids)
+            assert one.observe(m, hidden_TD=hidden, routed_ids_TK=ids) == want[:1]
+            named += len(want) == K
+        for pf in (full, one):
+            pf.on_token_end()
+    assert named > 0
+    with pytest.raises(TensorbendError, match=rf"--prefetch-extra {-K}: expected at least "
+                       rf"{1 - K} .* routes top-{K}"):  # fmt: skip
+        Prefetcher(spec, pred, extra=-K)
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=5))
+    sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name="tiny")
+    try:
+        pc = PolicyConfig("prefetch", cache_frac=0.5, prefetch_extra=1 - K)
+        assert sess.run_policy(pc, pred).output_matches_resident
+    finally:
+        sess.close()
+
+
 def test_a_predictor_in_the_others_place_is_refused():
     from tensorbend.errors import PredictorConfigError
 

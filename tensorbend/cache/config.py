@@ -185,7 +185,8 @@ class PolicyConfig:
     """Source point of a --baseline predictor and of the oracle's prefetches (a checkpoint
     brings its own)."""
     prefetch_extra: int = 0
-    """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
+    """Batch-1 decode prefetches the top-(K + extra) predicted experts (negative: fewer than
+    the K routed, down to 1 - K: only the likeliest one)."""
     prefetch_backlog: float = 0.5
     """Start a prefetch only while the link has at most this many expert transfers booked
     ahead; until then it waits in the queue, behind any demand load that comes (inf: at once)."""
@@ -269,8 +270,7 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"--policy evictor with --pool {pc.pool} --admission {pc.admission}: expected the "
             "defaults (global, all): the learner admits by its own scores over one global pool"
         )
-    for name in ("admission_window", "prefetch_extra", "prefetch_backlog", "token_ahead_layers",
-                 "guard_window"):  # fmt: skip
+    for name in ("admission_window", "prefetch_backlog", "token_ahead_layers", "guard_window"):
         low = 1 if name == "admission_window" else 0  # guard_window 0: no guard
         if not getattr(pc, name) >= low:
             flag = "--" + name.replace("_", "-")

@@ -148,13 +148,12 @@ class SimulateConfig:
             )
         if (
             self.batch < 1
-            or self.prefetch_extra < 0
             or (self.foresight is not None and self.foresight < 0)
             or self.admission_window < 1
             or not self.prefetch_backlog >= 0
         ):
             raise TensorbendError(
-                "expected --batch >= 1, --prefetch-extra >= 0, --foresight >= 0, "
+                "expected --batch >= 1, --foresight >= 0, "
                 "--admission-window >= 1, --prefetch-backlog >= 0"
             )
         blind = [p for p in self.policies if not POLICY_TABLE[p].uses_prediction]
@@ -237,7 +236,14 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
     auto = "prefetch" in cfg.policies and "none" not in specs  # Predicted eviction fed
     specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
-    rankeds = rank_all(specs, tr, rows, cfg.lookahead, tr.spec.top_k + cfg.prefetch_extra, train)
+    if tr.spec.top_k + cfg.prefetch_extra < 1:
+        raise TensorbendError(
+            f"--prefetch-extra {cfg.prefetch_extra}: expected at least {1 - tr.spec.top_k} (a "
+            f"one-token forward prefetches its top-(K + extra); the trace routes top-"
+            f"{tr.spec.top_k})"
+        )
+    width = tr.spec.top_k + max(cfg.prefetch_extra, 0)  # (several tokens: each one's top-K)
+    rankeds = rank_all(specs, tr, rows, cfg.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
