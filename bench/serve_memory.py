@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
+    ap.add_argument("--only", default=None,
+                    help="regex: run only the rows whose name it finds (at least one row "
+                         "without prediction: the best of those is the reference)")  # fmt: skip
     args = ap.parse_args(argv)
     ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}",
                    args.factor)  # fmt: skip
@@ -91,6 +95,11 @@ def main(argv=None) -> int:
         name = f"{narrow}/extra={extra}/jit=0"
         policies[name] = policies[narrow] + ["--prefetch-extra", str(extra)]
         envs[name] = {"TENSORBEND_JIT": "0"}
+    if args.only:
+        policies = {k: v for k, v in policies.items() if re.search(args.only, k)}
+        if not any(k in NO_PREDICTION for k in policies):
+            raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
+                             f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
     store = args.workdir / "store"
     base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
             str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",

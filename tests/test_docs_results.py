@@ -134,11 +134,10 @@ def test_seed_study_table_matches_its_json():
                 "evictor_run_default",
             )
         ],
-        (
-            "tensorbend.results.serve_memory_page",
-            "docs/bench/serve_memory.json",
-            "docs/serve_memory.md",
-        ),
+        *[
+            ("tensorbend.results.serve_memory_page", f"docs/bench/{n}.json", f"docs/{n}.md")
+            for n in ("serve_memory", "serve_memory_narrow")
+        ],
     ],
 )
 def test_generated_docs_are_their_json_rendered(renderer, json_path, doc):
