@@ -275,24 +275,24 @@ class Prefetcher:
         tensor touched between the routed ids and the kernels."""
         out = []
         if self.horizon is not None and layer == self._L - 1:
-            if self.history.batch == 1 and self._fused_horizon:
-                if not self.history.prev or self._state is None:  # a request's first forward
-                    self._state = [self.horizon.new_state()]
-                out = self._foresee_token(x_D)
-            else:
-                out = self._foresee(torch.from_numpy(x_D).view(1, -1))
+            out = self._foresee(x_D.reshape(1, -1))
         d = self._gate_distance
         if d is not None and (self.ahead is not None or layer + d < self._L):
             m = layer + d
-            plan = self._plans.get(m) if self.ahead is None and self._fused else False
-            if plan is None:
-                plan = self._plans[m] = self.predictor.token_plan(m) or False
+            plan = self._plan(m) if self.ahead is None and self._fused else False
             if plan:
-                src = self.history.cur_np.get(m - max(d, 1))  # the latest layer routed
-                out += self._predict_token(m, plan, x_D, src, self.history.prev.get(m))
+                out += self._predict_token(m, plan, x_D)
             else:
                 out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
         return out
+
+    def _plan(self, m: int):
+        """The fused one-token kernel's weight arguments for target layer m (made at its first
+        call), or False where it does not cover the layer."""
+        plan = self._plans.get(m)
+        if plan is None:
+            plan = self._plans[m] = self.predictor.token_plan(m) or False
+        return plan
 
     def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
         if not self._asks:
@@ -306,15 +306,10 @@ class Prefetcher:
         (hidden_TD: any leading shape, [..., D])."""
         D, K = self._D, self.spec.top_k
         T = hidden_TD.numel() // D
+        if T == 1 and self._fused and (plan := self._plan(m)):
+            return self._predict_token(m, plan, hidden_TD)
         route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
         prev_np = self.history.prev.get(m)
-        if T == 1 and self._fused:
-            plan = self._plans.get(m)
-            if plan is None:
-                plan = self._plans[m] = self.predictor.token_plan(m) or False
-            if plan:
-                src_np = self.history.cur_np[route_layer] if route_layer >= 0 else None
-                return self._predict_token(m, plan, hidden_TD, src_np, prev_np)
         src_ids_TK = self.history.cur[route_layer] if route_layer >= 0 else None
         prev = None if prev_np is None else torch.from_numpy(prev_np)
         hidden_TD = hidden_TD.reshape(T, D)
@@ -340,10 +335,13 @@ class Prefetcher:
         when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 
-    def _predict_token(self, m: int, plan: tuple, hidden_1D, src_ids_1K, prev_K):  # (numpy ids)
+    def _predict_token(self, m: int, plan: tuple, hidden_1D) -> list[Prediction]:
         """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
         the same scores and list, without a tensor op or an intermediate array between
-        scoring and the top ids."""
+        scoring and the top ids (the routing history's numpy views: the latest layer routed
+        before the source, and the previous token's target-layer ids)."""
+        src_ids_1K = self.history.cur_np.get(m - max(self.la.distance, 1))  # (None: below 0)
+        prev_K = self.history.prev.get(m)
         args = (_host_f32(hidden_1D).reshape(-1),  # (a numpy hidden passes as it is)
                 _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
                 _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
@@ -357,12 +355,12 @@ class Prefetcher:
             _new(Prediction, (m, e, when, r, True)) for r, e in enumerate(self._out_J[:n].tolist())
         ]
 
-    def _foresee(self, hidden_TD: torch.Tensor) -> list[Prediction]:
+    def _foresee(self, hidden_TD) -> list[Prediction]:
         """At the last MoE layer's router: update the horizon's request history (a new one at
         a request's first forward), publish the forecast, name the next forward's experts.
         With B sequences in lockstep (history.batch), each keeps its own history and the
         forecasts merge: the soonest expected use of any sequence, and the chance that any
-        uses an expert in the next forward."""
+        uses an expert in the next forward. hidden_TD: [T, D], a tensor or a numpy array."""
         L, E, K, B = (
             self.spec.num_moe_layers,
             self.spec.num_experts,
