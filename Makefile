@@ -54,6 +54,8 @@ bench-traces: setup
 	for m in default qwen deep; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
+		test -f $(BENCH)/$$m/ours_d2.safetensors || $(PY) -m tensorbend train --quiet \
+			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d2.safetensors --lookahead d2; \
 		test -f $(BENCH)/$$m/horizon_routing_hidden.safetensors || $(PY) -m tensorbend train \
 			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing+hidden \
 			--out $(BENCH)/$$m/horizon_routing_hidden.safetensors; \
@@ -137,6 +139,7 @@ bench-timing: bench-traces
 		--doc docs/simulate_validation.md > /dev/null
 	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --repeats 5 \
+		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
 		--json docs/bench/predictor_cost.json > /dev/null
 	$(PY) -m bench.cold_call --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \

@@ -2,7 +2,8 @@
 
 Usage:
     python -m bench.predictor_cost --model zoo:default --predictor OURS_D1.safetensors \\
-        --horizon HORIZON.safetensors [--threads 1] [--repeats 3] [--json OUT]
+        --horizon HORIZON.safetensors [--predictor-group OURS_D1 OURS_D2] [--threads 1] \\
+        [--repeats 3] [--json OUT]
 
 Side by side in one run, all on `--threads` threads (tensorbend/offload/prediction_cost.py):
 (a) isolated: one batch-1 decode forward of the resident model with a KV cache, interleaved
@@ -13,8 +14,10 @@ no link cap, lru and each stack interleaved `--repeats` times: `predict_s_per_to
 share of the resident decode step and of lru's, decode tok/s over lru's (median and
 range), and decode's calls split into scoring (beside the same scoring timed in isolation,
 `score_us_per_token` in (a)), queueing and glue (`decode_score_us_per_token`,
-`decode_queue_us_per_token`, `decode_glue_us_per_token`). Issue target for the whole stack:
-<= 5% of a resident decode step (goal 2%).
+`decode_queue_us_per_token`, `decode_glue_us_per_token`). With `--predictor-group`, a
+`predictors.group.PredictorGroup` (d1 + d2 fired together from every other router: fewer call
+sites per token) is measured beside, alone and with the horizon. Issue target for the whole
+stack: <= 5% of a resident decode step (goal 2%).
 Timing numbers need a quiet machine (the lead reruns this alone).
 """
 
@@ -33,8 +36,9 @@ from tensorbend.offload.prediction_cost import (
     isolated_cost,
     prediction_stacks,
     runtime_cost,
+    whole_stacks,
 )
-from tensorbend.offload.runner import build_predictor
+from tensorbend.offload.runner import build_group, build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.prompts import load_prompts
 from tensorbend.results import command, emit
@@ -45,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="zoo:default")
     ap.add_argument("--predictor", default=None, help="within-token checkpoint")
     ap.add_argument("--horizon", default=None, help="cross-token checkpoint")
+    ap.add_argument("--predictor-group", nargs="+", default=None,
+                    help="within-token checkpoints d1, d2, ... fired together (its rows too)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=64, help="isolated: decode steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runtime: interleaved repeats")
@@ -56,7 +62,8 @@ def main(argv=None) -> int:
     model, tok = load_model(args.model)
     spec = describe_model(model)
     load = lambda path: build_predictor(model, Path(path), None, "d1", None) if path else None  # noqa: E731
-    stacks = prediction_stacks(load(args.predictor), load(args.horizon))
+    group = build_group(model, args.predictor_group) if args.predictor_group else None
+    stacks = prediction_stacks(load(args.predictor), load(args.horizon), group)
     iso = isolated_cost(model, spec, stacks, args.steps)  # first: the session frees the experts
     prompts = load_prompts(None, "test")[: args.max_prompts]
     cfg = SessionConfig(DecodeConfig(max_new_tokens=args.max_new_tokens))
@@ -71,10 +78,13 @@ def main(argv=None) -> int:
         "model": args.model,
         "predictor": args.predictor,
         "horizon": args.horizon,
+        "predictor_group": args.predictor_group,
         "threads": args.threads,
         **iso,
         "stack_ratio": next(  # the whole stack given (a general-path twin is a row too)
-            r["ratio_to_decode_forward"] for r in iso["results"] if r["stack"] == list(stacks)[-1]
+            r["ratio_to_decode_forward"]
+            for r in iso["results"]
+            if r["stack"] == whole_stacks(stacks)[0]
         ),
         "target_ratio": TARGET_RATIO,
         "in_runtime": rt,

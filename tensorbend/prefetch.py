@@ -51,6 +51,8 @@ names the next forward's first `token_ahead_layers` layers' likeliest experts (`
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
 `recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
+A `predictors.group.PredictorGroup` of d1..dn fires its members together from every n-th
+router (`group_targets`: each target once, from one call site per n layers).
 `score_s` adds up the wall seconds spent scoring (the compiled one-token kernels, the horizon's
 step, a predictor's `scores`): the rest of `observe` is the Python around it.
 """
@@ -69,6 +71,7 @@ from tensorbend.jit import AVAILABLE as JIT
 from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
+from tensorbend.predictors.group import group_targets
 from tensorbend.predictors.horizon_fast import FastHorizon
 from tensorbend.predictors.registry import check_roles
 
@@ -197,16 +200,18 @@ class Prefetcher:
         # the fused one-token path (compiled, ours): target layer -> the kernel's weight args
         # (False: not covered; the general path scores it)
         self._plans: dict[int, tuple | bool] = {}
-        self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
-        self._uses_prev = self._fused and predictor.token_uses_prev
+        # a predictor group (predictors.group): members d1..dn fired from every n-th router
+        self._members = getattr(predictor, "members", None) or (
+            () if predictor is None else (predictor,)
+        )
+        self._member_of = {}  # target layer -> the member that predicts it
+        self._fused = JIT and self._asks and all(hasattr(p, "token_plan") for p in self._members)
         self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
         self._token_path = self._fused or self._fused_horizon  # (observe's one-token path)
         # observe's per-call constants (it runs at every source point of every forward)
         self._L, self._D = spec.num_moe_layers, spec.hidden_size
         self._layer_input = self._asks and self.la.hidden == "layer_input"
-        self._gate_distance = (
-            self.la.distance if self.la is not None and self.la.hidden == "gate_input" else None
-        )  # (None: nothing fires at a router but the horizon)
+        self._fires = self._fire_table(spec.num_moe_layers)  # router layer -> its targets
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -254,9 +259,8 @@ class Prefetcher:
         out = []
         if self.horizon is not None and layer == self._L - 1:
             out = self._foresee(hidden_TD.reshape(-1, self._D))
-        d = self._gate_distance
-        if d is not None and (self.ahead is not None or layer + d < self._L):
-            out += self._within(layer, layer + d, hidden_TD)
+        for m in self._fires[layer]:
+            out += self._within(layer, m, hidden_TD)
         return out
 
     # ------------------------------------------------------------ helpers
@@ -276,9 +280,7 @@ class Prefetcher:
         out = []
         if self.horizon is not None and layer == self._L - 1:
             out = self._foresee(x_D.reshape(1, -1))
-        d = self._gate_distance
-        if d is not None and (self.ahead is not None or layer + d < self._L):
-            m = layer + d
+        for m in self._fires[layer]:
             plan = self._plan(m) if self.ahead is None and self._fused else False
             if plan:
                 out += self._predict_token(m, plan, x_D)
@@ -286,12 +288,35 @@ class Prefetcher:
                 out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
         return out
 
+    def _fire_table(self, L: int) -> tuple[tuple[int, ...], ...]:
+        """The target layers each router fires (and which member predicts each): a dN
+        predictor fires s + N from router s (the runtime's oracle, `ahead`, at every router:
+        it ignores the target), a group of n its `group_targets`; nothing but the horizon
+        fires at a router for pre_attn or without a predictor."""
+        if self._asks and len(self._members) == 1:
+            self._member_of = dict.fromkeys(range(self.la.distance, L), self.predictor)
+        if not self._asks or self.la.hidden != "gate_input":
+            return ((),) * L
+        if len(self._members) > 1:
+            fires = tuple(group_targets(L, len(self._members), s) for s in range(L))
+            for targets in fires:
+                for j, m in enumerate(targets):
+                    self._member_of[m] = self._members[j]
+            return fires
+        d = self.la.distance
+        return tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
+
     def _plan(self, m: int):
-        """The fused one-token kernel's weight arguments for target layer m (made at its first
-        call), or False where it does not cover the layer."""
+        """(the fused one-token kernel's weight arguments for target layer m, its member's
+        lookahead distance, whether it reads the previous token's ids), made at its first
+        call, or False where the kernel does not cover the layer."""
         plan = self._plans.get(m)
         if plan is None:
-            plan = self._plans[m] = self.predictor.token_plan(m) or False
+            p = self._member_of[m]
+            args = p.token_plan(m)
+            plan = self._plans[m] = (
+                (args, p.lookahead.distance, p.token_uses_prev) if args else False
+            )
         return plan
 
     def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
@@ -308,7 +333,9 @@ class Prefetcher:
         T = hidden_TD.numel() // D
         if T == 1 and self._fused and (plan := self._plan(m)):
             return self._predict_token(m, plan, hidden_TD)
-        route_layer = m - max(self.la.distance, 1)  # latest layer routed before the source
+        p = self._member_of.get(m, self.predictor)
+        la = p.lookahead
+        route_layer = m - max(la.distance, 1)  # latest layer routed before the source
         prev_np = self.history.prev.get(m)
         src_ids_TK = self.history.cur[route_layer] if route_layer >= 0 else None
         prev = None if prev_np is None else torch.from_numpy(prev_np)
@@ -319,14 +346,14 @@ class Prefetcher:
         else:
             has_prev_T = torch.full((T,), prev is not None, dtype=torch.bool)
             prev_TK = prev.expand(T, K) if prev is not None else torch.zeros(T, K, dtype=torch.long)
-        if self.la.prev_in_pass and T > 1:  # same_layer: layer m routed every token already
+        if la.prev_in_pass and T > 1:  # same_layer: layer m routed every token already
             prev_TK = torch.cat([prev_TK[:1], self.history.cur[m][:-1]])
             has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
         t0 = time.perf_counter()
         with self._no_grad:
-            scores_TE = self.predictor.scores(m, src).float()
+            scores_TE = p.scores(m, src).float()
         self.score_s += time.perf_counter() - t0
         if T == 1:
             experts = _token_list(scores_TE, K + self.extra)
@@ -340,14 +367,15 @@ class Prefetcher:
         the same scores and list, without a tensor op or an intermediate array between
         scoring and the top ids (the routing history's numpy views: the latest layer routed
         before the source, and the previous token's target-layer ids)."""
-        src_ids_1K = self.history.cur_np.get(m - max(self.la.distance, 1))  # (None: below 0)
+        weights, distance, uses_prev = plan
+        src_ids_1K = self.history.cur_np.get(m - max(distance, 1))  # (None: below 0)
         prev_K = self.history.prev.get(m)
         args = (_host_f32(hidden_1D).reshape(-1),  # (a numpy hidden passes as it is)
                 _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
-                _ids(prev_K) if self._uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
+                _ids(prev_K) if uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
         t0 = time.perf_counter()
         n = kernels().predict_token_kernel(
-            *args, *plan, self.spec.top_k + self.extra, self._out_E, self._out_J
+            *args, *weights, self.spec.top_k + self.extra, self._out_E, self._out_J
         )
         self.score_s += time.perf_counter() - t0
         when = self.clock.step(m)

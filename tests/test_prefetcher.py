@@ -309,3 +309,49 @@ def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(k
     np.testing.assert_array_equal(got, t.detach().float().numpy())
     if kind == "float32":
         assert np.shares_memory(got, base.numpy())
+
+
+def test_a_predictor_group_names_its_members_lists_and_changes_no_output():
+    """PredictorGroup(d1, d2) through the general path (spec_gate: no compiled plan): at even
+    routers each member's own list for its target, nothing at odd ones; offloaded with it the
+    model generates what the resident model does; members out of order, one member, or a
+    group beside --predictor are refused with what was expected."""
+    from tensorbend.errors import PredictorConfigError, TensorbendError
+    from tensorbend.offload.runner import RunConfig
+    from tensorbend.predictors.group import PredictorGroup, group_targets
+
+    torch.set_num_threads(1)
+    model = build("deepseek_v3", 0)
+    spec = describe_model(model)
+    d1, d2 = (build_baseline("spec_gate", spec, la, router_params=router_params(model, spec))
+              for la in ("d1", "d2"))  # fmt: skip
+    group = PredictorGroup((d1, d2))
+    assert group.lookahead_label == "d1+d2" and group.stride == 2
+    pfs = [Prefetcher(spec, group), Prefetcher(spec, d1), Prefetcher(spec, d2)]
+    assert not pfs[0]._fused
+    g = torch.Generator().manual_seed(0)
+    for pf in pfs:
+        pf.begin_request()
+    for _ in range(3):
+        for m in range(spec.num_moe_layers):
+            hidden = torch.randn(1, spec.hidden_size, generator=g)
+            ids = torch.randperm(spec.num_experts, generator=g)[: spec.top_k].view(1, -1)
+            got, one, two = (pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids) for pf in pfs)
+            assert got == ([] if m % 2 else one + two)
+            assert {p.layer for p in got} == set(group_targets(spec.num_moe_layers, 2, m))
+        for pf in pfs:
+            pf.on_token_end()
+    with pytest.raises(PredictorConfigError, match=r"expected .* lookaheads d1, d2 in that "
+                       r"order .* found d2, d1"):  # fmt: skip
+        PredictorGroup((d2, d1))
+    with pytest.raises(PredictorConfigError, match=r"at least two\), found d1"):
+        PredictorGroup((d1,))
+    with pytest.raises(TensorbendError, match="--predictor and --predictor-group both given"):
+        RunConfig(model="zoo:default", predictor="a.safetensors", predictor_group=("b", "c"))
+    cfg = SessionConfig(DecodeConfig(max_new_tokens=5))
+    sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name="tiny")
+    try:
+        r = sess.run_policy(PolicyConfig("prefetch", cache_frac=0.5), group)
+        assert r.output_matches_resident and r.lookahead == "d1+d2"
+    finally:
+        sess.close()

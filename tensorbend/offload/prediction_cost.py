@@ -46,14 +46,25 @@ from tensorbend.prefetch import Prefetcher
 TARGET_RATIO = 0.02  # issue 17's goal for the whole stack (5%: its limit)
 
 
-def prediction_stacks(predictor, horizon) -> dict[str, tuple]:
-    """{name: (within-token predictor or None, horizon or None)} for those given."""
+def prediction_stacks(predictor, horizon, group=None) -> dict[str, tuple]:
+    """{name: (within-token predictor or None, horizon or None)} for those given; with a
+    `predictors.group.PredictorGroup`, its rows too ("group d1+d2", "group d1+d2 + horizon")."""
     stacks = {
         "within-token": (predictor, None),
         "horizon": (None, horizon),
         "both": (predictor, horizon),
     }
+    if group is not None:
+        name = f"group {group.lookahead_label}"
+        stacks.update({name: (group, None), f"{name} + horizon": (group, horizon)})
     return {k: (p, h) for k, (p, h) in stacks.items() if p is not None or h is not None}
+
+
+def whole_stacks(stacks: dict) -> list[str]:
+    """The stacks that hold every predictor given: "both" (or the one given alone) and a
+    group's with the horizon."""
+    full = [k for k, (p, h) in stacks.items() if p is not None and h is not None]
+    return full or list(stacks)[-1:]
 
 
 def isolated_cost(model, spec, stacks: dict, steps: int = 64, seed: int = 0) -> dict:
@@ -99,7 +110,7 @@ def runtime_cost(sess, stacks: dict, repeats: int = 3, say=None) -> dict:
     lru = PolicyConfig("lru", cache_frac=1.0)
     pc = PolicyConfig("prefetch", cache_frac=1.0)
     runs = {"lru": (None, None), **stacks}
-    last_p, last_h = list(stacks.values())[-1]
+    last_p, last_h = stacks[whole_stacks(stacks)[0]]
     sess.run_policy(pc, last_p, horizon=last_h)  # warm-up: caches, allocator, first loads
     got: dict[str, list] = {k: [] for k in runs}
     for rep in range(repeats):

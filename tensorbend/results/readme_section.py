@@ -245,6 +245,7 @@ def ours(runs: list[dict], which: str) -> dict | None:
                 and (r["predictor"] if r["predictor"] != "none" else None) == want["predictor"]
                 and bool(r.get("horizon")) == want["horizon"]
                 and r.get("token_ahead_layers") in (None, 1)
+                and "+" not in (r.get("lookahead") or "")  # (not a predictor group's)
                 and r["admission"] == want["admission"]):  # fmt: skip
             return r
     return None

@@ -246,9 +246,15 @@ def _in_runtime(rt: dict | None) -> str:
 
 
 def _runtime_verdict(rt: dict) -> str:
-    """The whole stack's decode calls against issue 17's limit, over both steps: the resident
-    one (measured once, at the session's start) and the lru runs' (measured beside them)."""
-    r = rt["results"][-1]
+    """Each whole stack's decode calls (every predictor given: "both", and a predictor
+    group's with the horizon) against issue 17's limit, over both steps: the resident one
+    (measured once, at the session's start) and the lru runs' (measured beside them)."""
+    rows = rt["results"]
+    full = [r for r in rows if r["stack"] == "both" or r["stack"].endswith(" + horizon")]
+    return "".join(_verdict(rt, r) for r in full or rows[-1:])
+
+
+def _verdict(rt: dict, r: dict) -> str:
     if "decode_predict_us_per_token" not in r:
         return ""
     resident = r["decode_share_of_resident_step"]
