@@ -132,6 +132,7 @@ def test_seed_study_table_matches_its_json():
                 "headline_deep_domain",
                 "headline_default_domain",
                 "evictor_run_default",
+                "headline_group",
             )
         ],
         *[

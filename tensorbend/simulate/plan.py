@@ -11,7 +11,9 @@ Geometry layer g replays trace layer `mapping.layer_of[g]`; its demand is that l
 for the forward's rows (with how many of the rows each serves). A prediction for target g at
 lookahead distance d is issued at the router of geometry layer g - d (pre_attn: before layer
 g's attention; same_layer: at g's own router) and is the predictor's list for trace layer
-layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). The
+layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). A
+predictor group of d1..dn fires target g from router g - j, j = (g - 1) mod n + 1, with its
+member dj's list (as the runtime's Prefetcher does). The
 oracle instead names the exact experts of the step `distance` ahead of every source point,
 also in the next forward (`add_oracle`, as `offload.recorded.RecordedRouting.ahead`). Every
 prediction carries the absolute step it is for.
@@ -47,11 +49,11 @@ def demand_lists(
     return out
 
 
-def prediction_lists(
-    ranked: Ranked, fwds: list[Forward], top_k: int, extra: int
-) -> list[list[list[int] | None]]:
+def prediction_lists(ranked: Ranked, fwds: list[Forward], top_k: int, extra: int) -> list:
     """[forward][trace layer] -> the runtime's prefetch list (`prefetch.prefetch_list`), or
-    None where no prediction exists."""
+    None where no prediction exists; for a predictor group, one such list per member."""
+    if ranked.members:
+        return [prediction_lists(r, fwds, top_k, extra) for r in ranked.members]
     valid = ranked.valid_L.tolist()
     out = []
     for f in fwds:
@@ -76,7 +78,14 @@ def build_work(
     work = []
     for f, fw in enumerate(fwds):
         layers = [LayerWork(demand=demand[f][layer_of[g]]) for g in range(Lg)]
-        if ranked is not None:
+        if ranked is not None and ranked.members:  # a group: member j fires g from g - j
+            n = len(ranked.members)
+            for g in range(1, Lg):
+                j = (g - 1) % n + 1
+                ids = preds[j - 1][f][layer_of[g]]
+                if ids is not None:
+                    layers[g - j].at_router.append((f * Lg + g, ids))
+        elif ranked is not None:
             d = ranked.distance
             for g in range(Lg):
                 ids = preds[f][layer_of[g]]
