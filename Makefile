@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve bench-headline-group clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -167,6 +167,17 @@ bench-headline: bench-traces
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 48 --batch 4 \
 		--link-speedups 1 --out docs/bench/headline_default_b4 \
 		--doc docs/headline_default_b4.md > /dev/null
+
+# A predictor group (d1 + d2 fired from every other router) beside d1 alone, at 25% cache, both
+# links, against the two best no-prediction caches of bench-headline (docs/headline_group.md).
+bench-headline-group: bench-traces
+	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
+		--predictor $(BENCH)/default/ours_d1.safetensors \
+		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --baselines "" \
+		--caches lru,lfru --pools per_layer --admissions frequency --fracs 0.25 --foresights all \
+		--repeats 3 --max-prompts 6 --max-new-tokens 48 --link-speedups 1,4 \
+		--out docs/bench/headline_group --doc docs/headline_group.md > /dev/null
 
 # zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link and three
 # cache sizes, with both learned evictions in the same run (4 prompts x 24 tokens: the model
