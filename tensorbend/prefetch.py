@@ -71,7 +71,7 @@ from tensorbend.jit import AVAILABLE as JIT
 from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
-from tensorbend.predictors.group import group_targets
+from tensorbend.predictors.group import group_schedule
 from tensorbend.predictors.horizon_fast import FastHorizon
 from tensorbend.predictors.registry import check_roles
 
@@ -204,14 +204,14 @@ class Prefetcher:
         self._members = getattr(predictor, "members", None) or (
             () if predictor is None else (predictor,)
         )
-        self._member_of = {}  # target layer -> the member that predicts it
         self._fused = JIT and self._asks and all(hasattr(p, "token_plan") for p in self._members)
         self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
         self._token_path = self._fused or self._fused_horizon  # (observe's one-token path)
         # observe's per-call constants (it runs at every source point of every forward)
         self._L, self._D = spec.num_moe_layers, spec.hidden_size
         self._layer_input = self._asks and self.la.hidden == "layer_input"
-        self._fires = self._fire_table(spec.num_moe_layers)  # router layer -> its targets
+        # router layer -> the target layers it fires; target layer -> the member predicting it
+        self._fires, self._member_of = self._fire_table(spec.num_moe_layers)
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -288,23 +288,25 @@ class Prefetcher:
                 out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
         return out
 
-    def _fire_table(self, L: int) -> tuple[tuple[int, ...], ...]:
-        """The target layers each router fires (and which member predicts each): a dN
+    def _fire_table(self, L: int) -> tuple[tuple, dict]:
+        """(the target layers each router fires, the member that predicts each target): a dN
         predictor fires s + N from router s (the runtime's oracle, `ahead`, at every router:
-        it ignores the target), a group of n its `group_targets`; nothing but the horizon
+        it ignores the target), a group of n its `group_schedule`; nothing but the horizon
         fires at a router for pre_attn or without a predictor."""
-        if self._asks and len(self._members) == 1:
-            self._member_of = dict.fromkeys(range(self.la.distance, L), self.predictor)
-        if not self._asks or self.la.hidden != "gate_input":
-            return ((),) * L
+        if not self._asks:
+            return ((),) * L, {}
         if len(self._members) > 1:
-            fires = tuple(group_targets(L, len(self._members), s) for s in range(L))
-            for targets in fires:
-                for j, m in enumerate(targets):
-                    self._member_of[m] = self._members[j]
-            return fires
+            fires, member_of = [[] for _ in range(L)], {}
+            for s, m, j in group_schedule(L, len(self._members)):
+                fires[s].append(m)
+                member_of[m] = self._members[j]
+            return tuple(map(tuple, fires)), member_of
         d = self.la.distance
-        return tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
+        member_of = dict.fromkeys(range(d, L), self.predictor)
+        if self.la.hidden != "gate_input":  # pre_attn: asked before attention (`_within`)
+            return ((),) * L, member_of
+        fires = tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
+        return fires, member_of
 
     def _plan(self, m: int):
         """(the fused one-token kernel's weight arguments for target layer m, its member's

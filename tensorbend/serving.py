@@ -309,11 +309,8 @@ def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
     pred, hor = (None if p is None else load_predictor(p, spec, fingerprint)
                  for p in (cfg.predictor, cfg.horizon))  # fmt: skip
     check_roles(pred and pred.kind, hor and hor.kind, ("--predictor", "--horizon"))
-    if cfg.predictor_group:
-        members = [load_predictor(p, spec, fingerprint) for p in cfg.predictor_group]
-        for m in members:
-            check_roles(m.kind, None, ("--predictor-group", "--horizon"))
-        pred = PredictorGroup(members)
+    if cfg.predictor_group:  # (PredictorGroup refuses a cross-token member)
+        pred = PredictorGroup(load_predictor(p, spec, fingerprint) for p in cfg.predictor_group)
     return pred, hor
 
 

@@ -17,6 +17,8 @@ the distance, docs/results_default.md) but with j layers of lead time to load in
     [(1, 2), (), (3, 4), (), (5,), ()]
     >>> [group_targets(6, 1, s) for s in range(6)]
     [(1,), (2,), (3,), (4,), (5,), ()]
+    >>> group_schedule(5, 2)         # (source router, target layer, member index)
+    [(0, 1, 0), (0, 2, 1), (2, 3, 0), (2, 4, 1)]
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ class PredictorGroup:
     needs_truth = False
 
     def __init__(self, members):
+        from tensorbend.predictors.registry import KINDS
+
         members = tuple(members)
+        if any(p.kind in KINDS and KINDS[p.kind].cross_token for p in members):
+            raise PredictorConfigError(
+                "--predictor-group: expected within-token predictors, found a cross-token one: "
+                "pass it as --horizon"
+            )
         names = [getattr(p.lookahead, "name", "?") for p in members]
         want = [f"d{j}" for j in range(1, len(members) + 1)]
         if len(members) < 2 or names != want:
@@ -44,13 +53,6 @@ class PredictorGroup:
                 f"train --lookahead dN`"
             )
         kinds = {p.kind for p in members}
-        from tensorbend.predictors.registry import KINDS
-
-        if any(p.kind in KINDS and KINDS[p.kind].cross_token for p in members):
-            raise PredictorConfigError(
-                "--predictor-group: expected within-token predictors, found a cross-token one: "
-                "pass it as --horizon"
-            )
         self.members = members
         self.lookahead = members[0].lookahead  # (the group's shortest lead time)
         self.kind = kinds.pop() if len(kinds) == 1 else "+".join(p.kind for p in members)
@@ -72,3 +74,13 @@ def group_targets(num_layers: int, stride: int, source: int) -> tuple[int, ...]:
     if source % stride:
         return ()
     return tuple(range(source + 1, min(source + stride, num_layers - 1) + 1))
+
+
+def group_schedule(num_layers: int, stride: int) -> list[tuple[int, int, int]]:
+    """Every (source router, target layer, member index) a group of `stride` fires, in order:
+    the one rule the runtime's Prefetcher and the simulator (per geometry layer) follow."""
+    return [
+        (s, m, j)
+        for s in range(num_layers)
+        for j, m in enumerate(group_targets(num_layers, stride, s))
+    ]

@@ -12,8 +12,9 @@ for the forward's rows (with how many of the rows each serves). A prediction for
 lookahead distance d is issued at the router of geometry layer g - d (pre_attn: before layer
 g's attention; same_layer: at g's own router) and is the predictor's list for trace layer
 layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). A
-predictor group of d1..dn fires target g from router g - j, j = (g - 1) mod n + 1, with its
-member dj's list (as the runtime's Prefetcher does). The
+predictor group of d1..dn fires its schedule over the geometry's layers
+(`predictors.group.group_schedule`, as the runtime's Prefetcher does), each target with its
+member's list for the replayed trace layer. The
 oracle instead names the exact experts of the step `distance` ahead of every source point,
 also in the next forward (`add_oracle`, as `offload.recorded.RecordedRouting.ahead`). Every
 prediction carries the absolute step it is for.
@@ -25,6 +26,7 @@ import torch
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import Key
+from tensorbend.predictors.group import group_schedule
 from tensorbend.prefetch import likeliest, prefetch_list
 from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
@@ -78,13 +80,11 @@ def build_work(
     work = []
     for f, fw in enumerate(fwds):
         layers = [LayerWork(demand=demand[f][layer_of[g]]) for g in range(Lg)]
-        if ranked is not None and ranked.members:  # a group: member j fires g from g - j
-            n = len(ranked.members)
-            for g in range(1, Lg):
-                j = (g - 1) % n + 1
-                ids = preds[j - 1][f][layer_of[g]]
+        if ranked is not None and ranked.members:  # a group: its schedule on geometry layers
+            for s, g, j in group_schedule(Lg, len(ranked.members)):
+                ids = preds[j][f][layer_of[g]]
                 if ids is not None:
-                    layers[g - j].at_router.append((f * Lg + g, ids))
+                    layers[s].at_router.append((f * Lg + g, ids))
         elif ranked is not None:
             d = ranked.distance
             for g in range(Lg):

@@ -96,14 +96,14 @@ def group_parts(spec: str) -> list[str] | None:
 
 def group_ranked(members: list[Ranked]) -> Ranked:
     """A predictor group's guesses: per trace layer m, those of the member the group fires for
-    it (d((m - 1) mod n + 1): `predictors.group.group_targets`), the members kept for a
-    geometry's own layers (plan.build_work)."""
-    n = len(members)
+    it (`predictors.group.group_schedule`), the members kept for a geometry's own layers
+    (plan.build_work)."""
+    from tensorbend.predictors.group import group_schedule
+
     ids_TLJ = torch.full_like(members[0].ids_TLJ, -1)
     valid_L = torch.zeros_like(members[0].valid_L)
-    for m in range(1, ids_TLJ.shape[1]):
-        r = members[(m - 1) % n]
-        ids_TLJ[:, m], valid_L[m] = r.ids_TLJ[:, m], r.valid_L[m]
+    for _, m, j in group_schedule(ids_TLJ.shape[1], len(members)):
+        ids_TLJ[:, m], valid_L[m] = members[j].ids_TLJ[:, m], members[j].valid_L[m]
     label = "+".join(r.lookahead for r in members)
     return Ranked(members[0].kind, label, 1, ids_TLJ, valid_L, tuple(members))
 
