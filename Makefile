@@ -54,8 +54,9 @@ bench-traces: setup
 	for m in default qwen deep; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
-		test -f $(BENCH)/$$m/ours_d2.safetensors || $(PY) -m tensorbend train --quiet \
-			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d2.safetensors --lookahead d2; \
+		for d in d2 d3; do test -f $(BENCH)/$$m/ours_$$d.safetensors || $(PY) -m tensorbend \
+			train --quiet --trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_$$d.safetensors \
+			--lookahead $$d; done; \
 		test -f $(BENCH)/$$m/horizon_routing_hidden.safetensors || $(PY) -m tensorbend train \
 			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing+hidden \
 			--out $(BENCH)/$$m/horizon_routing_hidden.safetensors; \
@@ -168,12 +169,15 @@ bench-headline: bench-traces
 		--link-speedups 1 --out docs/bench/headline_default_b4 \
 		--doc docs/headline_default_b4.md > /dev/null
 
-# A predictor group (d1 + d2 fired from every other router) beside d1 alone, at 25% cache, both
-# links, against the two best no-prediction caches of bench-headline (docs/headline_group.md).
+# Predictor groups (d1 + d2 from every other router, d1 + d2 + d3 from every third) beside d1
+# alone, at 25% cache, both links, against the two best no-prediction caches of bench-headline
+# (docs/headline_group.md).
 bench-headline-group: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+			$(BENCH)/default/ours_d3.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --baselines "" \
 		--caches lru,lfru --pools per_layer --admissions frequency --fracs 0.25 --foresights all \
 		--repeats 3 --max-prompts 6 --max-new-tokens 48 --link-speedups 1,4 \

@@ -5,7 +5,7 @@ Usage:
         [--predictor PRED.safetensors]... [--baselines prev_token,spec_gate,transition,frequency,random] \\
         [--fracs 0.125,0.25,0.5] [--link h100-pcie5-kimi] [--link-speedups 1,4] \\
         [--foresights 0,1,2,4,8,all] [--horizon HORIZON.safetensors] \\
-        [--predictor-group D1.safetensors D2.safetensors] --out runs/offload/sweep
+        [--predictor-group D1.safetensors D2.safetensors]... --out runs/offload/sweep
 
 Per link (the calibrated `--link`, and the same link N times faster per `--link-speedups`) and
 per cache fraction it runs: on_demand; every cache without prediction (lru, lfu, lfru x pool
@@ -15,7 +15,8 @@ driving eviction with no prefetch at all (eviction alone), plus next-forward pre
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
 on top, with and without those next-forward prefetches (the ablation row
 `horizon(evict only)+d1:...`); with `--predictor-group` (d1, d2, ... fired together from every
-n-th router: fewer prediction call sites per token) the same rows for the group, after ours;
+n-th router: fewer prediction call sites per token; repeatable, one group each) the same rows
+for each group, after ours;
 with `--evictor` (train --predictor evictor) the learned eviction under its shadow
 guard; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
 whole run), run after the caches: past its sight it ranks like the no-prediction cache with
@@ -75,13 +76,13 @@ def main(argv=None) -> int:
         if not prompts:
             raise SystemExit(f"--topics {a.topics}: no prompt of split {a.split} has these topics")
     prompts = prompts[: a.max_prompts]
-    checkpoints = [*a.predictor, *(a.predictor_group or ()),
+    checkpoints = [*a.predictor, *(c for g in a.predictor_group for c in g),
                    *(c for c in (a.horizon, a.evictor, a.evictor_forecast) if c)]  # fmt: skip
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
     predictors = _predictors(a, model)
-    group = build_group(model, a.predictor_group) if a.predictor_group else None
+    groups = [build_group(model, g) for g in a.predictor_group]
     horizon = (
         build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
     )
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                 print(f"repeat {rep}, link: {link.to_dict()}", file=sys.stderr)
                 done = []
                 for frac in _floats(a.fracs):
-                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon, group)
+                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon, groups)
                     for pc, p, hz in plan:
                         if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
                             at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
@@ -131,10 +132,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan(a, frac: float, predictors: list, num_experts: int, horizon, group=None) -> list[tuple]:
+def _plan(a, frac: float, predictors: list, num_experts: int, horizon, groups=()) -> list[tuple]:
     """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None);
-    a predictor group runs where our within-token predictor does (alone, and with the horizon
-    with and without its next-forward prefetches), right after it."""
+    each predictor group runs where our within-token predictor does (alone, and with the
+    horizon with and without its next-forward prefetches), right after it, in order."""
     common = dict(
         cache_frac=frac,
         lookahead=a.lookahead,
@@ -148,7 +149,7 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon, group=Non
                 pc = PolicyConfig(policy, pool=pool, admission=adm, **common)
                 plan.append((pc, None, None))
     none = NoPredictor(num_experts, get_lookahead(a.lookahead))  # Predicted eviction alone
-    within = [*predictors[:1], *([group] if group else []), *predictors[1:]]
+    within = [*predictors[:1], *groups, *predictors[1:]]
     plan += [(PolicyConfig("prefetch", **common), p, None) for p in [none, *within]]
     if horizon is not None:
         plan += [
@@ -156,7 +157,7 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon, group=Non
             (PolicyConfig("prefetch", **common), none, horizon),
             (PolicyConfig("prefetch", admission="predicted", **common), none, horizon),
         ]
-        for ours in [*predictors[:1], *([group] if group else [])]:
+        for ours in [*predictors[:1], *groups]:
             pc = PolicyConfig("prefetch", admission="predicted", **common)
             plan.append((pc, ours, horizon))
             # the ablation: the same without the horizon's next-forward prefetches
@@ -352,9 +353,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
-    p.add_argument("--predictor-group", nargs="+", default=None, metavar="CKPT",
+    p.add_argument("--predictor-group", nargs="+", action="append", default=[], metavar="CKPT",
                    help="within-token checkpoints d1, d2, ... fired together from every n-th "
-                   "router (predictors.group): its rows beside the first --predictor's")  # fmt: skip
+                   "router (predictors.group): its rows beside the first --predictor's "
+                   "(repeatable: one group each)")  # fmt: skip
     p.add_argument("--evictor", default=None,
                    help="eviction model (train --predictor evictor): adds the evictor row")  # fmt: skip
     p.add_argument("--evictor-forecast", default=None,
