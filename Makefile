@@ -139,8 +139,10 @@ bench-timing: bench-traces
 		--train-trace $(BENCH)/default/trace --json docs/simulate_validation.json \
 		--doc docs/simulate_validation.md > /dev/null
 	$(PY) -m bench.predictor_cost --predictor $(BENCH)/default/ours_d1.safetensors \
-		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --repeats 5 \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --repeats 7 \
 		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+			$(BENCH)/default/ours_d3.safetensors \
 		--json docs/bench/predictor_cost.json > /dev/null
 	$(PY) -m bench.cold_call --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \

@@ -355,3 +355,26 @@ def test_a_predictor_group_names_its_members_lists_and_changes_no_output():
         assert r.output_matches_resident and r.lookahead == "d1+d2"
     finally:
         sess.close()
+
+
+def test_the_offload_sweep_runs_each_predictor_group_where_ours_runs():
+    """bench.offload_sweep's plan with two `--predictor-group`s: each group gets the rows of
+    our within-token predictor (alone; with the horizon, with and without its next-forward
+    prefetches), in the order given, right after ours; nothing else changes. The predictors
+    are placeholders: the plan only places them (no model is run)."""
+    from bench.offload_sweep import _parser, _plan
+
+    a = _parser().parse_args(["--caches", "lru", "--pools", "per_layer", "--admissions",
+                              "frequency", "--foresights", "all"])  # fmt: skip
+    ours, g2, g3, horizon = object(), object(), object(), object()
+    with_groups = _plan(a, 0.25, [ours], 32, horizon, [g2, g3])
+    alone = _plan(a, 0.25, [ours], 32, horizon)
+    rows = lambda plan, p: [(pc.policy, pc.admission, pc.token_ahead_layers, hz is horizon)  # noqa: E731
+                            for pc, q, hz in plan if q is p]  # fmt: skip
+    assert rows(with_groups, g2) == rows(with_groups, g3) == rows(alone, ours)
+    assert len(rows(alone, ours)) == 3  # alone, + horizon, + horizon without its prefetches
+    order = [q for _, q, _ in with_groups if q in (ours, g2, g3)]
+    assert order == [ours, g2, g3, ours, ours, g2, g2, g3, g3]
+    same = lambda plan: [(pc, "none" if type(q).__name__ == "NoPredictor" else q, hz)  # noqa: E731
+                         for pc, q, hz in plan if q not in (g2, g3)]  # fmt: skip
+    assert same(with_groups) == same(alone)

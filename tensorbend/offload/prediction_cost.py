@@ -46,15 +46,16 @@ from tensorbend.prefetch import Prefetcher
 TARGET_RATIO = 0.02  # issue 17's goal for the whole stack (5%: its limit)
 
 
-def prediction_stacks(predictor, horizon, group=None) -> dict[str, tuple]:
-    """{name: (within-token predictor or None, horizon or None)} for those given; with a
-    `predictors.group.PredictorGroup`, its rows too ("group d1+d2", "group d1+d2 + horizon")."""
+def prediction_stacks(predictor, horizon, groups=()) -> dict[str, tuple]:
+    """{name: (within-token predictor or None, horizon or None)} for those given; with
+    `predictors.group.PredictorGroup`s, each one's rows too ("group d1+d2", "group d1+d2 +
+    horizon"), in order."""
     stacks = {
         "within-token": (predictor, None),
         "horizon": (None, horizon),
         "both": (predictor, horizon),
     }
-    if group is not None:
+    for group in groups:
         name = f"group {group.lookahead_label}"
         stacks.update({name: (group, None), f"{name} + horizon": (group, horizon)})
     return {k: (p, h) for k, (p, h) in stacks.items() if p is not None or h is not None}
