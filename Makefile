@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve bench-headline-group clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve bench-serve-group bench-headline-group clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -255,6 +255,16 @@ bench-serve: bench-traces
 		--max-new-tokens 48 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--json docs/bench/serve_memory.json --doc docs/serve_memory.md > /dev/null
+
+# The same serving, narrowed: the group d1+d2+d3 beside d1 alone, at jit=0 and with numba.
+bench-serve-group: bench-traces
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
+		--max-new-tokens 48 --predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--predictor-group $(BENCH)/default/ours_d1.safetensors $(BENCH)/default/ours_d2.safetensors \
+			$(BENCH)/default/ours_d3.safetensors \
+		--only 'lfru/adm=frequency$$|lru/per_layer$$|horizon\(evict only\)\+d1/per_layer/adm=predicted/jit=0$$|horizon\(evict only\)\+d1\+d2\+d3/per_layer/adm=predicted(/jit=0)?$$' \
+		--json docs/bench/serve_memory_group.json --doc docs/serve_memory_group.md > /dev/null
 
 clean:
 	rm -rf $(VENV) runs

@@ -17,6 +17,8 @@ is the peak RSS of a process that imports torch, transformers' modeling and gene
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range. Rows ending
 `/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache);
+`+d1+d2+...` rows: `--predictor-group` (within-token members fired together from every
+n-th router: fewer prediction call sites per token);
 `/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
 predictions: fewer than the K routed).
 Nothing else should run on the machine meanwhile.
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
+    ap.add_argument("--predictor-group", type=Path, nargs="+", default=None,
+                    help="zoo:default within-token checkpoints d1, d2, ... (predictors.group): "
+                         "with --horizon, the row of --predictor's with this group instead")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
@@ -79,6 +84,11 @@ def main(argv=None) -> int:
             policies["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
                 "--pool", "per_layer", "--predictor", str(args.predictor),
                 "--admission", "predicted"]  # fmt: skip
+        if args.predictor_group:  # the same, the group's members fired together
+            label = "+".join(f"d{i + 1}" for i in range(len(args.predictor_group)))
+            policies[f"ours: horizon(evict only)+{label}/per_layer/adm=predicted"] = evict + [
+                "--pool", "per_layer", "--predictor-group",
+                *map(str, args.predictor_group), "--admission", "predicted"]  # fmt: skip
     if args.horizon or args.predictor:
         ours = ["--policy", "prefetch", "--admission", "predicted"]
         ours += ["--horizon", str(args.horizon)] if args.horizon else []
@@ -86,7 +96,7 @@ def main(argv=None) -> int:
         label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
         policies[f"ours: {label}/adm=predicted"] = ours
     envs = {}  # rows run with TENSORBEND_JIT=0: numpy paths, numba's memory goes to the cache
-    jit_off = ("ours: horizon(evict only)/per_layer", "ours: horizon(evict only)+d1")
+    jit_off = ("ours: horizon(evict only)/per_layer", "ours: horizon(evict only)+")
     for name in [n for n in policies if n.startswith(jit_off)]:
         policies[name + "/jit=0"] = policies[name]
         envs[name + "/jit=0"] = {"TENSORBEND_JIT": "0"}
