@@ -16,8 +16,8 @@ range), and decode's calls split into scoring (beside the same scoring timed in 
 `score_us_per_token` in (a)), queueing and glue (`decode_score_us_per_token`,
 `decode_queue_us_per_token`, `decode_glue_us_per_token`). With `--predictor-group`
 (repeatable), each `predictors.group.PredictorGroup` (e.g. d1 + d2 fired together from every
-other router: fewer call sites per token) is measured beside, alone and with the horizon. Issue target for the whole
-stack: <= 5% of a resident decode step (goal 2%).
+other router: fewer call sites per token) is measured beside, alone and with the horizon.
+Issue target for the whole stack: <= 5% of a resident decode step (goal 2%).
 Timing numbers need a quiet machine (the lead reruns this alone).
 """
 

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
     ap.add_argument("--predictor-group", type=Path, nargs="+", default=None,
                     help="zoo:default within-token checkpoints d1, d2, ... (predictors.group): "
-                         "with --horizon, the row of --predictor's with this group instead")  # fmt: skip
+                         "with --horizon, one more row: --predictor's evict-only row with this "
+                         "group in its place (and its /jit=0 twin)")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
