@@ -180,13 +180,14 @@ def _cmd_zoo_train(args) -> int:
 
 def _cmd_zoo_card(args) -> int:
     from tensorbend.trace import Trace
-    from tensorbend.zoo.realism import format_card, routing_card
+    from tensorbend.zoo.realism import format_card, format_fit_detail, routing_card
 
     cards = {}
     for d in args.traces:
         trace = Trace.open(Path(d))
         cards[str(trace.manifest["model"].get("name", d))] = routing_card(trace, args.cache_frac)
     print(format_card(cards))
+    print(format_fit_detail(cards))
     _write_json(args.json, cards)
     return 0
 

@@ -1,12 +1,23 @@
 """Routing-realism statistics (zoo/realism.py) on traces whose answers are known by construction."""
 
+import numpy as np
 import pytest
 import torch
 from planted import _phase, _record, _spec, _writer, cycle_trace
 
 from tensorbend.cache.replay import planted_trace
 from tensorbend.trace import Trace
-from tensorbend.zoo.realism import REFERENCE, TOKEN_H, foresight_gaps, format_card, routing_card
+from tensorbend.zoo.realism import (
+    REFERENCE,
+    TOKEN_H,
+    foresight_gaps,
+    format_card,
+    format_fit_detail,
+    recall_by_fit_count,
+    recall_by_fit_fraction,
+    routing_card,
+    token_table,
+)
 
 
 def _token_trace(root, *, L=3, E=16, K=2, V=8, prompts=60, decode=24):
@@ -74,3 +85,30 @@ def test_the_compiled_replay_gives_the_same_gaps():
         fast = foresight_gaps(ids_FLK, other, 3, 10, 0.25, pool, TOKEN_H, fast=True)
         slow = foresight_gaps(ids_FLK, other, 3, 10, 0.25, pool, TOKEN_H, fast=False)
         assert fast == slow and len(set(fast.values())) > 1
+
+
+def test_recall_by_fit_count_and_fit_share_by_hand():
+    """Token v routes to experts (2v, 2v + 1). Fit: tokens 0, 0 (prompt 0) and 1 (prompt 1);
+    held out: 0, 1, 2. Tokens 0 and 1 (seen 2 and 1 times) are read off the table; token 2 was
+    never seen and falls back to the layer's frequency (experts 0, 1), which misses {4, 5}."""
+    fit_tok, fit_prompt = np.array([0, 0, 1]), np.array([0, 0, 1])
+    route = lambda tok: np.stack([2 * tok, 2 * tok + 1], axis=1)[:, None, :]  # noqa: E731
+    held = np.array([0, 1, 2])
+    table = token_table(fit_tok, route(fit_tok), 8)
+    by_count = recall_by_fit_count(table, np.bincount(fit_tok), held, route(held), 2)
+    assert by_count["0"] == {"share": round(1 / 3, 4), "recall": 0.0}
+    assert by_count["1-4"] == {"share": round(2 / 3, 4), "recall": 1.0}
+    assert by_count["100+"] == {"share": 0.0, "recall": None}
+    # half the fit prompts: one of the two tokens is unseen whichever prompt is drawn
+    by_share = recall_by_fit_fraction(fit_tok, route(fit_tok), fit_prompt, held, route(held), 8, 2,
+                                      fractions=(0.5, 1.0))  # fmt: skip
+    assert by_share == {0.5: round(1 / 3, 4), 1.0: round(2 / 3, 4)}
+
+
+def test_routing_by_the_token_is_read_off_even_rare_tokens(tmp_path):
+    _token_trace(tmp_path / "t")
+    card = routing_card(Trace.open(tmp_path / "t"))
+    assert all(b["recall"] in (None, 1.0) for b in card["token_table_by_fit_count"].values())
+    assert card["token_table_fit_fraction"][1.0] == card["token_table_recall"] == 1.0
+    text = format_fit_detail({"planted": card})
+    assert "| held-out token seen 100+ time(s) in fit | 1.000 (100.0% of rows) |" in text

@@ -92,6 +92,20 @@ def test_train_needs_a_budget(tmp_path, capsys):
     assert "neither --minutes nor --tokens" in capsys.readouterr().err
 
 
+def test_dense_layers_sets_the_leading_dense_layers_and_must_match_on_resume(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert _train(out, "--tokens", "256", "--dense-layers", "2", arch="deepseek_v3") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["first_k_dense_replace"] == 2
+    assert config["num_hidden_layers"] == 2 + SIZES["tiny"].moe_layers
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["num_moe_layers"] == SIZES["tiny"].moe_layers
+    assert _train(out, "--tokens", "512", "--resume", arch="deepseek_v3") == 2
+    assert "expected dense_layers=None" in capsys.readouterr().err
+    assert _train(tmp_path / "q", "--tokens", "256", "--dense-layers", "2") == 2  # qwen3_moe
+    assert "--dense-layers >= 0 with --arch deepseek_v3" in capsys.readouterr().err
+
+
 def test_sorted_experts_equal_eager():
     torch.manual_seed(0)
     name = register_sorted_experts()

@@ -6,7 +6,7 @@ Usage:
 
 from __future__ import annotations
 
-from tensorbend.zoo.realism import REFERENCE, format_card
+from tensorbend.zoo.realism import REFERENCE, format_card, format_fit_detail
 
 
 def markdown(cards: dict) -> str:
@@ -17,4 +17,12 @@ def markdown(cards: dict) -> str:
         f"column: {REFERENCE['model']}. A benchmark model whose figures are far above the real "
         "ones flatters cross-token prediction (routing that follows the token and repeats).\n\n"
         + format_card(cards)
+        + "\n## Is it the token, or too little text to fit the table?\n\n"
+        "The token table's recall split by how often each held-out row's token occurs in the fit "
+        "prompts (share of held-out rows in parentheses), and the recall of tables fit on a "
+        "seeded sample of the fit prompts. A token seen only a few times that already predicts "
+        "its routing means the model routes by the token; a recall that falls as the fit text "
+        "shrinks shows how much a larger vocabulary (DeepSeek-V2-Lite's is 102,400 entries, "
+        "ours 8,192) would lower the figure by spreading the same text thinner. Not measured on "
+        "the real traces.\n\n" + format_fit_detail(cards)
     )

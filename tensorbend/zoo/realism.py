@@ -18,6 +18,14 @@ fit = its train prompts, every row):
   each held-out row's routing (recall@K), mean over layers (`..._by_layer` too). A token never
   seen in fit falls back to the layer's expert frequency. Routing-only traces (no token ids):
   null.
+- `token_table_by_fit_count`: the same recall split by how often the held-out row's token occurs
+  in fit (buckets of FIT_COUNT_BUCKETS): {bucket: {"share": of held-out rows, "recall": mean over
+  layers}}. Separates a table that could not be estimated (rare tokens) from routing that is not
+  a function of the token: a token seen once that already predicts its routing means the model
+  routes by the token.
+- `token_table_fit_fraction`: the recall with the table fit on a seeded sample of that share of
+  the fit prompts ({share: recall}; 1.0 is `token_table_recall`): how much the figure depends on
+  the amount of fit text (a real model's larger vocabulary spreads the same text thinner).
 - `recurrence[j]`: share of (token, layer, expert) uses that the same layer uses again within
   the next j tokens of the same request (tokens with fewer than j followers are not counted).
 - `routing_foresight_gap[h]`: Belady knowing the exact routing of only the current and the next
@@ -43,6 +51,8 @@ from tensorbend.errors import TraceError
 WINDOWS = (1, 2, 4, 8)
 ROUTING_H = (1, 2, 4)
 TOKEN_H = (1, 2, 4, 8)
+FIT_COUNT_BUCKETS = ((0, 0), (1, 4), (5, 19), (20, 99), (100, None))
+FIT_FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 
 REFERENCE = {
     "model": "DeepSeek-V2-Lite (public routing traces, 300 prompts; 26 MoE layers, 64 experts, "
@@ -87,8 +97,19 @@ def routing_card(trace, cache_frac: float = 0.25, max_requests: int | None = Non
         by_layer = table_recall(table, np.concatenate(tokens), np.concatenate(used), K)
         out["token_table_recall"] = float(np.mean(by_layer))
         out["token_table_recall_by_layer"] = [round(float(x), 4) for x in by_layer]
+        fit_tokens = fit["token_ids_T"].numpy().astype(np.int64)
+        fit_ids = fit["expert_ids_TLK"].numpy().astype(np.int64)
+        held_tokens, held_ids = np.concatenate(tokens), np.concatenate(used)
+        out["token_table_by_fit_count"] = recall_by_fit_count(
+            table, np.bincount(fit_tokens), held_tokens, held_ids, K
+        )
+        out["token_table_fit_fraction"] = recall_by_fit_fraction(
+            fit_tokens, fit_ids, fit["prompt_index_T"].numpy(), held_tokens, held_ids, E, K
+        )
     else:
-        out["token_table_recall"] = out["token_table_recall_by_layer"] = None
+        for key in ("token_table_recall", "token_table_recall_by_layer",
+                    "token_table_by_fit_count", "token_table_fit_fraction"):  # fmt: skip
+            out[key] = None
     ids_FLK = [[sorted(map(int, u_LK[m])) for m in range(L)] for u in used for u_LK in u]
     out["routing_foresight_gap"] = foresight_gaps(ids_FLK, ids_FLK, L, E, cache_frac,
                                                   "per_layer", ROUTING_H)  # fmt: skip
@@ -126,6 +147,37 @@ def table_recall(table_VLE, token_ids_T, ids_TLK, K: int) -> np.ndarray:
     top_TLK = np.argsort(-scores, axis=-1, kind="stable")[..., :K]
     hits = (top_TLK[..., :, None] == ids_TLK[..., None, :]).any(-1).sum(-1)  # [T, L]
     return hits.mean(axis=0) / K
+
+
+def recall_by_fit_count(table_VLE, fit_count_V, token_ids_T, ids_TLK, K: int) -> dict:
+    """{bucket label: {"share": of rows, "recall": mean over layers}} by the row token's count in
+    fit (FIT_COUNT_BUCKETS; a bucket without rows has recall None)."""
+    count_T = np.zeros(len(token_ids_T), dtype=np.int64)
+    seen = token_ids_T < len(fit_count_V)
+    count_T[seen] = fit_count_V[token_ids_T[seen]]
+    out = {}
+    for lo, hi in FIT_COUNT_BUCKETS:
+        label = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        sel = (count_T >= lo) & (count_T <= (hi if hi is not None else count_T.max()))
+        recall = table_recall(table_VLE, token_ids_T[sel], ids_TLK[sel], K) if sel.any() else None
+        out[label] = {"share": round(float(sel.mean()), 4),
+                      "recall": None if recall is None else round(float(recall.mean()), 4)}  # fmt: skip
+    return out
+
+
+def recall_by_fit_fraction(fit_tokens_T, fit_ids_TLK, fit_prompt_T, token_ids_T, ids_TLK, E: int,
+                           K: int, fractions=FIT_FRACTIONS, seed: int = 0) -> dict:  # fmt: skip
+    """{share: recall (mean over layers)} of the table fit on a seeded sample of that share of
+    the fit prompts (at least one prompt)."""
+    prompts = np.unique(fit_prompt_T)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for frac in fractions:
+        n = max(1, round(frac * len(prompts)))
+        keep = np.isin(fit_prompt_T, rng.choice(prompts, n, replace=False))
+        table = token_table(fit_tokens_T[keep], fit_ids_TLK[keep], E)
+        out[frac] = round(float(table_recall(table, token_ids_T, ids_TLK, K).mean()), 4)
+    return out
 
 
 def recurrence(used: list, num_experts: int, windows=WINDOWS) -> dict:
@@ -173,7 +225,7 @@ def format_card(cards: dict[str, dict], reference: dict = REFERENCE) -> str:
     names = list(cards)
 
     def cell(v) -> str:
-        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+        return _cell(v) if v is None or isinstance(v, float) else str(v)
 
     def row(label, get) -> str:
         vals = [cell(get(c)) for c in cards.values()]
@@ -199,7 +251,31 @@ def format_card(cards: dict[str, dict], reference: dict = REFERENCE) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_fit_detail(cards: dict[str, dict]) -> str:
+    """A markdown table of the token table's recall by fit count and by fit share, one column per
+    model (traces without token ids: "-")."""
+    names = list(cards)
+    lines = ["| token table recall@k | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for lo, hi in FIT_COUNT_BUCKETS:
+        label = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        cells = []
+        for c in cards.values():
+            b = (c.get("token_table_by_fit_count") or {}).get(label)
+            cells.append("-" if b is None or b["recall"] is None
+                         else f"{b['recall']:.3f} ({100 * b['share']:.1f}% of rows)")  # fmt: skip
+        lines.append(f"| held-out token seen {label} time(s) in fit | " + " | ".join(cells) + " |")
+    for frac in FIT_FRACTIONS:
+        cells = [_cell(_at(c.get("token_table_fit_fraction"), frac)) for c in cards.values()]
+        lines.append(f"| table fit on {100 * frac:g}% of the fit prompts | " + " | ".join(cells)
+                     + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------ helpers
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _at(d, k):

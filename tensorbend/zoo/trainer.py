@@ -36,7 +36,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +50,7 @@ from tensorbend.errors import ZooError
 from tensorbend.zoo import card as zoo_card
 from tensorbend.zoo import textdata
 from tensorbend.zoo.balance import RouterLoad
-from tensorbend.zoo.recipes import ARCHS, SIZES, build_config, register_sorted_experts
+from tensorbend.zoo.recipes import ARCHS, SIZES, ZooSize, build_config, register_sorted_experts
 
 STATE_DIR = "train_state"
 CHECKPOINT = "checkpoint.safetensors"
@@ -87,6 +87,9 @@ class ZooTrainConfig:
     """Held-out tokens evaluated for the model card."""
     threads: int | None = None
     """torch CPU threads (default: all cores)."""
+    dense_layers: int | None = None
+    """DeepSeek-V3 style: dense layers before the MoE layers (`first_k_dense_replace`; DeepSeek-V3
+    has 3); default: the size preset's."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -95,6 +98,12 @@ class ZooTrainConfig:
             raise ZooError(
                 f"unknown size preset {self.size!r}: expected one of {', '.join(SIZES)} "
                 "(see tensorbend.zoo.recipes.SIZES)"
+            )
+        if self.dense_layers is not None and (self.arch != "deepseek_v3" or self.dense_layers < 0):
+            raise ZooError(
+                f"zoo train: expected --dense-layers >= 0 with --arch deepseek_v3 (the only "
+                f"architecture with leading dense layers), found {self.dense_layers} with "
+                f"--arch {self.arch}"
             )
         if self.minutes is None and self.tokens is None:
             raise ZooError(
@@ -108,10 +117,17 @@ class ZooTrainConfig:
                 f"tokens={self.tokens}"
             )
 
+    def size_preset(self) -> ZooSize:
+        """The size preset with this run's overrides (`dense_layers`)."""
+        size = SIZES[self.size]
+        if self.dense_layers is None:
+            return size
+        return replace(size, dense_layers_deepseek=self.dense_layers)
+
 
 def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
     """Train (or resume) and write the HF checkpoint + model cards to `cfg.out`; returns it."""
-    size = SIZES[cfg.size]
+    size = cfg.size_preset()
     out = Path(cfg.out)
     state_dir = out / STATE_DIR
     ckpt_path = state_dir / CHECKPOINT
@@ -161,7 +177,7 @@ def _build_model(cfg: ZooTrainConfig, size, tok, device: torch.device):
 def _train_loop(cfg: ZooTrainConfig, model, opt, run: dict, train_ids_N, state_dir: Path,
                 progress: bool) -> None:  # fmt: skip
     """Steps until the budget; checkpoints periodically and on Ctrl-C / SIGTERM (then raises)."""
-    size, device = SIZES[cfg.size], next(model.parameters()).device
+    size, device = cfg.size_preset(), next(model.parameters()).device
     ckpt_path = state_dir / CHECKPOINT
     aux_coef = 0.0 if cfg.arch == "deepseek_v3" else cfg.aux_loss_coef
     routers = RouterLoad(model, keep_logits=aux_coef > 0)
@@ -327,11 +343,12 @@ def _load_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt) -> dict:
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
     saved = json.loads(meta["config"])
-    for key in ("arch", "size", "seed"):
-        if saved[key] != getattr(cfg, key):
+    for key in ("arch", "size", "seed", "dense_layers"):
+        if saved.get(key) != getattr(cfg, key):
             raise ZooError(
                 f"zoo train --resume: expected {key}={getattr(cfg, key)!r} as in the checkpoint "
-                f"{path}, found {key}={saved[key]!r} there (resume with the same --{key})"
+                f"{path}, found {key}={saved.get(key)!r} there (resume with the same "
+                f"--{key.replace('_', '-')})"
             )
     tensors = load_file(str(path))
     model_sd = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
