@@ -21,6 +21,11 @@ repeat after repeat; the table gives the median decode tok/s with its range. Row
 n-th router: fewer prediction call sites per token);
 `/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
 predictions: fewer than the K routed).
+`--accelerate` adds the baseline without tensorbend: `tensorbend generate --engine accelerate`
+(transformers + accelerate's `device_map="auto"` within the same budget, the rest streamed in
+from disk every forward; `tensorbend.hf_offload`). `--memory-cap` runs every row in a memory
+cgroup of import baseline + budget + `--cap-margin` (`tensorbend.memory_cap`: the page cache
+its reads fill counts too), as on a machine with only that much RAM; needs root.
 Nothing else should run on the machine meanwhile.
 The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.
 """
@@ -37,6 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tensorbend import memory_cap
 from tensorbend.atomic import write_generated
 from tensorbend.placement import parse_bytes
 from tensorbend.results.serve_memory_page import markdown
@@ -50,6 +56,7 @@ NO_PREDICTION = {
     "lfru/adm=frequency": ["--policy", "lfru", "--admission", "frequency"],
     "lru/per_layer": ["--pool", "per_layer"],
 }
+ACCELERATE = "accelerate (device_map, rest on disk)"
 
 
 def main(argv=None) -> int:
@@ -68,6 +75,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
+    ap.add_argument("--accelerate", action="store_true",
+                    help=f"add the row {ACCELERATE!r}: transformers + accelerate offloading "
+                         "within the same budget, no tensorbend")  # fmt: skip
+    ap.add_argument("--memory-cap", action="store_true",
+                    help="run every row in a memory cgroup of import baseline + budget + "
+                         "--cap-margin (page cache included; needs root)")  # fmt: skip
+    ap.add_argument("--cap-margin", default="64MB", help="headroom of --memory-cap")
     ap.add_argument("--only", default=None,
                     help="regex: run only the rows whose name it finds (at least one row "
                          "without prediction: the best of those is the reference)")  # fmt: skip
@@ -106,6 +120,8 @@ def main(argv=None) -> int:
         name = f"{narrow}/extra={extra}/jit=0"
         policies[name] = policies[narrow] + ["--prefetch-extra", str(extra)]
         envs[name] = {"TENSORBEND_JIT": "0"}
+    if args.accelerate:
+        policies[ACCELERATE] = ["--engine", "accelerate"]
     if args.only:
         policies = {k: v for k, v in policies.items() if re.search(args.only, k)}
         if not any(k in NO_PREDICTION for k in policies):
@@ -117,13 +133,23 @@ def main(argv=None) -> int:
             args.max_memory, "--io", "direct", "--store-dir", str(store), "--quiet"]  # fmt: skip
     _run(base + ["--max-new-tokens", "1"])  # builds the store once, outside the timed runs
     baseline = _import_rss()
+    cap = None
+    if args.memory_cap:
+        if why := memory_cap.unavailable():
+            raise SystemExit(f"--memory-cap: {why}")
+        cap = baseline + parse_bytes(args.max_memory) + parse_bytes(args.cap_margin)
+    acc = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
+           str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
+           args.max_memory, "--store-dir", str(args.workdir / "accelerate"), "--quiet"]  # fmt: skip
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     for r in range(args.repeats):
         for name, flags in policies.items():
-            runs[name].append(_run(base + flags, envs.get(name)))
+            cmd = (acc if name == ACCELERATE else base) + flags
+            runs[name].append(_run(cmd, envs.get(name), cap))
             print(f"repeat {r}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)  # fmt: skip
     result = _aggregate(runs, args, ckpt, baseline, envs)
+    result["memory_cap_bytes"] = cap
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
@@ -141,20 +167,29 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
             "decode_tok_s": statistics.median(tok_s),
             "decode_tok_s_range": [min(tok_s), max(tok_s)],
             "decode_tok_s_repeats": tok_s,
+            "engine": rs[0].get("engine", "tensorbend"),
             "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
-            "demand_hit_rate": statistics.median(r["demand_hit_rate"] for r in rs),
-            "stall_s_per_token": statistics.median(r["stall_s_per_token"] for r in rs),
-            "no_stall_ceiling": statistics.median(  # per repeat: tok/s with every wait hidden
+            "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),
+            "demand_hit_rate": _median(rs, "demand_hit_rate"),
+            "stall_s_per_token": _median(rs, "stall_s_per_token"),
+            "no_stall_ceiling": None if rs[0]["stall_s_per_token"] is None else statistics.median(
                 1 / (1 - r["stall_s_per_token"] * r["decode_tok_s"]) for r in rs
-            ),
+            ),  # per repeat: tok/s with every wait hidden
             "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
+            "load_peak_rss_bytes": _max(rs, "load_peak_rss_bytes"),
+            "cap_max_usage_bytes": _max(rs, "cap_max_usage_bytes"),
+            "oom_kills": sum(r.get("oom_kills", 0) for r in rs),
+            "text_equal_to_best": None,
             "cache_slots": rs[0]["cache_slots"],
             "decode_tokens": rs[0]["decode_tokens"],
             "env": envs.get(name, {}),
         })  # fmt: skip
     best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
-    every = [r for rs in runs.values() for r in rs]
+    for r in rows:  # greedy text: every run's stdout against the best cache's first run's
+        r["text_equal_to_best"] = all(x["text"] == runs[best["policy"]][0]["text"]
+                                      for x in runs[r["policy"]])  # fmt: skip
+    every = [r for rs in runs.values() for r in rs if r.get("memory_plan")]
     first = every[0]
     plan = _split(first)
     grown = [r["memory_plan"]["measured"] for r in every if "measured" in r["memory_plan"]]
@@ -166,7 +201,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
     return {
         "model": f"zoo:default with experts x{args.factor} (tensorbend.zoo.inflate)",
         "checkpoint_bytes": experts,
-        "expert_bytes": runs[next(iter(runs))][0]["expert_bytes"],
+        "expert_bytes": first["expert_bytes"],
         "max_memory_bytes": parse_bytes(args.max_memory),
         "import_baseline_rss_bytes": baseline,
         "io": "direct",
@@ -182,18 +217,38 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
     }
 
 
+def _median(rs: list[dict], key: str):
+    vals = [r.get(key) for r in rs]
+    return None if any(v is None for v in vals) else statistics.median(vals)
+
+
+def _max(rs: list[dict], key: str):
+    vals = [r.get(key) for r in rs]
+    return None if any(v is None for v in vals) else max(vals)
+
+
 def _split(run: dict) -> dict:
     """A run's memory plan without its raw measurement (which varies; the split must not)."""
     return {k: v for k, v in run["memory_plan"].items() if k != "measured"}
 
 
-def _run(cmd: list[str], env: dict | None = None) -> dict:
+def _run(cmd: list[str], env: dict | None = None, cap: int | None = None) -> dict:
+    """One `tensorbend generate` in a fresh process (under a memory cap when given): its JSON
+    summary, its text (stdout) and, capped, the cgroup's high-water mark and OOM kills."""
     env = {**os.environ, **env} if env else None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, env=env)
+        argv = cmd + ["--json", f.name]
+        if cap is None:
+            out = subprocess.run(argv, capture_output=True, text=True, env=env)
+            extra = {}
+        else:
+            out = memory_cap.run_capped(argv, cap, env=env)
+            extra = {"cap_max_usage_bytes": out.max_usage_bytes, "oom_kills": out.oom_kills}
         if out.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr}")
-        return json.loads(Path(f.name).read_text())
+            killed = f" (killed by the memory cap: {extra['oom_kills']} OOM kills)" if extra.get(
+                "oom_kills") else ""  # fmt: skip
+            raise SystemExit(f"{' '.join(cmd)} failed{killed}:\n{out.stderr}")
+        return {**json.loads(Path(f.name).read_text()), **extra, "text": out.stdout}
 
 
 def _import_rss() -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import TextStreamer
@@ -44,6 +45,10 @@ class GenerateConfig:
     """Nucleus sampling mass with --sample."""
     seed: int = 0
     """Sampling seed."""
+    engine: Literal["tensorbend", "accelerate"] = "tensorbend"
+    """Who offloads: tensorbend (expert store, cache, policy, predictors) or accelerate
+    (transformers' device_map="auto" within --max-memory, the rest streamed in from disk every
+    forward, no cache or prediction: the baseline without tensorbend, to compare with)."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """Placement, cache, policy and predictors."""
 
@@ -59,6 +64,14 @@ class GenerateConfig:
                 f"--temperature {self.temperature} / --top-p {self.top_p}: expected a "
                 f"temperature > 0 and a top-p in (0, 1]"
             )
+        if self.engine == "accelerate" and (
+            self.serve.predictor or self.serve.predictor_group or self.serve.horizon
+        ):
+            raise TensorbendError(
+                "--engine accelerate: expected no --predictor, --predictor-group or --horizon "
+                "(accelerate offloads whole layers and predicts nothing); drop them or use "
+                "--engine tensorbend"
+            )
 
 
 def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
@@ -69,6 +82,12 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
 
     out, err = out or sys.stdout, err or sys.stderr
     texts = [cfg.prompt] if cfg.prompt is not None else _prompt_texts(cfg.prompts)
+    if cfg.engine == "accelerate":
+        from tensorbend import hf_offload
+
+        summary = hf_offload.run_accelerate(cfg, texts, lambda tok: _Streamer(tok, out), out)
+        err.write(hf_offload.format_summary(summary) + "\n")
+        return summary
     model = load_offloaded(cfg.model, cfg.serve)
     handle = model.tensorbend
     try:
@@ -96,6 +115,7 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
     """The summary's numbers from `OffloadHandle.counters()`."""
     dec = c["decode"]
     return {
+        "engine": "tensorbend",
         "policy": serve.offload.policy,
         "decode_tokens": dec["tokens"],
         "decode_tok_s": dec["tok_s"],

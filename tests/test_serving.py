@@ -258,6 +258,39 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
     assert s["peak_rss_bytes"] <= base + budget, (s["peak_rss_bytes"], base)
 
 
+def test_accelerate_engine_streams_every_offloaded_layer_and_writes_the_same_text(tmp_path, capsys):
+    """The baseline without tensorbend (`--engine accelerate`): under a 96 MB budget accelerate
+    keeps at most one of the four 75 MB MoE layers and streams the rest in every forward; its
+    greedy text equals tensorbend's (both equal the resident model's); with a budget the whole
+    model fits in, nothing is offloaded."""
+    _wide_checkpoint(tmp_path / "ckpt")
+    layer_bytes = 32 * 3 * 128 * 1536 * 4
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "alpha beta",
+            "--max-new-tokens", "6", "--store-dir", str(tmp_path / "store"), "--quiet"]  # fmt: skip
+    texts, summaries = {}, {}
+    for name, extra in (("tensorbend", ["--max-memory", "96MB"]),
+                        ("accelerate", ["--max-memory", "96MB", "--engine", "accelerate"]),
+                        ("fits", ["--max-memory", "2GB", "--engine", "accelerate"])):  # fmt: skip
+        assert main(argv + extra + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        texts[name] = capsys.readouterr().out
+        summaries[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert texts["accelerate"] == texts["tensorbend"] == texts["fits"]
+    assert texts["tensorbend"].startswith("alpha beta")
+    acc = summaries["accelerate"]
+    assert acc["engine"] == "accelerate" and acc["decode_tokens"] == 5
+    assert 3 * layer_bytes <= acc["offloaded_bytes"] == acc["bytes_read_per_token"]
+    assert acc["offloaded_bytes"] < 4 * layer_bytes + 8 * 10**6
+    assert summaries["fits"]["offloaded_bytes"] == 0
+    assert acc["load_peak_rss_bytes"] > 0 and acc["peak_rss_bytes"] > 0
+    assert not list((tmp_path / "store").glob("accelerate-offload-*"))  # its folder removed
+    assert main(argv + ["--engine", "accelerate"]) == 2  # no budget: nothing to place within
+    assert "expected --max-memory" in capsys.readouterr().err
+    horizon = ["--horizon", str(tmp_path / "fits.json")]  # any file: refused before it is read
+    flags = ["--engine", "accelerate", "--max-memory", "96MB", "--policy", "prefetch", *horizon]
+    assert main(argv + flags) == 2
+    assert "predicts nothing" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not JIT, reason="numba is not installed: no compiled kernels to charge")
 def test_budget_holds_with_a_predictors_compiled_kernels(tmp_path):
     """With a predictor, numba and the compiled kernels (> 60 MB) come into the process: the
