@@ -34,7 +34,7 @@ def markdown(res: dict) -> str:
     ]
     capped = res.get("memory_cap_bytes") is not None
     if capped:
-        lines[-2] = lines[-2][:-1] + " cap high-water (MB) | same text |"
+        lines[-2] += " cap high-water (MB) | same text |"
         lines[-1] += "---|---|"
     for r in res["results"]:
         lo, hi = r["decode_tok_s_range"]
