@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from tensorbend.atomic import write_generated
-from tensorbend.results.zoo_card_page import markdown
+from tensorbend.results.zoo_card_page import TITLE, markdown
 from tensorbend.trace import Trace
 from tensorbend.zoo.realism import routing_card
 
@@ -26,11 +26,14 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--json", type=Path, default=Path("docs/zoo_card.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/zoo_card.md"))
+    ap.add_argument("--title", default=TITLE, help="the page's title (its JSON keeps it)")
     args = ap.parse_args(argv)
     cards = {}
     for d in args.traces:
         trace = Trace.open(d)
         cards[trace.manifest["model"]["name"]] = routing_card(trace)
+    if args.title != TITLE:
+        cards = {"title": args.title, **cards}
     write_generated(args.json, json.dumps(cards, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
     print(markdown(cards))
