@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve bench-serve-group bench-headline-group clean
+.PHONY: setup demo test lint bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-evictor bench-serve bench-serve-group bench-serve-accelerate bench-headline-group clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -265,6 +265,14 @@ bench-serve-group: bench-traces
 			$(BENCH)/default/ours_d3.safetensors \
 		--only 'lfru/adm=frequency$$|lru/per_layer$$|horizon\(evict only\)\+d1/per_layer/adm=predicted/jit=0$$|horizon\(evict only\)\+d1\+d2\+d3/per_layer/adm=predicted(/jit=0)?$$' \
 		--json docs/bench/serve_memory_group.json --doc docs/serve_memory_group.md > /dev/null
+
+# tensorbend beside transformers + accelerate offloading (the baseline without tensorbend), every
+# run in a memory cgroup of import baseline + budget (needs root; run alone, ~30 min).
+bench-serve-accelerate: setup
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
+		--max-new-tokens 48 --accelerate --memory-cap \
+		--only 'lru$$|lfru/adm=frequency$$|lru/per_layer$$|accelerate' \
+		--json docs/bench/serve_accelerate.json --doc docs/serve_accelerate.md > /dev/null
 
 clean:
 	rm -rf $(VENV) runs

@@ -108,6 +108,7 @@ def test_seed_study_table_matches_its_json():
             "docs/bench/replay_speed.md",
         ),
         ("tensorbend.results.zoo_card_page", "docs/zoo_card.json", "docs/zoo_card.md"),
+        ("tensorbend.results.zoo_card_page", "docs/zoo_probe.json", "docs/zoo_probe.md"),
         (
             "tensorbend.results.offload_page",
             "docs/bench/headline_default.json",
