@@ -138,7 +138,12 @@ def test_seed_study_table_matches_its_json():
         ],
         *[
             ("tensorbend.results.serve_memory_page", f"docs/bench/{n}.json", f"docs/{n}.md")
-            for n in ("serve_memory", "serve_memory_narrow", "serve_memory_group")
+            for n in (
+                "serve_memory",
+                "serve_memory_narrow",
+                "serve_memory_group",
+                "serve_accelerate",
+            )
         ],
     ],
 )
