@@ -128,9 +128,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
                              f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
     store = args.workdir / "store"
-    base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
-            str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
-            args.max_memory, "--io", "direct", "--store-dir", str(store), "--quiet"]  # fmt: skip
+    generate = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
+                str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
+                args.max_memory, "--quiet"]  # fmt: skip
+    base = generate + ["--io", "direct", "--store-dir", str(store)]
+    acc = generate + ["--store-dir", str(args.workdir / "accelerate")]  # its offload folder
     _run(base + ["--max-new-tokens", "1"])  # builds the store once, outside the timed runs
     baseline = _import_rss()
     cap = None
@@ -138,9 +140,6 @@ def main(argv=None) -> int:
         if why := memory_cap.unavailable():
             raise SystemExit(f"--memory-cap: {why}")
         cap = baseline + parse_bytes(args.max_memory) + parse_bytes(args.cap_margin)
-    acc = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
-           str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
-           args.max_memory, "--store-dir", str(args.workdir / "accelerate"), "--quiet"]  # fmt: skip
     runs: dict[str, list[dict]] = {name: [] for name in policies}
     for r in range(args.repeats):
         for name, flags in policies.items():

@@ -85,30 +85,39 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     if cfg.engine == "accelerate":
         from tensorbend import hf_offload
 
-        summary = hf_offload.run_accelerate(cfg, texts, lambda tok: _Streamer(tok, out), out)
+        with hf_offload.AccelerateRun(cfg.model, cfg.serve) as run:
+            _continue(run.model, run.tok, texts, cfg, out, on_prompt=run.new_prompt)
+            summary = run.summary()
         err.write(hf_offload.format_summary(summary) + "\n")
         return summary
     model = load_offloaded(cfg.model, cfg.serve)
     handle = model.tensorbend
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model), local_files_only=True)
-        streamer = _Streamer(tok, out)
-        kw = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample}
-        kw.update({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.sample else {})
-        torch.manual_seed(cfg.seed)
-        for text in texts:
-            ids = tok(text, return_tensors="pt").input_ids.to(cfg.serve.device)
-            out.write(text)
-            with torch.inference_mode():
-                model.generate(ids, streamer=streamer, pad_token_id=tok.eos_token_id, **kw)
-            out.write("\n")
-            out.flush()
+        _continue(model, tok, texts, cfg, out)
         summary = summarize(handle.counters(), cfg.serve)
         summary["memory_plan"] = handle.memory_plan
     finally:
         handle.close()
     err.write(format_summary(summary) + "\n")
     return summary
+
+
+def _continue(model, tok, texts: list[str], cfg: GenerateConfig, out, on_prompt=None) -> None:
+    """Each text, then its continuation streamed, through transformers' own generate()."""
+    streamer = _Streamer(tok, out)
+    kw = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample}
+    kw.update({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.sample else {})
+    torch.manual_seed(cfg.seed)
+    for text in texts:
+        ids = tok(text, return_tensors="pt").input_ids.to(cfg.serve.device)
+        out.write(text)
+        if on_prompt is not None:
+            on_prompt()
+        with torch.inference_mode():
+            model.generate(ids, streamer=streamer, pad_token_id=tok.eos_token_id, **kw)
+        out.write("\n")
+        out.flush()
 
 
 def summarize(c: dict, serve: ServeConfig) -> dict:

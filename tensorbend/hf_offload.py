@@ -3,9 +3,11 @@
 
 Usage:
     tensorbend generate --model DIR --prompt TEXT --max-memory 1GB --engine accelerate
-    >>> summary = run_accelerate(GenerateConfig(..., engine="accelerate"), texts,
-    ...                          streamer, out)                        # doctest: +SKIP
-    >>> summary["decode_tok_s"], summary["load_peak_rss_bytes"]       # doctest: +SKIP
+    >>> with AccelerateRun("zoo:default", ServeConfig(max_memory="20MB")) as run:  # doctest: +SKIP
+    ...     run.new_prompt()                     # before each prompt: its first forward is prefill
+    ...     run.model.generate(run.tok("In the beginning", return_tensors="pt").input_ids)
+    ...     summary = run.summary()
+    >>> summary["decode_tok_s"], summary["load_peak_rss_bytes"]  # doctest: +SKIP
 
 What a user of transformers does when a model does not fit: `from_pretrained(...,
 device_map="auto", max_memory=..., offload_folder=...)` (`hf.load_model` with `max_memory`).
@@ -43,69 +45,69 @@ from tensorbend.offload.handle import peak_rss_bytes
 PHASES = ("prefill", "decode")
 
 
-def run_accelerate(cfg, texts: list[str], make_streamer, out) -> dict:
-    """Continue every text with the model placed by accelerate within `cfg.serve.max_memory`;
-    returns the summary (keys of `generate.summarize`, plus the ones of the module docstring).
-    `make_streamer(tok)` gives the TextStreamer that writes the text to `out`."""
-    from tensorbend.hf import load_model
+class AccelerateRun:
+    """The model placed by accelerate within `serve.max_memory` (a context manager: its offload
+    folder is removed on exit), its forwards timed; `summary()` after generating (keys of
+    `generate.summarize`, plus the ones of the module docstring)."""
 
-    serve = cfg.serve
-    if serve.max_memory is None:
-        raise TensorbendError(
-            "--engine accelerate: expected --max-memory (the budget accelerate places the model "
-            "in), found none"
-        )
-    parent = Path(serve.store_dir) if serve.store_dir else None
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="accelerate-offload-", dir=parent) as offload_dir:
-        model, tok = load_model(cfg.model, serve.dtype, serve.device, progress=serve.progress,
-                                max_memory=serve.max_memory, offload_dir=offload_dir)  # fmt: skip
-        load_peak = peak_rss_bytes()
-        _reset_peak_rss()
-        offloaded = offloaded_bytes(model)
-        timer = _ForwardTimer(model)
+    def __init__(self, model: str, serve):
+        if serve.max_memory is None:
+            raise TensorbendError(
+                "--engine accelerate: expected --max-memory (the budget accelerate places the "
+                "model in), found none"
+            )
+        self.spec, self.serve = model, serve
+
+    def __enter__(self) -> AccelerateRun:
+        from tensorbend.hf import load_model
+
+        serve = self.serve
+        parent = Path(serve.store_dir) if serve.store_dir else None
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        self._dir = tempfile.TemporaryDirectory(prefix="accelerate-offload-", dir=parent)
         try:
-            streamer = make_streamer(tok)
-            kw = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample}
-            kw.update({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.sample else {})
-            torch.manual_seed(cfg.seed)
-            for text in texts:
-                ids = tok(text, return_tensors="pt").input_ids.to(serve.device)
-                out.write(text)
-                timer.new_prompt()
-                with torch.inference_mode():
-                    model.generate(ids, streamer=streamer, pad_token_id=tok.eos_token_id, **kw)
-                out.write("\n")
-                out.flush()
-        finally:
-            timer.remove()
-    dec_tokens, dec_s = timer.tokens["decode"], timer.seconds["decode"]
-    return {
-        "engine": "accelerate",
-        "policy": "accelerate",
-        "decode_tokens": dec_tokens,
-        "decode_tok_s": dec_tokens / dec_s if dec_s else None,
-        "prefill_tok_s": (
-            timer.tokens["prefill"] / timer.seconds["prefill"] if timer.seconds["prefill"] else None
-        ),  # fmt: skip
-        "bytes_read_per_token": offloaded,
-        "disk_read_bytes_per_token": timer.disk_bytes / dec_tokens if dec_tokens else None,
-        "demand_hit_rate": None,
-        "stall_s_per_token": None,
-        "predict_s_per_token": None,
-        "cache_slots": None,
-        "expert_bytes": None,
-        "offloaded_bytes": offloaded,
-        "load_peak_rss_bytes": load_peak,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "peak_device_bytes": (
-            torch.cuda.max_memory_allocated()
-            if torch.cuda.is_available() and serve.device != "cpu"
-            else None
-        ),  # fmt: skip
-        "memory_plan": None,
-    }
+            self.model, self.tok = load_model(
+                self.spec, serve.dtype, serve.device, progress=serve.progress,
+                max_memory=serve.max_memory, offload_dir=self._dir.name,
+            )  # fmt: skip
+        except BaseException:
+            self._dir.cleanup()
+            raise
+        self.load_peak = peak_rss_bytes()
+        _reset_peak_rss()
+        self.offloaded = offloaded_bytes(self.model)
+        self.timer = _ForwardTimer(self.model, cuda=serve.device != "cpu")
+        self.new_prompt = self.timer.new_prompt
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.remove()
+        self._dir.cleanup()
+
+    def summary(self) -> dict:
+        timer = self.timer
+        dec_tokens, dec_s = timer.tokens["decode"], timer.seconds["decode"]
+        pre_tokens, pre_s = timer.tokens["prefill"], timer.seconds["prefill"]
+        return {
+            "engine": "accelerate",
+            "policy": "accelerate",
+            "decode_tokens": dec_tokens,
+            "decode_tok_s": dec_tokens / dec_s if dec_s else None,
+            "prefill_tok_s": pre_tokens / pre_s if pre_s else None,
+            "bytes_read_per_token": self.offloaded,
+            "disk_read_bytes_per_token": timer.disk_bytes / dec_tokens if dec_tokens else None,
+            "demand_hit_rate": None,
+            "stall_s_per_token": None,
+            "predict_s_per_token": None,
+            "cache_slots": None,
+            "expert_bytes": None,
+            "offloaded_bytes": self.offloaded,
+            "load_peak_rss_bytes": self.load_peak,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_device_bytes": torch.cuda.max_memory_allocated() if timer.cuda else None,
+            "memory_plan": None,
+        }
 
 
 def offloaded_bytes(model) -> int:
@@ -141,7 +143,8 @@ class _ForwardTimer:
     """Times every forward of the model (the first of each prompt is prefill) and the storage
     bytes the process reads during decode forwards."""
 
-    def __init__(self, model):
+    def __init__(self, model, cuda: bool):
+        self.cuda = cuda
         self.tokens = dict.fromkeys(PHASES, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.disk_bytes = 0
@@ -168,7 +171,7 @@ class _ForwardTimer:
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, kwargs, output):
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.synchronize()
         self.seconds[self._phase] += time.perf_counter() - self._t0
         self.tokens[self._phase] += self._n

@@ -59,8 +59,9 @@ def run_capped(cmd: list[str], limit_bytes: int, env: dict | None = None,
     """Run `cmd` (and its children) in a fresh memory cgroup capped at `limit_bytes`."""
     if why := unavailable(root):
         raise TensorbendError(f"memory cap: {why}")
-    v2 = _v2(root) is not None
-    group = (_v2(root) if v2 else _v1(root)) / f"tensorbend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    parent = _v2(root)
+    v2 = parent is not None
+    group = (parent if v2 else _v1(root)) / f"tensorbend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     try:
         (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_bytes))

@@ -157,8 +157,8 @@ def recall_by_fit_count(table_VLE, fit_count_V, token_ids_T, ids_TLK, K: int) ->
     count_T[seen] = fit_count_V[token_ids_T[seen]]
     out = {}
     for lo, hi in FIT_COUNT_BUCKETS:
-        label = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
-        sel = (count_T >= lo) & (count_T <= (hi if hi is not None else count_T.max()))
+        label = _bucket(lo, hi)
+        sel = (count_T >= lo) & ((count_T <= hi) if hi is not None else True)
         recall = table_recall(table_VLE, token_ids_T[sel], ids_TLK[sel], K) if sel.any() else None
         out[label] = {"share": round(float(sel.mean()), 4),
                       "recall": None if recall is None else round(float(recall.mean()), 4)}  # fmt: skip
@@ -257,7 +257,7 @@ def format_fit_detail(cards: dict[str, dict]) -> str:
     names = list(cards)
     lines = ["| token table recall@k | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for lo, hi in FIT_COUNT_BUCKETS:
-        label = f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        label = _bucket(lo, hi)
         cells = []
         for c in cards.values():
             b = (c.get("token_table_by_fit_count") or {}).get(label)
@@ -272,6 +272,11 @@ def format_fit_detail(cards: dict[str, dict]) -> str:
 
 
 # ------------------------------------------------------------ helpers
+
+
+def _bucket(lo: int, hi: int | None) -> str:
+    """A fit-count bucket's label: "0", "1-4", "100+"."""
+    return f"{lo}" if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
 def _cell(v) -> str:
