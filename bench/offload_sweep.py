@@ -16,10 +16,8 @@ driving eviction with no prefetch at all (eviction alone), plus next-forward pre
 on top, with and without those next-forward prefetches (the ablation row
 `horizon(evict only)+d1:...`); with `--predictor-group` (d1, d2, ... fired together from every
 n-th router: fewer prediction call sites per token; repeatable, one group each) the same rows
-for each group, after ours;
-with `--evictor` (train --predictor evictor) the learned eviction under its shadow
-guard; the oracle at every foresight h (tokens of exact routing it knows; `all` = the
-whole run), run after the caches: past its sight it ranks like the no-prediction cache with
+for each group, after ours; the oracle at every foresight h (tokens of exact routing it
+knows; `all` = the whole run), run after the caches: past its sight it ranks like the no-prediction cache with
 the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
 fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--topics {a.topics}: no prompt of split {a.split} has these topics")
     prompts = prompts[: a.max_prompts]
     checkpoints = [*a.predictor, *(c for g in a.predictor_group for c in g),
-                   *(c for c in (a.horizon, a.evictor, a.evictor_forecast) if c)]  # fmt: skip
+                   *([a.horizon] if a.horizon else [])]  # fmt: skip
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
@@ -163,11 +161,6 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon, groups=()
             # the ablation: the same without the horizon's next-forward prefetches
             pc = PolicyConfig("prefetch", admission="predicted", token_ahead_layers=0, **common)
             plan.append((pc, ours, horizon))
-    if a.evictor:  # the learned eviction under its shadow guard (cache/evictor.py)
-        plan.append((PolicyConfig("evictor", evictor=a.evictor, **common), None, None))
-    if a.evictor_forecast:  # the learner reading the horizon's forecasts
-        pc = PolicyConfig("evictor", evictor=a.evictor_forecast, **common)
-        plan.append((pc, None, horizon))
     for h in _names(a.foresights):  # the oracle after the caches: beyond its sight it ranks
         foresight = None if h == "all" else int(h)  # like the best of them (--oracle-beyond)
         for adm in ("all", "predicted") if foresight is None else ("predicted",):
@@ -357,11 +350,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="within-token checkpoints d1, d2, ... fired together from every n-th "
                    "router (predictors.group): its rows beside the first --predictor's "
                    "(repeatable: one group each)")  # fmt: skip
-    p.add_argument("--evictor", default=None,
-                   help="eviction model (train --predictor evictor): adds the evictor row")  # fmt: skip
-    p.add_argument("--evictor-forecast", default=None,
-                   help="eviction model reading the --horizon's forecasts (train --predictor "
-                   "evictor --horizon H): adds the evictor+forecast row")  # fmt: skip
     p.add_argument("--allow-seen-split", action="store_true",
                    help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")

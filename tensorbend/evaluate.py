@@ -39,7 +39,7 @@ from tensorbend.predictors.base import (
     TrainData,
     get_lookahead,
 )
-from tensorbend.predictors.checkpoint import check_held_out, is_eviction_model, load_predictor
+from tensorbend.predictors.checkpoint import check_held_out, load_predictor
 from tensorbend.predictors.latency import us_per_token
 from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, build
 from tensorbend.scoring import merge_scores, score_predictor
@@ -117,7 +117,6 @@ class EvalReport:
     prompts: dict
     results: list  # of EvalRow
     foresight: list = dataclasses.field(default_factory=list)  # cross-token checkpoints' reports
-    eviction: list = dataclasses.field(default_factory=list)  # evictor checkpoints' cache replays
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)  # results: EvalRow -> dicts too
@@ -131,9 +130,7 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
     scored = [p["id"] for p in tr.prompts if cfg.split == "all" or p["split"] == cfg.split]
     for path in () if cfg.allow_seen_split else cfg.predictors:  # metadata only: before rows
         check_held_out(path, scored, cfg.split, fingerprint)
-    evictors = [p for p in cfg.predictors if is_eviction_model(p)]
-    loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint)
-              for p in cfg.predictors if p not in evictors]  # fmt: skip
+    loaded = [load_predictor(p, spec=spec, fingerprint=fingerprint) for p in cfg.predictors]
     across = [p for p in loaded if KINDS[p.kind].cross_token]
     loaded = [p for p in loaded if not KINDS[p.kind].cross_token]
     names = _check_features(_baseline_names(cfg, tr), lookaheads, tr, "all" not in cfg.baselines)
@@ -158,7 +155,6 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
         prompts={s: info["splits"][s] for s in ("train", "val", "test")},
         results=results,
         foresight=[_foresight(p, tr, cfg) for p in across],
-        eviction=[_eviction(p, tr, cfg) for p in evictors],
     )
 
 
@@ -169,29 +165,6 @@ def _foresight(pred, tr: Trace, cfg: EvalConfig) -> dict:
     rows = tr.load(pred.cfg.features, split=None if cfg.split == "all" else cfg.split)
     report = evaluate_foresight(pred, rows, cache_frac=cfg.cache_frac)
     return {"predictor": pred.kind, "checkpoint": pred.checkpoint, **report}
-
-
-def _eviction(path, tr: Trace, cfg: EvalConfig) -> dict:
-    """An evictor checkpoint's demand replay on the split (cache/imitation.py): experts read per
-    decode token beside every no-prediction cache and Belady, with and without its guard."""
-    from tensorbend.cache.evictor import EvictorModel, check_geometry
-    from tensorbend.cache.imitation import evaluate_evictor, load_requests
-    from tensorbend.errors import CheckpointError
-
-    model = EvictorModel.load(str(path))
-    check_geometry(model, path, tr.spec.num_moe_layers, tr.spec.num_experts)
-    horizon = None  # a model reading forecasts replays with the horizon it was trained with
-    if "forecast" in model.groups:
-        horizon = model.meta.get("horizon")
-        if not horizon or not Path(horizon).is_file():
-            raise CheckpointError(
-                f"{path}: this eviction model reads the forecasts of the horizon {horizon!r}, "
-                "which is not there; put that checkpoint back or retrain the evictor with "
-                "`tensorbend train --predictor evictor --horizon H`"
-            )
-    requests = load_requests(str(tr.root), None if cfg.split == "all" else cfg.split, horizon)
-    report = evaluate_evictor({"evictor": model}, requests, cfg.cache_frac)
-    return {"predictor": "evictor", "checkpoint": str(path), "horizon": horizon, **report}
 
 
 def _lookaheads(cfg: EvalConfig, tr: Trace) -> tuple[str, ...]:
@@ -320,18 +293,4 @@ def format_table(report) -> str:
         from tensorbend.foresight import format_foresight
 
         lines += ["", format_foresight(f)]
-    for ev in rep.get("eviction", []):
-        lines += ["", _format_eviction(ev)]
     return "\n".join(lines)
-
-
-def _format_eviction(ev: dict) -> str:
-    rows, best, full = ev["replay"], ev["best_no_prediction"], ev["full_oracle"]
-    out = [f"eviction replay of {ev['checkpoint']} (demand loads only, {ev['cache_frac']:.0%} "
-           f"cache = {ev['cache_slots']} slots): experts read per decode token"]  # fmt: skip
-    for name in (best, "evictor", "evictor+shadow", full):
-        r = rows[name]
-        gap = "" if r.get("gap_closed") is None else f"  gap closed {r['gap_closed']:.1%}"
-        tag = {best: "best no-prediction", full: "full Belady"}.get(name, "ours")
-        out.append(f"  {name:<24} {r['experts_per_token']:>8.3f}  ({tag}){gap}")
-    return "\n".join(out)

@@ -15,8 +15,8 @@ the manifest whose prompts are split again by topic:
   unused  the other topics' former test prompts: in no split, so no command trains,
           early-stops or measures on them.
 
-Every command that reads a trace's splits (`train`, `eval`, the foresight and evictor
-benches) then fits on some domains and measures on others, unchanged. The manifest records
+Every command that reads a trace's splits (`train`, `eval`, the foresight
+bench) then fits on some domains and measures on others, unchanged. The manifest records
 `resplit`: {"source": the source trace, "test_topics": [...], "splits": prompts per split}.
 The source trace is not touched.
 """

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 
 from tensorbend.distributed import DistContext
@@ -105,9 +104,6 @@ class TrainConfig:
     whatever the trace size, for every kind, the rows streamed out of the shards)."""
     threads: int | None = None
     """Torch CPU threads (None: leave as is)."""
-    horizon: Path | None = None
-    """evictor: also read this horizon checkpoint's forecasts (feature group `forecast`; the
-    runtime must then run that horizon too)."""
 
     def __post_init__(self):
         if self.predictor not in TRAINABLE:
@@ -117,11 +113,6 @@ class TrainConfig:
             )
         if self.lookahead is not None:
             get_lookahead(self.lookahead)
-            if get_kind(self.predictor).eviction:
-                raise PredictorConfigError(
-                    f"--lookahead {self.lookahead} with --predictor {self.predictor}: expected no "
-                    "lookahead (it ranks cached experts when the cache is full, from routing)"
-                )
             if get_kind(self.predictor).cross_token:
                 raise PredictorConfigError(
                     f"--lookahead {self.lookahead} with --predictor {self.predictor}: expected "
@@ -182,8 +173,6 @@ def train(cfg: TrainConfig, progress: bool = True) -> TrainResult:
     ctx = _ranks(kind, kind_cfg)
     if kind.cross_token:
         return _train_cross_token(cfg, kind, kind_cfg, tr, t0, progress)
-    if kind.eviction:
-        return _train_eviction(cfg, kind, tr, t0)
     la = get_lookahead(cfg.lookahead or "d1")
     feats = kind.features(la)
     missing = [f for f in feats if f not in tr.features]
@@ -277,38 +266,6 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
         seconds=round(time.perf_counter() - t0, 1),
         train_prompts=n_train,
         fit_summary=p.fit_summary(),
-    )
-
-
-def _train_eviction(cfg: TrainConfig, kind, tr: Trace, t0: float) -> TrainResult:
-    """evictor: DAgger rounds imitating Belady on the train split's requests at 25% cache, the
-    round kept that misses least on val (cache/imitation.py); routing only."""
-    from tensorbend.cache.features import ALL_GROUPS, GROUPS
-    from tensorbend.cache.imitation import fit_evictor, load_requests
-
-    horizon = None if cfg.horizon is None else str(cfg.horizon)
-    train_req, val_req = (load_requests(str(cfg.trace), s, horizon) for s in ("train", "val"))
-    if cfg.max_train_prompts is not None:
-        train_req = train_req.subset(cfg.max_train_prompts)
-    groups = ALL_GROUPS if horizon else GROUPS
-    model, log = fit_evictor(train_req, val_req, groups=groups, seed=cfg.seed)
-    if horizon:
-        model.meta["horizon"] = horizon
-    seen = sorted(q["id"] for q in tr.prompts if q["split"] in ("train", "val"))
-    model.meta.update(fingerprint=tr.manifest["model"]["fingerprint"], trace=str(cfg.trace),
-                      seen_prompts=",".join(seen),
-                      val_experts_per_token=min(r["val_experts_per_token"] for r in log))  # fmt: skip
-    model.save(str(cfg.out))
-    n_params = sum(np.asarray(getattr(model, k)).size for k in ("w0_X", "W1_XH", "b1_H", "w2_H"))
-    return TrainResult(
-        predictor=kind.name,
-        lookahead="-",
-        out=str(cfg.out),
-        params=int(n_params),
-        val={"experts_per_token": round(model.meta["val_experts_per_token"], 4)},
-        seconds=round(time.perf_counter() - t0, 1),
-        train_prompts=len(train_req.starts),
-        fit_summary={"rounds": log},
     )
 
 

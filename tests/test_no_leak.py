@@ -79,7 +79,7 @@ def _fitted(kind, la, spec, data):
 
 @pytest.mark.parametrize(
     "kind",
-    [k for k, v in KINDS.items() if not v.eviction and not v.cls.needs_truth and not v.cross_token],
+    [k for k, v in KINDS.items() if not v.cls.needs_truth and not v.cross_token],
 )
 def test_scrambling_what_the_source_point_cannot_see_changes_no_prediction(routed, kind):
     tr = Trace.open(routed)

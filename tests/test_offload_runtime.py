@@ -383,55 +383,6 @@ def test_a_batch_of_four_matches_its_resident_batch_and_loads_the_union():
         sess.close()
 
 
-def test_a_learner_reading_forecasts_gets_the_horizons_and_outputs_stay_exact(tmp_path,
-                                                                               monkeypatch):  # fmt: skip
-    """--policy evictor with a model of the `forecast` feature group: the runtime runs the
-    horizon for it (forecasts only, no prefetch), the learner is handed one forecast per
-    forward, outputs equal the resident model's; without the horizon, or with a horizon for a
-    model that reads none, the run is refused. (A spy counts the real set_forecast calls.)"""
-    import numpy as np
-    from test_prefetcher import _horizon
-
-    from tensorbend.cache.evictor import Evictor, EvictorModel
-    from tensorbend.cache.features import GROUPS, feature_names
-    from tensorbend.errors import CheckpointError
-
-    prompts = [Prompt("a", "the quick brown fox"), Prompt("b", "a river of stone")]
-    sess = OffloadSession(build("deepseek_v3"), char_tokenizer(), prompts,
-                          SessionConfig(DecodeConfig(max_new_tokens=4)), model_name="deepseek_v3")  # fmt: skip
-    L, E = sess.spec.num_moe_layers, sess.spec.num_experts
-    rng = np.random.default_rng(0)
-    paths = {}
-    for name, groups in (("told", GROUPS + ("forecast",)), ("plain", GROUPS)):
-        X = len(feature_names(groups, L))
-        paths[name] = str(tmp_path / f"{name}.safetensors")
-        EvictorModel(groups, L, np.zeros(X), np.ones(X), rng.normal(size=X),
-                     rng.normal(size=(X, 8)), rng.normal(size=8), rng.normal(size=8),
-                     meta={"prior_K": np.zeros(L * E)}).save(paths[name])  # fmt: skip
-    calls = []
-    real = Evictor.set_forecast
-    monkeypatch.setattr(
-        Evictor, "set_forecast", lambda self, *a: (calls.append(a[0]), real(self, *a))
-    )
-    try:
-        hz = _horizon(sess.spec)
-        pc = PolicyConfig("evictor", evictor=paths["told"], cache_frac=0.25)
-        r = _check(sess.run_policy(pc, horizon=hz))
-        forwards = sess.reference.forwards
-        assert r["counters"]["prefetch_issued"] == 0 and r["counters"]["evictions"] > 0
-        assert len(calls) == forwards and r["horizon"] is not None
-        from tensorbend.cache.report import run_label
-
-        assert run_label(r) == "evictor+forecast"
-        with pytest.raises(CheckpointError, match="reads a horizon's forecasts"):
-            sess.run_policy(pc)
-        with pytest.raises(CheckpointError, match="reads no forecasts"):
-            sess.run_policy(PolicyConfig("evictor", evictor=paths["plain"], cache_frac=0.25),
-                            horizon=hz)  # fmt: skip
-    finally:
-        sess.close()
-
-
 def test_predictions_followed_by_a_wait_for_a_load_count_as_overlapping_it():
     """Exposed prediction time (`PredictionHooks.settle`): a decode prediction is exposed
     unless the compute thread then waits for an expert load in the same MoE layer (overlaps

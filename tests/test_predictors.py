@@ -296,7 +296,7 @@ def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path
         EvalConfig(trace=planted / "t", baselines=("nope",))
     with pytest.raises(
         PredictorConfigError,
-        match="'spec_gate': expected one of tensorbend, horizon, evictor, seed_mlp",
+        match="'spec_gate': expected one of tensorbend, horizon, seed_mlp",
     ):
         TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")
 

@@ -28,15 +28,10 @@ def _row(policy, tok_s=10.0, bytes_=100.0, **kw):
 
 def test_the_policy_table_declares_what_drivers_used_to_test_by_name():
     assert no_prediction() == ("lru", "lfu", "lfru")
-    assert [n for n, p in POLICIES.items() if p.uses_prediction] == [
-        "prefetch",
-        "oracle",
-        "evictor",
-    ]
-    assert [n for n, p in POLICIES.items() if p.learned] == ["evictor"]
+    assert [n for n, p in POLICIES.items() if p.uses_prediction] == ["prefetch", "oracle"]
     assert [n for n, p in POLICIES.items() if not p.keeps_experts] == ["on_demand"]
     assert [n for n, p in POLICIES.items() if not p.bounded] == ["resident"]
-    kinds = {n: type(make_eviction(n, 4, steps={})) for n, p in POLICIES.items() if not p.learned}
+    kinds = {n: type(make_eviction(n, 4, steps={})) for n in POLICIES}
     assert kinds == {"resident": LRU, "on_demand": LRU, "lru": LRU, "lfu": LFU, "lfru": LFRU,
                      "prefetch": Predicted, "oracle": NextUse}  # fmt: skip
     assert type(make_eviction("prefetch", 4, horizon=True)) is Reuse
@@ -57,8 +52,6 @@ def test_labels_say_what_ran_never_a_field_of_an_empty_predictor():
         # the run the README once called "horizon + within-token": no within-token predictor
         "horizon/adm=predicted": _row("prefetch", predictor="none", lookahead="d1",
                                       admission="predicted", **hz),  # fmt: skip
-        "evictor": _row("evictor", evictor="e.st", guard_window=48),
-        "evictor(unguarded)": _row("evictor", evictor="e.st", guard_window=0),
         "horizon(evict only)": _row("prefetch", predictor="none", lookahead="d1",
                                     horizon="h", token_ahead_layers=0),  # fmt: skip
         "horizon+d1:tensorbend/adm=predicted": _row("prefetch", predictor="tensorbend",
@@ -84,7 +77,6 @@ def test_the_best_cache_counts_predicted_eviction_fed_nothing_and_nothing_that_p
         _row("prefetch", 42.0, 100.0, predictor="none"),  # the best cache without prediction
         _row("prefetch", 44.0, 90.0, predictor="none", horizon="h", token_ahead_layers=1),
         _row("prefetch", 46.2, 95.0, predictor="tensorbend", lookahead="d1"),
-        _row("evictor", 45.0, 96.0, evictor="e.st", guard_window=48),  # learned: ours, not a peer
         _row("oracle", 84.0, 20.0, predictor="oracle", foresight=None),
     ]
     assert run_label(best_no_prediction(rows)) == "prefetch:none"

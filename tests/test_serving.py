@@ -503,31 +503,3 @@ def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):
             h.store.read_into(m, e, got)
             assert got.dtype == torch.float32 and torch.equal(got, want)
     h.close()
-
-
-def test_learned_eviction_serves_what_the_resident_model_generates(tmp_path):
-    """load_offloaded(policy="evictor", evictor=E): greedy generate() equals the resident
-    model's whatever the learner scores (random weights here), with the cache evicting; an
-    evictor for another geometry is refused by name."""
-    from test_simulate_runtime import random_evictor
-
-    from tensorbend.errors import CheckpointError
-
-    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
-    ref = _resident(ckpt)
-    spec = describe_model(ref)
-    ev = random_evictor(tmp_path / "e.safetensors", spec.num_moe_layers, spec.num_experts)
-    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.3,
-                                      policy="evictor", evictor=str(ev), guard_window=2,
-                                      progress=False)  # fmt: skip
-    ids = torch.tensor([[3, 7, 11, 2, 9]])
-    with torch.inference_mode():
-        assert torch.equal(
-            model.generate(ids, max_new_tokens=6), ref.generate(ids, max_new_tokens=6)
-        )
-    assert model.tensorbend.counters()["totals"]["evictions"] > 0
-    model.tensorbend.close()
-    other = random_evictor(tmp_path / "o.safetensors", spec.num_moe_layers + 1, spec.num_experts)
-    with pytest.raises(CheckpointError, match="an evictor for"):
-        tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.3,
-                                  policy="evictor", evictor=str(other), progress=False)  # fmt: skip

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from tensorbend.cache.admission import AdmissionName, make_admission
-from tensorbend.cache.evictor import AdmitByPolicy, learned_eviction
 from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse
 from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.resident import PoolName, ResidentSet
@@ -44,7 +43,7 @@ from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
 
-PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle", "evictor"]
+PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
 BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
 """What the bounded oracle ranks by beyond its sight: a rule that reads no prediction."""
 
@@ -59,7 +58,6 @@ class PolicySpec:
     keeps_experts: bool = True
     bounded: bool = True
     recorded_routing: bool = False  # its rule reads the resident run's routing (steps_by_key)
-    learned: bool = False  # its rule is a trained eviction model (--evictor CHECKPOINT)
 
 
 _BEYOND: dict[str, Callable[[int], LRU]] = {
@@ -68,10 +66,6 @@ _BEYOND: dict[str, Callable[[int], LRU]] = {
     "lfru": lambda L: LFRU(),
     "predicted": Predicted,  # fed no predictions: a layer-cycle-aware LFU
 }
-
-
-def _learned() -> LRU:
-    raise AssertionError("a learned rule is built from its checkpoint: make_resident_set(learned=)")
 
 
 def _oracle(L, steps, foresight, horizon, beyond) -> NextUse:
@@ -89,7 +83,6 @@ POLICIES: dict[str, PolicySpec] = {
         "prefetch", lambda L, s, f, horizon, b: Reuse(L) if horizon else Predicted(L), True
     ),
     "oracle": PolicySpec("oracle", _oracle, True, recorded_routing=True),
-    "evictor": PolicySpec("evictor", lambda *_: _learned(), True, learned=True),
 }
 assert tuple(POLICIES) == get_args(PolicyName)
 
@@ -107,15 +100,6 @@ def make_eviction(
     return POLICIES[name].eviction(num_layers, steps, foresight, horizon, beyond)
 
 
-@dataclass(frozen=True)
-class Learned:
-    """What `--policy evictor` builds its rule from (cache/evictor.py, `learned_eviction`)."""
-
-    checkpoint: str
-    num_experts: int
-    guard_window: int = 48
-
-
 def make_resident_set(
     policy: str,
     capacity: int,
@@ -127,28 +111,14 @@ def make_resident_set(
     foresight: int | None = None,
     horizon: bool = False,
     beyond: BeyondName = "lru",
-    learned: Learned | None = None,
 ) -> ResidentSet:
     """The cache of policy `policy`, as the runtime (offload/build.py) and the simulator both
-    build it: the table's eviction rule (a learned policy's from `learned`, under its own
-    admission: Belady's bypass on its scores), capacity 0 for a policy that keeps nothing; pool
-    and admission; victims through the index (cache/victim_heap.py)."""
-    spec = POLICIES[policy]
-    cap = capacity if spec.keeps_experts else 0
-    if spec.learned:
-        assert learned is not None, "--policy evictor without a checkpoint (PolicyConfig checks)"
-        window = learned.guard_window
-        ev = learned_eviction(learned.checkpoint, num_layers, learned.num_experts, cap, window)
-        return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=AdmitByPolicy())
+    build it: the table's eviction rule, capacity 0 for a policy that keeps nothing; pool and
+    admission; victims through the index (cache/victim_heap.py)."""
+    cap = capacity if POLICIES[policy].keeps_experts else 0
     ev = make_eviction(policy, num_layers, steps, foresight, horizon, beyond)
     adm = make_admission(admission, num_layers, admission_window)
     return IndexedResidentSet(cap, num_layers, ev, pool=pool, admission=adm)
-
-
-def horizon_prefetch_layers(policy: str, token_ahead_layers: int) -> int:
-    """Next-forward MoE layers a horizon prefetches under `policy`: none for a learned eviction
-    (the horizon it reads only forecasts), else `token_ahead_layers`."""
-    return 0 if POLICIES[policy].learned else token_ahead_layers
 
 
 def no_prediction() -> tuple[str, ...]:
@@ -193,18 +163,6 @@ class PolicyConfig:
     token_ahead_layers: int = 1
     """With --horizon: during a forward's last MoE layer, prefetch the likeliest experts of the
     next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""
-    evictor: str | None = None
-    """--policy evictor: the trained eviction model (tensorbend train --predictor evictor), which
-    picks victims among the cached experts and bypasses misses it scores below the victim."""
-    guard_window: int = 48
-    """--policy evictor: forwards per window of its shadow guard, which follows an LFRU cache
-    after any window where the learner missed more (0: no guard)."""
-
-    def learned(self, num_experts: int) -> Learned | None:
-        """The learned rule's inputs (None unless --policy evictor)."""
-        if not POLICIES[self.policy].learned:
-            return None
-        return Learned(str(self.evictor), num_experts, self.guard_window)
 
     def __post_init__(self) -> None:
         _check_policy(self)
@@ -255,23 +213,8 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"oracle (a policy that predicts); use --admission frequency for "
             f"{', '.join(no_prediction())}"
         )
-    learned = POLICIES[pc.policy].learned
-    if learned and pc.evictor is None:
-        raise TensorbendError(
-            "--policy evictor needs --evictor CHECKPOINT (tensorbend train --predictor evictor "
-            "--trace TRACE --out E.safetensors trains one)"
-        )
-    if pc.evictor is not None and not learned:
-        raise TensorbendError(
-            f"--evictor with --policy {pc.policy}: expected --policy evictor; drop --evictor"
-        )
-    if learned and (pc.pool != "global" or pc.admission != "all"):
-        raise TensorbendError(
-            f"--policy evictor with --pool {pc.pool} --admission {pc.admission}: expected the "
-            "defaults (global, all): the learner admits by its own scores over one global pool"
-        )
-    for name in ("admission_window", "prefetch_backlog", "token_ahead_layers", "guard_window"):
-        low = 1 if name == "admission_window" else 0  # guard_window 0: no guard
+    for name in ("admission_window", "prefetch_backlog", "token_ahead_layers"):
+        low = 1 if name == "admission_window" else 0
         if not getattr(pc, name) >= low:
             flag = "--" + name.replace("_", "-")
             raise TensorbendError(f"{flag} {getattr(pc, name)}: expected a number >= {low}")

@@ -8,7 +8,7 @@ Usage:
 
 Every oracle in the project reads these two: Belady's `NextUse` (cache/policies.py), the
 runtime's `RecordedRouting` (offload/recorded.py), the demand replays (cache/replay.py,
-foresight.py, cache/imitation.py) and the simulator's workload (simulate/plan.py). Steps count
+foresight.py) and the simulator's workload (simulate/plan.py). Steps count
 forward * L + m; with foresight h an oracle knows every use at a step < (now // L + h) * L:
 the rest of the current forward and the next h - 1 (None: the whole run).
 """

@@ -41,8 +41,6 @@ Victim search: every policy declares how its rank moves with the clock (`ranking
   scheduled   `schedule(key, recency, now)`: the rank (negated: an order, lowest first) and
               until which step it holds, or which group of keys (one order among them at
               every step) it moves with
-  scan        `choose(candidates, now)` picks the victim among the evictable entries at each
-              full miss (a learned policy scoring only its candidates: cache/evictor.py)
 and whether a use can only lower the key's rank (`use_lowers_rank`), which the recency, static
 and ages indexes rely on: they re-rank a used key only when it comes up as a candidate.
 Admission rules (which misses are kept) live in cache/admission.py.
@@ -56,7 +54,7 @@ from typing import ClassVar, Literal
 from tensorbend.cache.oracle import INF, Key, sight
 
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
-Ranking = Literal["recency", "static", "ages", "scheduled", "scan"]
+Ranking = Literal["recency", "static", "ages", "scheduled"]
 
 
 class LRU:
@@ -77,9 +75,6 @@ class LRU:
         loop: a decode call hints several experts at once)."""
         for key, when in hints:
             self.hint(key, when)
-
-    def new_request(self) -> None:
-        """A new request (prompt) begins: request-level state resets (cache/evictor.py)."""
 
     def rank(self, key: Key, recency: int, now: int) -> tuple:
         return (0, -recency)

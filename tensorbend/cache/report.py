@@ -30,8 +30,6 @@ ran, from the row's own fields, never from a field of an empty predictor:
   horizon, horizon(evict only)             the cross-token forecast (with / without prefetches
                                            of the next forward's first layers)
   horizon+d1:tensorbend                    both
-  evictor, evictor(unguarded)              the learned eviction (cache/evictor.py), with or
-                                           without its shadow guard
   oracle@h=2, oracle@h=2/beyond=lfru       the bounded-foresight oracle (its rule past its sight)
   ... [0 prefetches loaded]                a predictor ran and none of its prefetches loaded
 The comparison, per cache fraction: the best no-prediction cache (every bounded policy that
@@ -51,7 +49,7 @@ from tensorbend.host_load import warning
 ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
             "admission", "foresight", "oracle_beyond", "cache_frac", "decode_tok_s",
             "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
-            "wasted_prefetch_bytes", "counters", "evictor", "guard_window")  # fmt: skip
+            "wasted_prefetch_bytes", "counters")  # fmt: skip
 """Keys every result row carries, from the runtime (`run --json`) and the simulator alike."""
 
 HIGHER_IS_BETTER = ("decode_tok_s", "prefill_tok_s")
@@ -62,7 +60,7 @@ def uses_prediction(row: dict) -> bool:
     spec = POLICIES[row["policy"]]
     if not spec.uses_prediction:
         return False
-    return spec.recorded_routing or spec.learned or _within(row) or bool(row.get("horizon"))
+    return spec.recorded_routing or _within(row) or bool(row.get("horizon"))
 
 
 def is_no_prediction_cache(row: dict) -> bool:
@@ -80,9 +78,6 @@ def run_label(row: dict) -> str:
         beyond = row.get("oracle_beyond")
         if beyond not in (None, "lru") and h is not None:
             name += f"/beyond={beyond}"
-    elif spec.learned:
-        name = policy + ("+forecast" if row.get("horizon") else "")  # (a horizon's, read)
-        name += "" if row.get("guard_window", 1) else "(unguarded)"
     elif spec.uses_prediction:
         parts = []
         if row.get("horizon"):

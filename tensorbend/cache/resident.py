@@ -61,9 +61,6 @@ class ResidentSet:
         assert capacity >= 0 and num_layers >= 1 and pool in ("global", "per_layer"), pool
         self.capacity, self.L, self.pool = capacity, num_layers, pool
         self.policy = policy
-        self._scan = policy.ranking == "scan"
-        if self._scan:  # a learned policy (cache/evictor.py) sees its cache
-            policy.bind(self)
         self.admission = admission or AdmitAll()
         self.evictions = 0
         self._recency: dict[Key, int] = {}  # resident key -> sequence number of its last use
@@ -114,11 +111,6 @@ class ResidentSet:
         """hint() for each (key, when) in order."""
         self.policy.hint_many(hints)
 
-    def new_request(self) -> None:
-        """A new request (prompt) begins (passed to the policy: a learned policy's request
-        features reset)."""
-        self.policy.new_request()
-
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast (passed to the policy: `predicted.Reuse.set_forecast`)."""
         self.policy.set_forecast(forward, ahead_LE, after_first_LE)
@@ -138,8 +130,6 @@ class ResidentSet:
         if self.pool_capacity(self.pool_of(key)) == 0:
             self._missed.pop(key, None)
             return Placement("refused")
-        if self._scan:  # it scores the key being placed beside the candidates (its bypass)
-            self.policy.incoming(key)
         victim = self.victim(key, now, evictable)
         if victim is None:
             return Placement("blocked")
@@ -190,8 +180,6 @@ class ResidentSet:
         ]
         if not cands:
             return None
-        if self.policy.ranking == "scan":
-            return self.policy.choose(cands, now)
         return max(cands, key=lambda k: rank(k, self._recency[k], now))
 
     def remove(self, key: Key) -> None:

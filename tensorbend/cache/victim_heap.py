@@ -22,8 +22,6 @@ is chosen by the property each policy class declares, `ranking`:
              those steps; ranks that move at every step move together in groups, each a heap
              in its fixed order, of which only heads that can still win are ranked
              (cache/scheduled.py).
-  scan       (cache/evictor.py) the policy chooses among the pool's evictable entries at each
-             miss (`policy.choose(candidates, now)`), scoring only those; nothing is indexed.
   ages       (LFRU) every score count / (age + 1) moves at every step, but keys of one count
              keep their order: buckets by count, their heads in a kinetic tournament
              (cache/ages.py, cache/kinetic.py).
@@ -140,8 +138,6 @@ class IndexedResidentSet(ResidentSet):
         if self._caps[p] == 0:
             self._missed.pop(key, None)
             return _REFUSED
-        if self._scan:  # it scores the key being placed beside the candidates (its bypass)
-            self.policy.incoming(key)
         victim = self._index.victim(p, self._now, evictable)
         if victim is None:
             return _BLOCKED
@@ -296,31 +292,7 @@ class _RecencyIndex:
         return other
 
 
-class _ScanIndex:
-    """`policy.choose(candidates, now)` over the pool's evictable entries (ranking `scan`)."""
-
-    tracks_uses = False
-
-    def __init__(self, rs: ResidentSet):
-        self.rs = rs
-
-    def put(self, key: Key, now: int) -> None:
-        pass
-
-    used = hinted = drop = put
-
-    def rebuild(self, now: int) -> None:
-        pass
-
-    def victim(self, pool: int, now: int, evictable: Evictable) -> Key | None:
-        per_layer = self.rs.pool == "per_layer"
-        cands = [k for k in self.rs._recency if (not per_layer or k[0] == pool)
-                 and (evictable is None or evictable(k))]  # fmt: skip
-        return self.rs.policy.choose(cands, now) if cands else None
-
-
 _INDEXES = {
-    "scan": _ScanIndex,
     "recency": _RecencyIndex,
     "static": _StaticIndex,
     "scheduled": ScheduledIndex,

@@ -6,8 +6,7 @@ Usage:
 The eviction rule comes from the policy table (`cache.config.POLICIES`): lru and on_demand LRU
 (on_demand keeps nothing: a resident set of capacity 0, every miss read into a staging slot),
 lfu LFU, lfru LFRU, prefetch Predicted (the predictor's hints; Reuse with a horizon), oracle
-NextUse over the recorded routing within its foresight (its --oracle-beyond rule past it),
-evictor the learned eviction (cache/evictor.py) under its shadow guard.
+NextUse over the recorded routing within its foresight (its --oracle-beyond rule past it).
 Pool and admission apply to every policy that keeps experts (`cache.config.make_resident_set`,
 which the simulator builds its caches with too).
 """
@@ -35,7 +34,6 @@ def build_cache(
     slots = pc.slots(spec, layout.nbytes) if policy.keeps_experts else 0
     steps = predictor.steps_by_key if policy.recorded_routing else None
     rs = make_resident_set(pc.policy, slots, L, pc.pool, pc.admission, pc.admission_window, steps,
-                           pc.foresight, horizon is not None, pc.oracle_beyond,
-                           pc.learned(spec.num_experts))  # fmt: skip
+                           pc.foresight, horizon is not None, pc.oracle_beyond)  # fmt: skip
     cfg = CacheConfig(scratch=spec.top_k, device=device)
     return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.nbytes)

@@ -155,11 +155,6 @@ class ExpertCache:
         with self._cond:
             self.resident.hint_many(hints)
 
-    def new_request(self) -> None:
-        """A new request (prompt) begins: the policy's request-level state resets."""
-        with self._cond:
-            self.resident.new_request()
-
     def set_forecast(self, forward: int, ahead_LE: list, after_first_LE: list) -> None:
         """A cross-token forecast for the policy (predicted.Reuse.set_forecast)."""
         with self._cond:

@@ -122,8 +122,6 @@ def generate(
         for g, group in enumerate(groups):
             recorder.history.begin_prompt()
             recorder.history.batch = len(group)
-            if recorder.cache is not None:
-                recorder.cache.new_request()
             if batch == 1:
                 runs = [decode_prompt(model, group[0], cfg, index=g, eos_id=eos_id,
                                       forward=recorder.forward)]  # fmt: skip

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import PolicyConfig, horizon_prefetch_layers
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import StoreError, TensorbendError
@@ -96,7 +96,7 @@ class OffloadHandle:
             extra=pc.prefetch_extra,
             on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
             horizon=horizon,
-            token_ahead_layers=horizon_prefetch_layers(pc.policy, pc.token_ahead_layers),
+            token_ahead_layers=pc.token_ahead_layers,
         ).__enter__()  # fmt: skip
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)
@@ -188,7 +188,6 @@ class OffloadHandle:
         if not filled:
             self.history.begin_prompt()
             self.history.batch = ids.shape[0] if ids is not None else 1
-            self.cache.new_request()
         self.clock.begin_forward()
         self.history.begin_forward()
         mask = kwargs.get("attention_mask")

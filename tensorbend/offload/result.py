@@ -51,12 +51,11 @@ class RunResult:
     and the seconds handing forecasts, hints and prefetches over; the rest is Python glue);
     predict_calls (prediction hook calls in the whole run, both phases; null for resident);
     expert_compute (per token count T of an experts call: [T, calls, experts computed,
-    (token, expert) pairs, seconds in the expert math]; null for resident); evictor (policy
-    evictor: the learned eviction's checkpoint, else null), guard_window (its shadow guard's
-    window in forwards, 0: none; else null); host_load {run, reference: {wall_s, own_cores,
-    other_cores (average CPU cores other processes used over that pass; null where not
-    measurable), cpus}} and host_busy (either pass had other_cores > host_load.BUSY_CORES: its
-    tok/s are not reliable, and the link is scaled to the reference's layer time).
+    (token, expert) pairs, seconds in the expert math]; null for resident); host_load {run,
+    reference: {wall_s, own_cores, other_cores (average CPU cores other processes used over
+    that pass; null where not measurable), cpus}} and host_busy (either pass had other_cores >
+    host_load.BUSY_CORES: its tok/s are not reliable, and the link is scaled to the reference's
+    layer time).
     oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
     names a row.
     """
@@ -103,8 +102,6 @@ class RunResult:
     oracle_beyond: str | None = None
     predict_calls: int | None = None
     expert_compute: list | None = None
-    evictor: str | None = None
-    guard_window: int | None = None
     host_load: dict | None = None
     host_busy: bool = False
 

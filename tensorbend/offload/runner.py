@@ -59,8 +59,7 @@ class RunConfig:
     horizon: Path | None = None
     """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`) for --policy
     prefetch: its forecasts drive eviction (Reuse) and next-forward prefetches; combinable
-    with --predictor/--baseline (within-token prefetches). With --policy evictor: the horizon
-    an eviction model trained with `--horizon` reads (forecasts only, no prefetches)."""
+    with --predictor/--baseline (within-token prefetches)."""
     trace: Path | None = None
     """Trace of this model whose train split fits the table baselines (frequency, prev_token,
     transition)."""
@@ -104,7 +103,7 @@ def run(cfg: RunConfig) -> RunResult:
             f"expected at least one; pick another --split"
         )
     cfg.session.check_prompts(prompts)
-    checkpoints = (cfg.predictor, *cfg.predictor_group, cfg.horizon, cfg.offload.evictor)
+    checkpoints = (cfg.predictor, *cfg.predictor_group, cfg.horizon)
     for path in () if cfg.allow_seen_split else checkpoints:
         if path is not None:
             check_held_out(path, [p.id for p in prompts], cfg.split)
@@ -168,8 +167,7 @@ def _check_predictor(cfg: RunConfig) -> None:
         raise TensorbendError(
             "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
         )
-    if policy != "prefetch" and (within or (cfg.horizon is not None and policy != "evictor")):
-        # (--policy evictor --horizon: a learner reading forecasts; run_policy checks the model)
+    if policy != "prefetch" and (within or cfg.horizon is not None):
         raise TensorbendError(
             f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
             f"(only it uses a predictor); drop the predictor or change the policy"

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import POLICIES, PolicyConfig, horizon_prefetch_layers
-from tensorbend.cache.evictor import check_forecast_input
+from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.cache.transfers import Link, parse_link
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, encode_prompt
@@ -151,9 +150,7 @@ class OffloadSession:
             raise TensorbendError(
                 "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
             )
-        if pc.policy == "evictor":  # a learner reading forecasts needs the horizon, others none
-            check_forecast_input(pc.evictor, horizon is not None)
-        elif pc.policy != "prefetch":
+        if pc.policy != "prefetch":
             horizon = None
         if POLICIES[pc.policy].recorded_routing:
             la = get_lookahead(pc.lookahead)
@@ -193,7 +190,7 @@ class OffloadSession:
             result = dataclasses.replace(
                 result,
                 horizon=horizon.checkpoint or "horizon",
-                token_ahead_layers=horizon_prefetch_layers(pc.policy, pc.token_ahead_layers),
+                token_ahead_layers=pc.token_ahead_layers,
             )
         return result
 
@@ -261,8 +258,6 @@ class OffloadSession:
             prefill=phase_numbers(gen.stats["prefill"], gen.tokens["prefill"]),
             counters=dict(vars(total)),
             batch=self.cfg.batch,
-            evictor=pc.evictor,
-            guard_window=pc.guard_window if POLICIES[pc.policy].learned else None,
             host_load={"run": _load_json(gen.host_load), "reference": _load_json(ref_load)},
             host_busy=any(x is not None and x.busy for x in (gen.host_load, ref_load)),
         )

@@ -76,11 +76,6 @@ def read_metadata(path: str | Path) -> dict:
             f"predictor {path}: metadata {META_KEY} is not valid JSON ({e}); the file is "
             "corrupt: retrain it with `tensorbend train`"
         ) from e
-    if raw.get("kind") == "evictor":
-        raise CheckpointError(
-            f"{path} is an eviction model (tensorbend train --predictor evictor), not a routing "
-            "predictor: pass it as --evictor with --policy evictor"
-        )
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"predictor {path}: expected a tensorbend predictor (format_version {FORMAT_VERSION}), "
@@ -112,7 +107,6 @@ def load_predictor(
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     kind = KINDS[meta["kind"]]
-    assert not kind.eviction, "evictor checkpoints carry their own format (EvictorModel.load)"
     la = LOOKAHEADS.get(meta["lookahead"])  # None for a cross-token kind (its own)
     p = kind.cls.from_state(saved_spec, la, meta["config"], tensors)
     p.checkpoint = str(path)
@@ -129,7 +123,7 @@ def check_held_out(
     checkpoint's metadata lists the prompts it saw (`seen_prompts`); an older one without that
     list may have seen any non-test prompt of its model (`fingerprint` None: unknown yet, so
     assumed the same). Callers skip this when the user passes `--allow-seen-split`."""
-    meta = _eviction_metadata(path) or read_metadata(path)
+    meta = read_metadata(path)
     ids = set(prompt_ids)
     if "seen_prompts" in meta:
         seen = ids & set(meta["seen_prompts"])
@@ -142,26 +136,6 @@ def check_held_out(
             f"prompts of split {split!r}: expected held-out prompts (found {sorted(seen)[0]!r} "
             "among them); use --split test, or pass --allow-seen-split to use them anyway"
         )
-
-
-def is_eviction_model(path: str | Path) -> bool:
-    """Whether `path` is an evictor checkpoint (tensorbend train --predictor evictor)."""
-    return _eviction_metadata(path) is not None
-
-
-def _eviction_metadata(path: str | Path) -> dict | None:
-    """An evictor checkpoint's (cache/evictor.py: flat string metadata) fingerprint and seen
-    prompts; None for any other file."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            raw = f.metadata() or {}
-    except (SafetensorError, OSError):
-        return None
-    if raw.get("kind") != "evictor":
-        return None
-    seen = raw.get("seen_prompts")
-    return {"fingerprint": raw.get("fingerprint"),
-            **({"seen_prompts": seen.split(",")} if seen is not None else {})}  # fmt: skip
 
 
 def _check_fields(path: Path, meta: dict) -> None:

@@ -3,7 +3,7 @@
 Usage:
     >>> from tensorbend.predictors.registry import KINDS, TRAINABLE, BASELINES
     >>> TRAINABLE
-    ('tensorbend', 'horizon', 'evictor', 'seed_mlp', 'transition', 'frequency')
+    ('tensorbend', 'horizon', 'seed_mlp', 'transition', 'frequency')
     >>> BASELINES
     ('spec_gate', 'transition', 'prev_token', 'frequency', 'random', 'oracle')
     >>> KINDS["spec_gate"].needs_train_data, KINDS["oracle"].cls.needs_truth
@@ -16,9 +16,6 @@ order of plots and legends. Columns:
   baseline          `tensorbend eval --baselines` builds it by name in the same run
   needs_train_data  fitting reads the train split (eval fits these on the trace's train split)
   cross_token       it predicts the next forwards' experts (foresight), not layer m's
-  eviction          a learned eviction policy, not a routing predictor: `train` fits it by
-                    imitation (cache/imitation.py), `eval` replays it as a cache, `run` and
-                    `simulate` use it as `--policy evictor --evictor CHECKPOINT`
 A kind's config class (or None) is what its checkpoint stores; `from_train(train_cfg)` on the
 config class maps `tensorbend train`'s generic options onto it.
 """
@@ -32,7 +29,6 @@ from typing import Literal
 
 import torch
 
-from tensorbend.cache.evictor import EvictorModel
 from tensorbend.errors import PredictorConfigError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, TrainData, get_lookahead
@@ -61,7 +57,6 @@ class PredictorKind:
     help: str
     cross_token: bool = False  # predicts the next forwards' experts (foresight), not layer m's
     needs_hidden: bool = True  # reads the source hidden state (else routing only: imported traces)
-    eviction: bool = False  # a learned eviction policy (cache/evictor.py), not a routing predictor
 
     def features(self, la: Lookahead) -> tuple[str, ...]:
         """Trace features it reads at lookahead la."""
@@ -87,18 +82,6 @@ _ROWS = (
         needs_train_data=True,
         help="ours across tokens: P(expert used within the next h forwards), for eviction",
         cross_token=True,
-    ),
-    PredictorKind(
-        name="evictor",
-        cls=EvictorModel,
-        config_cls=None,
-        trainable=True,
-        baseline=False,
-        needs_train_data=True,
-        help="ours: an eviction policy imitating Belady on its own cache states (run/simulate "
-        "--policy evictor --evictor E); routing only",
-        needs_hidden=False,
-        eviction=True,
     ),
     PredictorKind(
         name="seed_mlp",

@@ -100,8 +100,6 @@ class EventRun:
     def run(self, work: list[ForwardWork]) -> None:
         L = self.L = len(work[0].layers) if work else 1
         for f, fw in enumerate(work):
-            if fw.phase == 0:  # a prefill forward starts a request (batch 1: one prompt)
-                self.rs.new_request()
             t0, before = self.t, self.total.copy()
             self.t += self.times.forward_s(fw.tokens)
             for g, lw in enumerate(fw.layers):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from tensorbend.cache.config import POLICIES, Learned, horizon_prefetch_layers, make_resident_set
+from tensorbend.cache.config import POLICIES, make_resident_set
 from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import TensorbendError
@@ -36,19 +36,16 @@ def run_one(
     extra = cfg.prefetch_extra
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
-    learned = POLICIES[policy].learned
-    ahead_layers = horizon_prefetch_layers(policy, cfg.token_ahead_layers)
     if forecasts is not None:
-        plan.add_horizon(work, mapping, forecasts, ahead_layers, K)
+        plan.add_horizon(work, mapping, forecasts, cfg.token_ahead_layers, K)
     steps = None
     if POLICIES[policy].recorded_routing:
         la = get_lookahead(cfg.lookahead)
         plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
-    rule = Learned(str(cfg.evictor), mapping.trace_experts, cfg.guard_window) if learned else None
     rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, forecasts is not None, beyond, rule)  # fmt: skip
+                           steps, cfg.foresight, forecasts is not None, beyond)  # fmt: skip
     backlog = cfg.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
@@ -61,10 +58,8 @@ def run_one(
     run.run(work)
     row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
     row["horizon"] = str(cfg.horizon) if forecasts is not None else None
-    row["token_ahead_layers"] = ahead_layers if forecasts is not None else None
+    row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
-    row["evictor"] = str(cfg.evictor) if learned else None
-    row["guard_window"] = cfg.guard_window if learned else None
     return row
 
 

@@ -116,10 +116,6 @@ class SimulateConfig:
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = _RUN.prefetch_backlog
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
-    evictor: Path | None = None
-    """--policy evictor: the trained eviction model (tensorbend train --predictor evictor)."""
-    guard_window: int = _RUN.guard_window
-    """--policy evictor: forwards per window of its LFRU shadow guard (0: no guard)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
@@ -181,16 +177,6 @@ class SimulateConfig:
             )
         if self.calibration is not None:
             Calibration.load(self.calibration)  # a bad file fails before the trace is read
-        if "evictor" in self.policies or self.evictor is not None:
-            PolicyConfig("evictor" if "evictor" in self.policies else "lru",
-                         evictor=None if self.evictor is None else str(self.evictor),
-                         pool=self.pool, admission=self.admission,
-                         guard_window=self.guard_window)  # fmt: skip
-            if self.evictor is not None and not Path(self.evictor).is_file():
-                raise TensorbendError(
-                    f"--evictor {self.evictor}: expected a checkpoint file, found none; train "
-                    "one with `tensorbend train --predictor evictor`"
-                )
         get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
@@ -224,13 +210,6 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     tr = Trace.open(cfg.trace)
     _check_held_out(cfg, tr)
     hw, cal, geo, mapping, costs = _setup(cfg, tr)
-    if "evictor" in cfg.policies and mapping.geometry_layers != mapping.trace_layers:
-        raise TensorbendError(
-            f"--policy evictor on --geometry {cfg.geometry}: its features are per MoE layer of "
-            f"the trace ({mapping.trace_layers}), found a geometry of {mapping.geometry_layers} "
-            "MoE layers; use --geometry from-trace (with --calibration) or a geometry of as many "
-            "MoE layers"
-        )
     rows = _rows(cfg, tr)
     fwds = forwards(rows, cfg.batch)
     demand = plan.demand_lists(rows, fwds)
@@ -249,21 +228,11 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
-    learner_fc = None  # a learned eviction reading forecasts: the horizon's, no prefetch
-    if "evictor" in cfg.policies:
-        from tensorbend.cache.evictor import check_forecast_input
-
-        check_forecast_input(cfg.evictor, fcs is not None)
-        learner_fc = fcs
     jobs = [
         (p, r, f, fc)
         for f in fracs
         for p in sorted(cfg.policies, key=lambda p: POLICY_TABLE[p].recorded_routing)
-        for r, fc in (
-            variants
-            if p == "prefetch"
-            else [(None, learner_fc if POLICY_TABLE[p].learned else None)]
-        )  # fmt: skip
+        for r, fc in (variants if p == "prefetch" else [(None, None)])
     ]  # the oracle after the caches it must beat (oracle_beyond best)
     bar = tqdm(jobs, desc="simulate", unit="run", disable=not cfg.progress, file=sys.stderr)
     results = []
@@ -369,7 +338,7 @@ def _rows(cfg, tr: Trace):
             from tensorbend.predictors.checkpoint import read_metadata
 
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
-    if cfg.horizon is not None and ("prefetch" in cfg.policies or "evictor" in cfg.policies):
+    if cfg.horizon is not None and "prefetch" in cfg.policies:
         from tensorbend.predictors.checkpoint import read_metadata
 
         if read_metadata(cfg.horizon)["config"].get("inputs") == "routing+hidden":
@@ -390,7 +359,7 @@ def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
         return
     specs = [q for p in cfg.predictors for q in (group_parts(p) or [p])]
     paths = [Path(p) for p in specs if Path(p).is_file()]
-    paths += [p for p in (cfg.horizon, cfg.evictor) if p is not None]
+    paths += [cfg.horizon] if cfg.horizon is not None else []
     ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
     for path in paths:  # the first max_prompts in row (= manifest) order are replayed
         check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])
