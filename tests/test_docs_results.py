@@ -132,7 +132,6 @@ def test_seed_study_table_matches_its_json():
                 "headline_deep_b4",
                 "headline_deep_domain",
                 "headline_default_domain",
-                "evictor_run_default",
                 "headline_group",
             )
         ],
@@ -235,7 +234,7 @@ def test_readme_headline_ratio_is_the_runs_own_by_hand():
     assert len(xs) == len(bs) == 3 and both["decode_tok_s"] == sorted(xs)[1]
     ratios = sorted(x / b for x, b in zip(xs, bs, strict=True))
     text = (ROOT / "README.md").read_text()
-    [line] = [ln for ln in text.splitlines()  # the end-to-end table's row (not the evictor's)
+    [line] = [ln for ln in text.splitlines()  # the end-to-end table's row
               if ln.startswith(("| zoo:default | x1 |", "| zoo:default † | x1 |"))
               and "horizon+d1:" in ln]  # fmt: skip
     assert f"horizon+d1:tensorbend/adm=predicted: {both['decode_tok_s']:.1f} " in line

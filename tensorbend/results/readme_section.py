@@ -23,10 +23,8 @@ BEGIN, END = "<!-- results:begin (bench/summary.py) -->", "<!-- results:end -->"
 
 
 def section(root: Path) -> str:
-    parts = [_within_token(root), foresight_section(root), evictor_replay_section(root),
-             offload_section(root), cache_size_section(root), evictor_section(root),
-             _serving(root),
-             projections_section(root)]  # fmt: skip
+    parts = [_within_token(root), foresight_section(root), offload_section(root),
+             cache_size_section(root), _serving(root), projections_section(root)]  # fmt: skip
     return "\n".join(p for p in parts if p)
 
 
@@ -158,8 +156,6 @@ def stale(rep: dict) -> bool:
 # (`tensorbend trace resplit`: fitted on the other topics, tested on every prompt of these),
 # then a routing-only trace made by `trace export` + `trace import` (what an imported trace is).
 TRACES = ("default", "qwen", "deep", "default_domain", "deep_domain", "deep_imported")
-MODEL_OF = {"default": "zoo:default", "qwen": "zoo:qwen3moe-tiny", "deep": "zoo:dsv3-deep",
-            "deep_imported": "zoo:dsv3-deep, imported (routing only)"}  # fmt: skip
 
 
 def _tested_on(rep: dict) -> str:
@@ -223,58 +219,11 @@ def _bound_sentence(bound: list[tuple[str, str, float, float]]) -> str:
     )
 
 
-def evictor_replay_section(root: Path) -> str:
-    """The eviction learner in the demand replay (docs/evictor_{trace}.json, bench/evictor_eval.py)
-    at 25% cache: beside the best no-prediction cache, the horizon's forecasts and Belady."""
-    lines, docs, old = [], [], []
-    for name in TRACES:
-        rep = load(root, f"docs/evictor_{name}.json")
-        res = next((r for r in rep["results"] if r["cache_frac"] == 0.25), None) if rep else None
-        if res is None:
-            continue
-        if not any(n.startswith("prefetch:none") for n in res["replay"]):
-            old.append(f"docs/evictor_{name}.json")  # (its best cache omits prefetch:none)
-            continue
-        docs.append(f"docs/evictor_{name}.md")
-        rows, best = res["replay"], res["best_no_prediction"]
-        model = rep.get("model") or MODEL_OF[name.removesuffix("_domain")]  # (older JSON)
-        good = rows["evictor"].get("good_decisions")
-        lines.append(
-            f"| {model} | {_tested_on(rep)} | {rows[best]['experts_per_token']:.2f} ({best}) | "
-            f"{_replay_cell(rows, 'evictor')} | {_replay_cell(rows, 'evictor+shadow')} | "
-            f"{_replay_cell(rows, 'evictor+forecast')} | {_replay_cell(rows, 'horizon reuse')} | "
-            f"{rows[res['full_oracle']]['experts_per_token']:.2f} | "
-            f"{'-' if good is None else f'{good:.2f}'} |"
-        )
-    if not lines and not old:
-        return ""
-    head = [
-        "**The eviction learner in the replay** (imitating Belady on its own cache states; it "
-        "reads routing only, so it runs on imported traces too, or also the horizon's "
-        "forecasts (`train --predictor evictor --horizon H`); the same demand-only replay "
-        "of held-out prompts at 25% cache, one global pool; experts read per decode token "
-        "(share of the best-cache-to-Belady gap closed); good decisions: evictions whose "
-        f"victim is next used no sooner than Belady's choice; {', '.join(docs)}):",
-        "",
-        "| model | tested on | best no-prediction cache | ours: learner | ours: learner + "
-        "shadow guard | ours: learner reading the horizon's forecasts | ours: horizon "
-        "(routing+hidden) | full Belady | learner's good decisions |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    return _table(head, lines, old, "`prefetch:none` among the no-prediction caches")
-
-
 def _table(head: list[str], lines: list[str], old: list[str], lacks: str) -> str:
     """A replay table, then a line per JSON left out for predating `lacks`."""
     tail = [""] + [f"Not shown: {o} predates {lacks}; `make bench-accuracy` regenerates it."
                    for o in old]  # fmt: skip
     return "\n".join(head + lines + (tail if old else [])) + "\n"
-
-
-def _replay_cell(rows: dict, name: str) -> str:
-    if name not in rows:
-        return "-"
-    return f"{rows[name]['experts_per_token']:.2f} ({_pct(rows[name].get('gap_closed'))})"
 
 
 OURS = {  # one configuration each, fixed before the runs (never the best of several)
@@ -398,9 +347,8 @@ def cache_size_section(root: Path) -> str:
                 docs.append(f"docs/headline_{name}.md")
             for frac, c in sorted(comp.items()):
                 at = [r for r in entry["runs"] if abs(r["cache_frac"] - frac) < 0.01]
-                picked = [ours(at, w) for w in OURS] + [_learner(at, True)]
                 cells = []
-                for r in picked:
+                for r in [ours(at, w) for w in OURS]:
                     o = r and c["runs"][run_label(r)]
                     cells.append("-" if r is None else f"{r['decode_tok_s']:.1f} "
                                  f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))})")  # fmt: skip
@@ -414,92 +362,10 @@ def cache_size_section(root: Path) -> str:
         "",
         "| model | link | cache | best no-prediction cache (tok/s) | "
         + " | ".join(f"ours: {w}" for w in OURS)
-        + " | ours: learned eviction reading the horizon's forecasts | full oracle tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        + " | full oracle tok/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + lines) + "\n"
-
-
-def evictor_section(root: Path) -> str:
-    """The learned eviction end to end (docs/bench/evictor_run_{model}.json: offload_sweep
-    --evictor, repeated), beside the best no-prediction cache and the horizon alone."""
-    lines = []
-    for name in ("default", "qwen", "deep"):
-        rep = _evictor_sweep(root, name)
-        for entry, runs, c in _at_quarter(rep):
-            cells = []
-            for r in (_learner(runs, False), _learner(runs, True), ours(runs, "horizon only")):
-                o = r and c["runs"][run_label(r)]
-                cells.append("-" if r is None else f"{run_label(r)}: {r['decode_tok_s']:.1f} "
-                             f"(**{format_ratio(o)}**, {_pct(o.get('gap_closed_bytes'))}, "
-                             f"hit {r['demand_hit_rate']:.2f})")  # fmt: skip
-            lines.append(f"| {rep['model']} | x{entry['speedup']:g} | " + _versus(c, cells))
-    if not lines:
-        return ""
-    return "\n".join(_evictor_head() + lines) + "\n" + _evictor_reading(root)
-
-
-def _evictor_sweep(root: Path, name: str) -> dict | None:
-    """The sweep with the learned-eviction rows: its own (evictor_run_NAME), else the headline
-    sweep when that ran them."""
-    rep = load(root, f"docs/bench/evictor_run_{name}.json")
-    if rep is None:
-        rep = load(root, f"docs/bench/headline_{name}.json")
-        has = rep and any(r["policy"] == "evictor" for e in rep["links"] for r in e["runs"])
-        rep = rep if has else None
-    return rep
-
-
-def _learner(runs: list[dict], forecast: bool) -> dict | None:
-    """The learned-eviction run: routing only, or reading the horizon's forecasts."""
-    return next((r for r in runs if r["policy"] == "evictor"
-                 and bool(r.get("horizon")) == forecast), None)  # fmt: skip
-
-
-def _evictor_reading(root: Path) -> str:
-    """What the learned-eviction rows say, from their numbers: bytes and stall against the
-    best no-prediction cache, and the time per token outside the stall, per learner."""
-    parts, slower = [], []
-    for name in ("default", "qwen", "deep"):
-        rep = _evictor_sweep(root, name)
-        for entry, runs, c in _at_quarter(rep):
-            best = next((r for r in runs if run_label(r) == c["best_no_prediction_cache"]), None)
-            for ev in (_learner(runs, False), _learner(runs, True)):
-                if ev is None or best is None:
-                    continue
-                other = [1 / r["decode_tok_s"] - r["stall_s_per_token"] for r in (ev, best)]
-                row = c["runs"][run_label(ev)]
-                slower.append(max(row.get("vs_best_cache_repeats") or [row["vs_best_cache"]]) < 1)
-                parts.append(
-                    f"{rep['model']} x{entry['speedup']:g}, {run_label(ev)}: "
-                    f"{1 - ev['bytes_read_per_token'] / best['bytes_read_per_token']:.0%} fewer "
-                    f"bytes and {(best['stall_s_per_token'] - ev['stall_s_per_token']) * 1e3:.1f} "
-                    f"ms less stall per token than {run_label(best)}, but "
-                    f"{(other[0] - other[1]) * 1e3:.1f} ms more per token outside the stall"
-                )
-    if not parts:
-        return ""
-    verdict = ("slower than the best cache without prediction in every row (every repeat)"
-               if all(slower) else f"slower in {sum(slower)} of {len(slower)} rows")  # fmt: skip
-    return ("\nThe learned eviction saves bytes and stall, and spends more time outside the stall "
-            "(compute, its own scoring, the horizon it reads and the rest; not profiled "
-            "apart): " + "; ".join(parts) + f". It is {verdict}.\n")  # fmt: skip
-
-
-def _evictor_head() -> list[str]:
-    return [
-        "**The learned eviction end to end** (`tensorbend run --policy evictor`, measured as "
-        "above: 25% cache, held-out prompts, outputs identical to the resident model; the "
-        "learner reads routing only, or also the horizon's forecasts, under its LFRU shadow "
-        "guard; docs/evictor_run_default.md, and the deep model's headline sweep). "
-        "Cells: decode tok/s (ratio to the best no-prediction cache, median [range] of "
-        "interleaved repeats; share of the byte gap to the full oracle closed; demand hit rate):",
-        "",
-        "| model | link | best no-prediction cache (tok/s) | ours: learned eviction | "
-        "ours: learned eviction reading the horizon's forecasts | ours: horizon only | "
-        "full oracle tok/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
 
 
 NOISE = 0.05  # one-run tok/s ratios inside 1 +- this are ties (twin runs differ by up to 4.6%)
