@@ -51,8 +51,6 @@ names the next forward's first `token_ahead_layers` layers' likeliest experts (`
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
 `recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
-A `predictors.group.PredictorGroup` of d1..dn fires its members together from every n-th
-router (`group_targets`: each target once, from one call site per n layers).
 `score_s` adds up the wall seconds spent scoring (the compiled one-token kernels, the horizon's
 step, a predictor's `scores`): the rest of `observe` is the Python around it.
 """
@@ -71,7 +69,6 @@ from tensorbend.jit import AVAILABLE as JIT
 from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
-from tensorbend.predictors.group import group_schedule
 from tensorbend.predictors.horizon_fast import FastHorizon
 from tensorbend.predictors.registry import check_roles
 
@@ -200,18 +197,13 @@ class Prefetcher:
         # the fused one-token path (compiled, ours): target layer -> the kernel's weight args
         # (False: not covered; the general path scores it)
         self._plans: dict[int, tuple | bool] = {}
-        # a predictor group (predictors.group): members d1..dn fired from every n-th router
-        self._members = getattr(predictor, "members", None) or (
-            () if predictor is None else (predictor,)
-        )
-        self._fused = JIT and self._asks and all(hasattr(p, "token_plan") for p in self._members)
+        self._fused = JIT and self._asks and hasattr(predictor, "token_plan")
         self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
         self._token_path = self._fused or self._fused_horizon  # (observe's one-token path)
         # observe's per-call constants (it runs at every source point of every forward)
         self._L, self._D = spec.num_moe_layers, spec.hidden_size
         self._layer_input = self._asks and self.la.hidden == "layer_input"
-        # router layer -> the target layers it fires; target layer -> the member predicting it
-        self._fires, self._member_of = self._fire_table(spec.num_moe_layers)
+        self._fires = self._fire_table(spec.num_moe_layers)  # router layer -> target layers
         self._out_E = np.empty(spec.num_experts, dtype=np.float32)
         self._out_J = np.empty(spec.num_experts, dtype=np.int64)
         if JIT and (self._asks or self.horizon is not None):
@@ -288,25 +280,14 @@ class Prefetcher:
                 out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
         return out
 
-    def _fire_table(self, L: int) -> tuple[tuple, dict]:
-        """(the target layers each router fires, the member that predicts each target): a dN
-        predictor fires s + N from router s (the runtime's oracle, `ahead`, at every router:
-        it ignores the target), a group of n its `group_schedule`; nothing but the horizon
-        fires at a router for pre_attn or without a predictor."""
-        if not self._asks:
-            return ((),) * L, {}
-        if len(self._members) > 1:
-            fires, member_of = [[] for _ in range(L)], {}
-            for s, m, j in group_schedule(L, len(self._members)):
-                fires[s].append(m)
-                member_of[m] = self._members[j]
-            return tuple(map(tuple, fires)), member_of
-        d = self.la.distance
-        member_of = dict.fromkeys(range(d, L), self.predictor)
-        if self.la.hidden != "gate_input":  # pre_attn: asked before attention (`_within`)
-            return ((),) * L, member_of
-        fires = tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
-        return fires, member_of
+    def _fire_table(self, L: int) -> tuple:
+        """The target layers each router fires: a dN predictor fires s + N from router s (the
+        runtime's oracle, `ahead`, at every router: it ignores the target); nothing but the
+        horizon fires at a router for pre_attn or without a predictor."""
+        d = None if not self._asks else self.la.distance
+        if d is None or self.la.hidden != "gate_input":  # pre_attn: asked before attention
+            return ((),) * L
+        return tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
 
     def _plan(self, m: int):
         """(the fused one-token kernel's weight arguments for target layer m, its member's
@@ -314,7 +295,7 @@ class Prefetcher:
         call, or False where the kernel does not cover the layer."""
         plan = self._plans.get(m)
         if plan is None:
-            p = self._member_of[m]
+            p = self.predictor
             args = p.token_plan(m)
             plan = self._plans[m] = (
                 (args, p.lookahead.distance, p.token_uses_prev) if args else False
@@ -335,7 +316,7 @@ class Prefetcher:
         T = hidden_TD.numel() // D
         if T == 1 and self._fused and (plan := self._plan(m)):
             return self._predict_token(m, plan, hidden_TD)
-        p = self._member_of.get(m, self.predictor)
+        p = self.predictor
         la = p.lookahead
         route_layer = m - max(la.distance, 1)  # latest layer routed before the source
         prev_np = self.history.prev.get(m)

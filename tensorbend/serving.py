@@ -99,10 +99,6 @@ class ServeConfig:
     predictor: Path | None = None
     """Within-token predictor checkpoint (`tensorbend train`): prefetches ahead of the router
     (with --policy prefetch)."""
-    predictor_group: tuple[Path, ...] = ()
-    """Within-token checkpoints of lookaheads d1, d2, ..., dn, in that order (instead of
-    --predictor): fired together from every n-th MoE layer's router, one prediction call site
-    per n layers (with --policy prefetch)."""
     horizon: Path | None = None
     """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`): its forecasts
     drive eviction and next-token prefetches (with --policy prefetch)."""
@@ -126,19 +122,14 @@ class ServeConfig:
                 f"--device {self.device}: expected a CUDA device, found none "
                 f"(torch {torch.__version__}); use --device cpu"
             )
-        if self.predictor is not None and self.predictor_group:
-            raise TensorbendError(
-                "--predictor and --predictor-group both given: expected one; drop one"
-            )
-        group = (("--predictor-group", p) for p in self.predictor_group)
-        for flag, path in (("--predictor", self.predictor), *group, ("--horizon", self.horizon)):
+        for flag, path in (("--predictor", self.predictor), ("--horizon", self.horizon)):
             if path is not None and not Path(path).is_file():
                 raise TensorbendError(
                     f"{flag} {path}: expected a checkpoint file, found none; train one with "
                     f"`tensorbend train`"
                 )
         pol = self.offload.policy
-        has = self.predictor is not None or bool(self.predictor_group) or self.horizon is not None
+        has = self.predictor is not None or self.horizon is not None
         if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
                 f"--policy {pol}: not a serving policy (it needs a resident reference run); "
@@ -300,17 +291,13 @@ def _size_cache(
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
-    """The --predictor (or --predictor-group) and --horizon checkpoints, each for this model
-    and in its place."""
+    """The --predictor and --horizon checkpoints, each for this model and in its place."""
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.group import PredictorGroup
     from tensorbend.predictors.registry import check_roles
 
     pred, hor = (None if p is None else load_predictor(p, spec, fingerprint)
                  for p in (cfg.predictor, cfg.horizon))  # fmt: skip
     check_roles(pred and pred.kind, hor and hor.kind, ("--predictor", "--horizon"))
-    if cfg.predictor_group:  # (PredictorGroup refuses a cross-token member)
-        pred = PredictorGroup(load_predictor(p, spec, fingerprint) for p in cfg.predictor_group)
     return pred, hor
 
 

@@ -301,32 +301,3 @@ def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path
         TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")
 
 
-def test_a_predictor_group_fires_each_target_once_from_its_members_source(real_trace, tmp_path):
-    """A PredictorGroup of ours at d1 and d2 (the fused one-token path) on a real trace's rows:
-    router s names, for even s, exactly what d1's own Prefetcher names there (target s + 1)
-    followed by what d2's own names (target s + 2), and nothing at odd routers; each target
-    layer 1..L-1 once per token."""
-    pytest.importorskip("numba")
-    from tensorbend.predictors.group import PredictorGroup
-    from tensorbend.prefetch import Prefetcher
-
-    (d1, rows), (d2, _) = (_perturbed_ours(real_trace, tmp_path, la) for la in ("d1", "d2"))
-    spec, L = d1.spec, d1.spec.num_moe_layers
-    assert L >= 3
-    group = Prefetcher(spec, PredictorGroup((d1, d2)))
-    alone = {1: Prefetcher(spec, d1), 2: Prefetcher(spec, d2)}
-    assert group._fused
-    hidden_TLD, ids_TLK = rows["gate_input_TLD"].float(), rows["expert_ids_TLK"].long()
-    for pf in (group, *alone.values()):
-        pf.begin_request()
-    for t in range(min(40, ids_TLK.shape[0])):
-        named = []
-        for s in range(L):
-            h, ids = hidden_TLD[t, s][None], ids_TLK[t, s][None]
-            got = group.observe(s, hidden_TD=h, routed_ids_TK=ids)
-            by = {d: pf.observe(s, hidden_TD=h, routed_ids_TK=ids) for d, pf in alone.items()}
-            assert got == ([] if s % 2 else by[1] + by[2])
-            named += sorted({p.layer for p in got})
-        assert named == list(range(1, L))
-        for pf in (group, *alone.values()):
-            pf.on_token_end()

@@ -442,8 +442,8 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
 
 def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
     """A within-token checkpoint saved for another fingerprint is refused by `generate`, and
-    one of the right model passed as --horizon is refused as the wrong kind; a predictor group
-    is refused out of order or beside --predictor, and serves the same text as one predictor."""
+    one of the right model passed as --horizon is refused as the wrong kind; one of the right
+    model and kind serves."""
     from tensorbend.predictors.checkpoint import save_predictor
     from tensorbend.predictors.registry import build_baseline
     from tensorbend.routers import model_fingerprint
@@ -466,19 +466,7 @@ def test_predictor_of_another_model_or_kind_refused(tmp_path, capsys):
     assert main([*base, "--horizon", str(mine)]) == 2
     assert "expected a cross-token (horizon) predictor" in capsys.readouterr().err
     assert main([*base, "--predictor", str(mine), "--max-new-tokens", "3"]) == 0
-    alone = capsys.readouterr().out
-    # a predictor group (d1 + d2, fired from every other router): members in order, the text
-    # the model generates either way
-    p2 = build_baseline("frequency", spec, "d2", train_rows=rows)
-    mine2 = save_predictor(p2, tmp_path / "mine2.safetensors",
-                           fingerprint=model_fingerprint(ref, spec))  # fmt: skip
-    assert main([*base, "--predictor-group", str(mine2), str(mine)]) == 2
-    assert "lookaheads d1, d2 in that order" in capsys.readouterr().err
-    assert main([*base, "--predictor", str(mine), "--predictor-group", str(mine)]) == 2
-    assert "--predictor and --predictor-group both given" in capsys.readouterr().err
-    group = ["--predictor-group", str(mine), str(mine2), "--max-new-tokens", "3"]
-    assert main([*base, *group]) == 0
-    assert capsys.readouterr().out == alone and alone
+    assert capsys.readouterr().out.startswith("ab")
 
 
 def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):

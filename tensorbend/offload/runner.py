@@ -50,10 +50,6 @@ class RunConfig:
     """Run at most this many prompts (file order)."""
     predictor: Path | None = None
     """Trained predictor checkpoint (for --policy prefetch)."""
-    predictor_group: tuple[Path, ...] = ()
-    """Within-token checkpoints of lookaheads d1, d2, ..., dn, in that order (instead of
-    --predictor): they fire together from every n-th MoE layer's router, each target layer
-    predicted once, so a decode token makes one prediction call site per n layers."""
     baseline: str | None = field(default=None, metadata={"choices": RUN_BASELINES})
     """Peer predictor by name (for --policy prefetch)."""
     horizon: Path | None = None
@@ -104,18 +100,13 @@ def run(cfg: RunConfig) -> RunResult:
             f"expected at least one; pick another --split"
         )
     cfg.session.check_prompts(prompts)
-    checkpoints = (cfg.predictor, *cfg.predictor_group, cfg.horizon, cfg.offload.evictor)
+    checkpoints = (cfg.predictor, cfg.horizon, cfg.offload.evictor)
     for path in () if cfg.allow_seen_split else checkpoints:
         if path is not None:
             check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
-    if cfg.predictor_group:
-        predictor = build_group(model, cfg.predictor_group)
-    else:
-        predictor = build_predictor(
-            model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
-        )
+    predictor = build_predictor(model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace)
     horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
@@ -150,20 +141,11 @@ def build_predictor(
     )
 
 
-def build_group(model, paths):
-    """A `predictors.group.PredictorGroup` of the checkpoints at `paths` (d1, d2, ... in order)."""
-    from tensorbend.predictors.group import PredictorGroup
-
-    return PredictorGroup(build_predictor(model, Path(p), None, "d1", None) for p in paths)
-
-
 def _check_predictor(cfg: RunConfig) -> None:
     policy = cfg.offload.policy
-    given = [f for f, v in (("--predictor", cfg.predictor), ("--predictor-group",
-             cfg.predictor_group), ("--baseline", cfg.baseline)) if v]  # fmt: skip
-    if len(given) > 1:
-        raise TensorbendError(f"{' and '.join(given)} both given: expected one; drop one")
-    within = bool(given)
+    if cfg.predictor is not None and cfg.baseline is not None:
+        raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
+    within = cfg.predictor is not None or cfg.baseline is not None
     if policy == "prefetch" and not within and cfg.horizon is None:
         raise TensorbendError(
             "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
@@ -176,7 +158,6 @@ def _check_predictor(cfg: RunConfig) -> None:
         )
     for flag, path, kind in (
         ("--predictor", cfg.predictor, ""),
-        *(("--predictor-group", p, " --lookahead dN") for p in cfg.predictor_group),
         ("--horizon", cfg.horizon, " --predictor horizon"),
     ):
         if path is not None and not Path(path).is_file():
@@ -186,8 +167,6 @@ def _check_predictor(cfg: RunConfig) -> None:
             )
     kinds = [None if p is None else read_metadata(p)["kind"] for p in (cfg.predictor, cfg.horizon)]
     check_roles(*kinds, ("--predictor", "--horizon"))
-    for p in cfg.predictor_group:
-        check_roles(read_metadata(p)["kind"], None, ("--predictor-group", "--horizon"))
     if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
         raise TensorbendError(
             f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "

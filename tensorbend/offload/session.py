@@ -243,7 +243,7 @@ class OffloadSession:
             max_logit_abs_diff=None if cache is None else diff,
             logit_tolerance=self.cfg.logit_tolerance,
             predictor_checkpoint=None if predictor is None else predictor.checkpoint,
-            lookahead=getattr(predictor, "lookahead_label", None) or (la and la.name),
+            lookahead=la and la.name,
             pool=pc.pool,
             admission=pc.admission,
             foresight=pc.foresight if POLICIES[pc.policy].recorded_routing else None,

@@ -46,11 +46,7 @@ from tensorbend.simulate.geometry import (
 )
 from tensorbend.simulate.hardware import HardwareName, get_hardware
 from tensorbend.simulate.mapping import make_mapping
-from tensorbend.simulate.predictions import (
-    group_parts,
-    rank_all,
-    routing_rows,
-)
+from tensorbend.simulate.predictions import rank_all, routing_rows
 from tensorbend.simulate.runs import fitting_frac, relative, run_one
 from tensorbend.trace import Trace
 
@@ -76,9 +72,8 @@ class SimulateConfig:
         default=("transition",), metadata={"flags": ("--predictor",)}
     )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
-    prev_token, spec_gate, random, oracle); D1+D2 (specs of lookaheads d1, d2, ... joined by
-    +): a predictor group, fired together from every n-th router; none (no predictions: the
-    eviction alone, a cache without prediction) always runs beside them."""
+    prev_token, spec_gate, random, oracle); none (no predictions: the eviction alone, a cache
+    without prediction) always runs beside them."""
     horizon: Path | None = None
     """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
     simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
@@ -361,7 +356,7 @@ def format_table(res: SimulateResult) -> str:
 
 def _rows(cfg, tr: Trace):
     hidden = set()
-    for p in [q for spec in cfg.predictors for q in (group_parts(spec) or [spec])]:
+    for p in cfg.predictors:
         if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
             continue
         hidden.add(get_lookahead(cfg.lookahead).hidden)
@@ -388,8 +383,7 @@ def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
 
     if cfg.allow_seen_split:
         return
-    specs = [q for p in cfg.predictors for q in (group_parts(p) or [p])]
-    paths = [Path(p) for p in specs if Path(p).is_file()]
+    paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
     paths += [p for p in (cfg.horizon, cfg.evictor) if p is not None]
     ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
     for path in paths:  # the first max_prompts in row (= manifest) order are replayed
