@@ -17,8 +17,7 @@ What happens, in order, and what lives in memory at each step:
    checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
-   modeling code, Python objects, and with numba installed numba and the predictors'
-   compiled kernels, which `TENSORBEND_JIT=0` leaves out) - the top-k staging slots -
+   modeling code, Python objects, the predictors' weights) - the top-k staging slots -
    `reserve` (KV cache and activations), in whole experts; or `cache_frac` of all routed
    experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
    the predictors, to the model in place; counters are on `model.tensorbend`.
@@ -39,8 +38,6 @@ import torch
 
 from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
-from tensorbend.jit import AVAILABLE as JIT
-from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle, rss_bytes
@@ -171,8 +168,6 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
-    if (predictor is not None or horizon is not None) and JIT:
-        kernels().warm()  # (what the Prefetcher does: numba's memory is the model's part too)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     store = _store_path(cfg, path, cfg.dtype)
@@ -198,9 +193,9 @@ def memory_plan(
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
     bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
     its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
-    on CPU, how much the process's resident set grew while the model was built without its experts and the predictors loaded (the
-    model's modeling code and Python objects, the predictors' weights and, with numba, their
-    compiled kernels, beside its tensors): charged as the model's part when it exceeds the
+    on CPU, how much the process's resident set grew while the model was built without its
+    experts and the predictors loaded (the model's modeling code and Python objects, the
+    predictors' weights, beside its tensors): charged as the model's part when it exceeds the
     non-expert tensors' bytes."""
     budget = parse_bytes(cfg.max_memory)
     model = max(non_expert_bytes, loaded_bytes or 0)

@@ -270,28 +270,10 @@ def test_a_predictor_of_only_minus_inf_is_not_asked_and_that_changes_nothing(loo
     assert any(p for p in declared if isinstance(p, list))  # the horizon's prefetches remain
 
 
-def test_compiled_top_ids_ranks_like_torch_topk():
-    """predictors/decode_kernels.top_ids (prefetch._token_list with numba): torch.topk's
-    order on distinct scores, -inf scores left out, ties to the lower expert id."""
-    from tensorbend.predictors.decode_kernels import top_ids
-
-    pytest.importorskip("numba")
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        s = torch.randn(32, generator=g)
-        s[torch.randperm(32, generator=g)[:3]] = -float("inf")
-        width = int(torch.randint(1, 40, (1,), generator=g))
-        top = s.topk(min(width, 32))
-        want = [e for e, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
-                if v > -float("inf")]  # fmt: skip
-        assert top_ids(s.numpy(), width).tolist() == want
-    assert top_ids(np.array([1.0, 3.0, 3.0, 2.0], np.float32), 3).tolist() == [1, 2, 3]
-
-
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "needs_grad", "strided"])
-def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(kind):
-    """prefetch._host_f32 (the one step from a hidden state to the compiled paths' float32
-    numpy input) tries the tensor's own numpy view first: whatever the tensor, the values it
+def test_a_hidden_state_of_any_dtype_reaches_numpy_as_its_float32_values(kind):
+    """prefetch._host_f32 (the one step from a hidden state to the numpy paths' float32
+    input) tries the tensor's own numpy view first: whatever the tensor, the values it
     hands over are the tensor's as float32, and a float32 CPU tensor is not copied."""
     from tensorbend.prefetch import _host_f32
 
@@ -309,5 +291,3 @@ def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(k
     np.testing.assert_array_equal(got, t.detach().float().numpy())
     if kind == "float32":
         assert np.shares_memory(got, base.numpy())
-
-

@@ -360,5 +360,3 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
     hz = "horizon(evict only)"  # the label says what ran: no within-token predictor
     assert by_true[hz] <= by[hz] < by["prefetch:none"] < by["lru"]
     assert by["prefetch:none"] == by_true["prefetch:none"]  # runs without forecasts untouched
-
-

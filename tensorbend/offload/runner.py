@@ -106,7 +106,9 @@ def run(cfg: RunConfig) -> RunResult:
             check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
-    predictor = build_predictor(model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace)
+    predictor = build_predictor(
+        model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
+    )
     horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
