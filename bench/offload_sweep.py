@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                         if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
                             at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
                             pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
-                        r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
+                        r = _tag(sess.run_policy(pc, p, link, hz, a.extra).to_json(), speedup)
                         done.append(r)
                         reps.setdefault((speedup, frac, what_ran(r)), []).append(r)
                         print(_row(r), file=sys.stderr)
@@ -131,7 +131,6 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
     common = dict(
         cache_frac=frac,
         lookahead=a.lookahead,
-        prefetch_extra=a.extra,
         prefetch_backlog=float("inf") if a.backlog < 0 else a.backlog,
     )
     plan = [(PolicyConfig("on_demand", **common), None, None)]

@@ -25,14 +25,12 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
     >>> likeliest([0.2, 0.7, 0.7, 0.1], 2)
     [1, 2]
 
-One token: its top-(K + extra) guesses, best first (`-1`: no guess); ours scores a one-token
-call in numpy (`residual_fast.score_token`) and the horizon steps its forecast in numpy
-(`horizon_fast.FastHorizon`): torch's per-op dispatch would be most of the cost of arrays this
-small (each tensor touched costs microseconds in the runtime, where a call finds the CPU's
-caches cold: bench/cold_call.py).
-Several tokens (prefill, a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
-horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
-The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
+One token: its top-(K + extra) guesses, best first (`-1`: no guess; the width is checked by
+`predictors.spec.prefetch_width`), scored in numpy by ours (`residual_fast.score_token`) and
+the horizon (`horizon_fast.FastHorizon`): torch's per-op dispatch would be most of the cost of
+arrays this small (bench/cold_call.py). Several tokens (prefill, a batch): the union of their
+top-K, most voted first (ties by expert id). A cross-token horizon names the next forward's
+likeliest experts per layer (`likeliest`, ties by expert id). The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
 (`simulate.plan`) applies `prefetch_list` and `likeliest` to ranked rows; an engine calls the
 `Prefetcher` directly (documented path: `tensorbend.engines.prefetcher`, docs/prefetch_api.md).
 
@@ -62,11 +60,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tensorbend.errors import PredictorInputError, TensorbendError
+from tensorbend.errors import PredictorInputError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
 from tensorbend.predictors.horizon_fast import FastHorizon
 from tensorbend.predictors.registry import check_roles
+from tensorbend.predictors.spec import prefetch_width
 
 INF = float("inf")
 
@@ -163,12 +162,7 @@ class Prefetcher:
         check_roles(
             None if predictor is None else predictor.kind, None if horizon is None else horizon.kind
         )
-        if spec.top_k + extra < 1:
-            raise TensorbendError(
-                f"--prefetch-extra {extra}: expected at least {1 - spec.top_k} (a one-token "
-                f"call prefetches its top-(K + extra) predictions; this model routes top-"
-                f"{spec.top_k})"
-            )
+        prefetch_width(spec.top_k, extra)
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)

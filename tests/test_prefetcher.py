@@ -108,8 +108,8 @@ def test_a_negative_extra_prefetches_the_likeliest_only_and_changes_no_output():
     cfg = SessionConfig(DecodeConfig(max_new_tokens=5))
     sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name="tiny")
     try:
-        pc = PolicyConfig("prefetch", cache_frac=0.5, prefetch_extra=1 - K)
-        assert sess.run_policy(pc, pred).output_matches_resident
+        pc = PolicyConfig("prefetch", cache_frac=0.5)
+        assert sess.run_policy(pc, pred, prefetch_extra=1 - K).output_matches_resident
     finally:
         sess.close()
 
@@ -127,6 +127,45 @@ def test_a_predictor_in_the_others_place_is_refused():
                        r"predictor, found a cross-token one \(kind horizon\): pass it as horizon="):  # fmt: skip
         Prefetcher(spec, predictor=_horizon(spec))
     assert Prefetcher(spec, within, _horizon(spec)).horizon is not None  # the right places
+
+
+def test_serving_run_and_simulate_check_one_predictor_spec_alike(tmp_path, capsys):
+    """`generate`, `run` and `simulate` read --predictor/--horizon into one PredictorSpec: a
+    within-token checkpoint passed as --horizon, or --policy prefetch without a predictor
+    (generate, run), is refused before any model or trace is read, with one message each;
+    load_offloaded's keywords reach the spec too."""
+    from tensorbend.cli import main
+    from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.serving import ServeConfig, _with_overrides
+
+    spec = describe_model(build("deepseek_v3", 0))
+    rows = {"expert_ids_TLK": torch.randint(0, spec.num_experts, (8, spec.num_moe_layers,
+            spec.top_k)), "prompt_T": torch.zeros(8, dtype=torch.long),
+            "position_T": torch.arange(8), "phase_T": torch.ones(8, dtype=torch.long)}  # fmt: skip
+    within = save_predictor(build_baseline("frequency", spec, "d1", train_rows=rows),
+                            tmp_path / "d1.safetensors", fingerprint="0" * 16)  # fmt: skip
+    verbs = {
+        "generate": ["generate", "--model", "nowhere", "--prompt", "a", "--policy", "prefetch"],
+        "run": ["run", "--model", "nowhere", "--policy", "prefetch"],
+        "simulate": ["simulate", "--trace", "nowhere", "--hardware", "h100-pcie5",
+                     "--geometry", "kimi-k2.5"],
+    }  # fmt: skip
+    errors = {}
+    for verb, argv in verbs.items():
+        assert main([*argv, "--quiet", "--horizon", str(within)]) == 2
+        errors[verb] = capsys.readouterr().err
+        assert "--horizon expected a cross-token (horizon) predictor" in errors[verb]
+    assert errors["generate"] == errors["run"] == errors["simulate"]
+    for verb in ("generate", "run"):
+        assert main([*verbs[verb], "--quiet"]) == 2
+        assert capsys.readouterr().err == (
+            "error: --policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED "
+            "(`run`: or --baseline NAME)\n"
+        )
+    cfg = _with_overrides(ServeConfig(), dict(policy="prefetch", predictor=within,
+                                              prefetch_extra=-1, io_threads=3))  # fmt: skip
+    assert (cfg.offload.policy, cfg.prediction.predictor, cfg.prediction.prefetch_extra,
+            cfg.io_threads) == ("prefetch", within, -1, 3)  # fmt: skip
 
 
 def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand():

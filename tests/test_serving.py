@@ -261,8 +261,11 @@ def test_accelerate_engine_streams_every_offloaded_layer_and_writes_the_same_tex
     """The baseline without tensorbend (`--engine accelerate`): under a 96 MB budget accelerate
     keeps at most one of the four 75 MB MoE layers and streams the rest in every forward; its
     greedy text equals tensorbend's (both equal the resident model's); with a budget the whole
-    model fits in, nothing is offloaded."""
-    _wide_checkpoint(tmp_path / "ckpt")
+    model fits in, nothing is offloaded; a predictor is refused with it."""
+    from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.predictors.registry import build_baseline
+
+    ref = _wide_checkpoint(tmp_path / "ckpt")
     layer_bytes = 32 * 3 * 128 * 1536 * 4
     argv = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "alpha beta",
             "--max-new-tokens", "6", "--store-dir", str(tmp_path / "store"), "--quiet"]  # fmt: skip
@@ -284,8 +287,14 @@ def test_accelerate_engine_streams_every_offloaded_layer_and_writes_the_same_tex
     assert not list((tmp_path / "store").glob("accelerate-offload-*"))  # its folder removed
     assert main(argv + ["--engine", "accelerate"]) == 2  # no budget: nothing to place within
     assert "expected --max-memory" in capsys.readouterr().err
-    horizon = ["--horizon", str(tmp_path / "fits.json")]  # any file: refused before it is read
-    flags = ["--engine", "accelerate", "--max-memory", "96MB", "--policy", "prefetch", *horizon]
+    spec = describe_model(ref)
+    ids = torch.randint(0, spec.num_experts, (8, spec.num_moe_layers, spec.top_k))
+    rows = {"expert_ids_TLK": ids, "prompt_T": torch.zeros(8, dtype=torch.long),
+            "position_T": torch.arange(8), "phase_T": torch.ones(8, dtype=torch.long)}  # fmt: skip
+    pred = save_predictor(build_baseline("frequency", spec, "d1", train_rows=rows),
+                          tmp_path / "freq.safetensors", fingerprint="0" * 16)  # fmt: skip
+    flags = ["--engine", "accelerate", "--max-memory", "96MB", "--policy", "prefetch",
+             "--predictor", str(pred)]  # fmt: skip
     assert main(argv + flags) == 2
     assert "predicts nothing" in capsys.readouterr().err
 

@@ -18,6 +18,7 @@ from test_import import csv_rows, planted_routing
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.importers import ImportConfig, import_trace
 from tensorbend.importers.csv import write_csv
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.simulate import (
     GEOMETRY_NAMES,
     HARDWARE_NAMES,
@@ -339,7 +340,7 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
     assert main(["train", "--trace", str(tmp_path / "t"), "--out", str(ckpt), "--quiet",
                  "--predictor", "horizon", "--inputs", "routing", "--foresight", "2"]) == 0  # fmt: skip
     cal = calibration(tmp_path / "c.json", wire_s=0.1, attn_s=1.0)
-    kw = dict(policies=("lru", "prefetch"), predictors=("none",), horizon=ckpt,
+    kw = dict(policies=("lru", "prefetch"), predictors=("none",), prediction=PredictorSpec(horizon=ckpt),
               token_ahead_layers=0, cache_fracs=(0.75,), split="test", max_prompts=None)  # fmt: skip
     learned = sim(tmp_path / "t", cal, **kw).results
 

@@ -34,6 +34,7 @@ from tensorbend.cache.report import best_rule
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
+from tensorbend.predictors.spec import PredictorSpec, prefetch_width
 from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
@@ -74,9 +75,10 @@ class SimulateConfig:
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
     prev_token, spec_gate, random, oracle); none (no predictions: the eviction alone, a cache
     without prediction) always runs beside them."""
-    horizon: Path | None = None
-    """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
-    simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
+    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    """--horizon (each prefetch run is also simulated with its forecasts driving eviction and
+    next-forward prefetches, batch 1) and --prefetch-extra; its within-token `predictor` stays
+    None: the ones compared are `predictors`."""
     token_ahead_layers: int = _RUN.token_ahead_layers
     """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
     lookahead: str = _RUN.lookahead
@@ -107,8 +109,6 @@ class SimulateConfig:
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
     """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
     no-prediction cache that read the fewest bytes at the same cache size in this run)."""
-    prefetch_extra: int = _RUN.prefetch_extra
-    """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = _RUN.prefetch_backlog
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     evictor: Path | None = None
@@ -138,7 +138,12 @@ class SimulateConfig:
             raise TensorbendError(
                 f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
             )
-        if self.horizon is not None and self.batch != 1:
+        if self.prediction.predictor is not None:
+            raise TensorbendError(
+                "SimulateConfig.prediction.predictor: expected None; name the within-token "
+                "predictors to compare in `predictors` (--predictor, repeatable)"
+            )
+        if self.prediction.horizon is not None and self.batch != 1:
             raise TensorbendError(
                 f"--horizon with --batch {self.batch}: expected --batch 1 (its forecasts are "
                 "per request; batched forecasts are not simulated)"
@@ -168,11 +173,6 @@ class SimulateConfig:
             raise TensorbendError(
                 f"--max-prompts {self.max_prompts}: expected a count >= 1 (or leave it out to "
                 "replay every prompt of the split)"
-            )
-        if self.horizon is not None and not Path(self.horizon).is_file():
-            raise TensorbendError(
-                f"--horizon {self.horizon}: expected a checkpoint file, found none; train one "
-                "with `tensorbend train --predictor horizon`"
             )
         if self.calibration is not None:
             Calibration.load(self.calibration)  # a bad file fails before the trace is read
@@ -233,16 +233,11 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
     auto = "prefetch" in cfg.policies and "none" not in specs  # Predicted eviction fed
     specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
-    if tr.spec.top_k + cfg.prefetch_extra < 1:
-        raise TensorbendError(
-            f"--prefetch-extra {cfg.prefetch_extra}: expected at least {1 - tr.spec.top_k} (a "
-            f"one-token forward prefetches its top-(K + extra); the trace routes top-"
-            f"{tr.spec.top_k})"
-        )
-    width = tr.spec.top_k + max(cfg.prefetch_extra, 0)  # (several tokens: each one's top-K)
+    extra = cfg.prediction.prefetch_extra
+    width = max(prefetch_width(tr.spec.top_k, extra), tr.spec.top_k)  # (several tokens: top-K)
     rankeds = rank_all(specs, tr, rows, cfg.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
-    fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
+    fcs = _forecasts(cfg, tr, rows) if cfg.prediction.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
     learner_fc = None  # a learned eviction reading forecasts: the horizon's, no prefetch
     if "evictor" in cfg.policies:
@@ -298,16 +293,13 @@ def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
     """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
     from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.registry import check_roles
 
-    pred = load_predictor(
-        cfg.horizon, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"]
-    )
-    check_roles(None, pred.kind, ("--predictor", "--horizon"))
+    path = cfg.prediction.horizon  # (PredictorSpec checked its kind)
+    pred = load_predictor(path, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"])
     missing = [f for f in pred.cfg.features if f not in tr.features]
     if missing:
         raise TensorbendError(
-            f"--horizon {cfg.horizon} reads trace features {list(pred.cfg.features)}, found "
+            f"--horizon {path} reads trace features {list(pred.cfg.features)}, found "
             f"{tr.features}: train one with --inputs routing for this trace"
         )
     return forecasts(pred, rows)
@@ -364,10 +356,11 @@ def _rows(cfg, tr: Trace):
             from tensorbend.predictors.checkpoint import read_metadata
 
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
-    if cfg.horizon is not None and ("prefetch" in cfg.policies or "evictor" in cfg.policies):
+    horizon = cfg.prediction.horizon
+    if horizon is not None and ("prefetch" in cfg.policies or "evictor" in cfg.policies):
         from tensorbend.predictors.checkpoint import read_metadata
 
-        if read_metadata(cfg.horizon)["config"].get("inputs") == "routing+hidden":
+        if read_metadata(horizon)["config"].get("inputs") == "routing+hidden":
             hidden.add("gate_input")
     rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
     if rows["expert_ids_TLK"].shape[0] == 0:
@@ -384,7 +377,7 @@ def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
     if cfg.allow_seen_split:
         return
     paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
-    paths += [p for p in (cfg.horizon, cfg.evictor) if p is not None]
+    paths += [p for p in (cfg.prediction.horizon, cfg.evictor) if p is not None]
     ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
     for path in paths:  # the first max_prompts in row (= manifest) order are replayed
         check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])
