@@ -34,6 +34,7 @@ from tensorbend.cache.report import best_rule
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
+from tensorbend.predictors.checkpoint import check_held_out, read_metadata
 from tensorbend.predictors.spec import PredictorSpec, prefetch_width
 from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan
@@ -353,13 +354,9 @@ def _rows(cfg, tr: Trace):
             continue
         hidden.add(get_lookahead(cfg.lookahead).hidden)
         if Path(p).is_file():
-            from tensorbend.predictors.checkpoint import read_metadata
-
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
     horizon = cfg.prediction.horizon
     if horizon is not None and ("prefetch" in cfg.policies or "evictor" in cfg.policies):
-        from tensorbend.predictors.checkpoint import read_metadata
-
         if read_metadata(horizon)["config"].get("inputs") == "routing+hidden":
             hidden.add("gate_input")
     rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
@@ -372,8 +369,6 @@ def _rows(cfg, tr: Trace):
 
 def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
     """Refuse checkpoints on the prompts they saw (manifest only: before any row is read)."""
-    from tensorbend.predictors.checkpoint import check_held_out
-
     if cfg.allow_seen_split:
         return
     paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
