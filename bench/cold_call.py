@@ -15,9 +15,7 @@ medians over `--calls`):
 - `sleep_2ms`: 2 ms asleep (the thread off the CPU, as while it waits for an expert load);
 - `decode_forward`: one batch-1 decode forward of the resident model (its layers' compute, as
   between two of the runtime's calls, which come one MoE layer apart).
-The same for a compiled function that does nothing, called with no arguments and with the
-one-token kernel's argument list (numba only): its time is the dispatch's, which a call pays
-whatever it computes. Ratios over `back_to_back` say how much of a runtime call's cost is the
+Ratios over `back_to_back` say how much of a runtime call's cost is the
 CPU's state after other work rather than the call's own work. Needs a quiet machine.
 """
 
@@ -28,11 +26,9 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tensorbend.hf import cache_kwarg, cache_of, load_model
-from tensorbend.jit import AVAILABLE
 from tensorbend.models import describe_model
 from tensorbend.offload.runner import build_predictor
 from tensorbend.prefetch import Prefetcher
@@ -63,7 +59,6 @@ def main(argv=None) -> int:
     if args.horizon:
         calls[f"horizon (layer {L - 1})"] = _token_call(spec, None, load(args.horizon), L - 1,
                                                         hidden_1D, ids_1K)  # fmt: skip
-    calls.update(_dispatch_calls(spec, predictor))
     before = _conditions(model)
     times = {(c, k): [] for c in calls for k in CONDITIONS}
     for i in range(args.calls + 10):  # interleaved; the first 10 rounds warm up
@@ -85,7 +80,7 @@ def main(argv=None) -> int:
     return emit({
         "bench": "cold_call", "command": command("cold_call", argv), "model": args.model,
         "predictor": args.predictor, "horizon": args.horizon, "calls": args.calls,
-        "jit": AVAILABLE, "results": rows,
+        "results": rows,
     }, args.json)  # fmt: skip
 
 
@@ -122,29 +117,6 @@ def _conditions(model) -> dict:
             pass
 
     return {"spin_2ms": spin, "sleep_2ms": lambda: time.sleep(0.002), "decode_forward": forward}
-
-
-def _dispatch_calls(spec, predictor) -> dict:
-    """(prep, call) of a compiled no-op with no arguments and with the one-token kernel's
-    (numba only)."""
-    if not AVAILABLE or not hasattr(predictor, "token_plan") or not predictor.token_plan(1):
-        return {}
-    from numba import njit
-
-    @njit
-    def noop(*args):
-        return 0
-
-    E, K = spec.num_experts, spec.top_k
-    x_D, ids_K = np.zeros(spec.hidden_size, np.float32), np.zeros(K, np.int64)
-    args = (x_D, ids_K, ids_K, *predictor.token_plan(1), K, np.empty(E, np.float32),
-            np.empty(E, np.int64))  # fmt: skip
-    noop()
-    noop(*args)
-    return {
-        "compiled no-op, no arguments": (lambda: None, lambda: noop()),
-        f"compiled no-op, the kernel's {len(args)} arguments": (lambda: None, lambda: noop(*args)),
-    }
 
 
 if __name__ == "__main__":

@@ -4,8 +4,7 @@ Usage:
     python -m bench.offload_sweep --model zoo:default --trace runs/offload/trace \\
         [--predictor PRED.safetensors]... [--baselines prev_token,spec_gate,transition,frequency,random] \\
         [--fracs 0.125,0.25,0.5] [--link h100-pcie5-kimi] [--link-speedups 1,4] \\
-        [--foresights 0,1,2,4,8,all] [--horizon HORIZON.safetensors] \\
-        [--predictor-group D1.safetensors D2.safetensors]... --out runs/offload/sweep
+        [--foresights 0,1,2,4,8,all] [--horizon HORIZON.safetensors] --out runs/offload/sweep
 
 Per link (the calibrated `--link`, and the same link N times faster per `--link-speedups`) and
 per cache fraction it runs: on_demand; every cache without prediction (lru, lfu, lfru x pool
@@ -14,10 +13,8 @@ alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its
 driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
 on top, with and without those next-forward prefetches (the ablation row
-`horizon(evict only)+d1:...`); with `--predictor-group` (d1, d2, ... fired together from every
-n-th router: fewer prediction call sites per token; repeatable, one group each) the same rows
-for each group, after ours; the oracle at every foresight h (tokens of exact routing it
-knows; `all` = the whole run), run after the caches: past its sight it ranks like the no-prediction cache with
+`horizon(evict only)+d1:...`); the oracle at every foresight h (tokens of exact routing it knows; `all` = the
+whole run), run after the caches: past its sight it ranks like the no-prediction cache with
 the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
 fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
@@ -49,7 +46,7 @@ from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
-from tensorbend.offload.runner import NEEDS_TRAIN, build_group, build_predictor
+from tensorbend.offload.runner import NEEDS_TRAIN, build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out
@@ -74,13 +71,11 @@ def main(argv=None) -> int:
         if not prompts:
             raise SystemExit(f"--topics {a.topics}: no prompt of split {a.split} has these topics")
     prompts = prompts[: a.max_prompts]
-    checkpoints = [*a.predictor, *(c for g in a.predictor_group for c in g),
-                   *([a.horizon] if a.horizon else [])]  # fmt: skip
+    checkpoints = [*a.predictor, *([a.horizon] if a.horizon else [])]
     for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
     predictors = _predictors(a, model)
-    groups = [build_group(model, g) for g in a.predictor_group]
     horizon = (
         build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
     )
@@ -100,12 +95,12 @@ def main(argv=None) -> int:
                 print(f"repeat {rep}, link: {link.to_dict()}", file=sys.stderr)
                 done = []
                 for frac in _floats(a.fracs):
-                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon, groups)
+                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon)
                     for pc, p, hz in plan:
                         if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
                             at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
                             pc = dataclasses.replace(pc, oracle_beyond=best_rule(at))
-                        r = _tag(sess.run_policy(pc, p, link, hz).to_json(), speedup)
+                        r = _tag(sess.run_policy(pc, p, link, hz, a.extra).to_json(), speedup)
                         done.append(r)
                         reps.setdefault((speedup, frac, what_ran(r)), []).append(r)
                         print(_row(r), file=sys.stderr)
@@ -130,14 +125,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan(a, frac: float, predictors: list, num_experts: int, horizon, groups=()) -> list[tuple]:
-    """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None);
-    each predictor group runs where our within-token predictor does (alone, and with the
-    horizon with and without its next-forward prefetches), right after it, in order."""
+def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[tuple]:
+    """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None)."""
     common = dict(
         cache_frac=frac,
         lookahead=a.lookahead,
-        prefetch_extra=a.extra,
         prefetch_backlog=float("inf") if a.backlog < 0 else a.backlog,
     )
     plan = [(PolicyConfig("on_demand", **common), None, None)]
@@ -147,15 +139,14 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon, groups=()
                 pc = PolicyConfig(policy, pool=pool, admission=adm, **common)
                 plan.append((pc, None, None))
     none = NoPredictor(num_experts, get_lookahead(a.lookahead))  # Predicted eviction alone
-    within = [*predictors[:1], *groups, *predictors[1:]]
-    plan += [(PolicyConfig("prefetch", **common), p, None) for p in [none, *within]]
+    plan += [(PolicyConfig("prefetch", **common), p, None) for p in [none, *predictors]]
     if horizon is not None:
         plan += [
             (PolicyConfig("prefetch", token_ahead_layers=0, **common), none, horizon),
             (PolicyConfig("prefetch", **common), none, horizon),
             (PolicyConfig("prefetch", admission="predicted", **common), none, horizon),
         ]
-        for ours in [*predictors[:1], *groups]:
+        for ours in predictors[:1]:
             pc = PolicyConfig("prefetch", admission="predicted", **common)
             plan.append((pc, ours, horizon))
             # the ablation: the same without the horizon's next-forward prefetches
@@ -346,10 +337,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
-    p.add_argument("--predictor-group", nargs="+", action="append", default=[], metavar="CKPT",
-                   help="within-token checkpoints d1, d2, ... fired together from every n-th "
-                   "router (predictors.group): its rows beside the first --predictor's "
-                   "(repeatable: one group each)")  # fmt: skip
     p.add_argument("--allow-seen-split", action="store_true",
                    help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")

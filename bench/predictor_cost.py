@@ -2,8 +2,7 @@
 
 Usage:
     python -m bench.predictor_cost --model zoo:default --predictor OURS_D1.safetensors \\
-        --horizon HORIZON.safetensors [--predictor-group OURS_D1 OURS_D2]... [--threads 1] \\
-        [--repeats 3] [--json OUT]
+        --horizon HORIZON.safetensors [--threads 1] [--repeats 3] [--json OUT]
 
 Side by side in one run, all on `--threads` threads (tensorbend/offload/prediction_cost.py):
 (a) isolated: one batch-1 decode forward of the resident model with a KV cache, interleaved
@@ -14,9 +13,7 @@ no link cap, lru and each stack interleaved `--repeats` times: `predict_s_per_to
 share of the resident decode step and of lru's, decode tok/s over lru's (median and
 range), and decode's calls split into scoring (beside the same scoring timed in isolation,
 `score_us_per_token` in (a)), queueing and glue (`decode_score_us_per_token`,
-`decode_queue_us_per_token`, `decode_glue_us_per_token`). With `--predictor-group`
-(repeatable), each `predictors.group.PredictorGroup` (e.g. d1 + d2 fired together from every
-other router: fewer call sites per token) is measured beside, alone and with the horizon.
+`decode_queue_us_per_token`, `decode_glue_us_per_token`).
 Issue target for the whole stack: <= 5% of a resident decode step (goal 2%).
 Timing numbers need a quiet machine (the lead reruns this alone).
 """
@@ -38,7 +35,7 @@ from tensorbend.offload.prediction_cost import (
     runtime_cost,
     whole_stacks,
 )
-from tensorbend.offload.runner import build_group, build_predictor
+from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.prompts import load_prompts
 from tensorbend.results import command, emit
@@ -49,9 +46,6 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="zoo:default")
     ap.add_argument("--predictor", default=None, help="within-token checkpoint")
     ap.add_argument("--horizon", default=None, help="cross-token checkpoint")
-    ap.add_argument("--predictor-group", nargs="+", action="append", default=[],
-                    help="within-token checkpoints d1, d2, ... fired together (its rows too; "
-                    "repeatable: one group each)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=64, help="isolated: decode steps")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runtime: interleaved repeats")
@@ -63,8 +57,7 @@ def main(argv=None) -> int:
     model, tok = load_model(args.model)
     spec = describe_model(model)
     load = lambda path: build_predictor(model, Path(path), None, "d1", None) if path else None  # noqa: E731
-    groups = [build_group(model, g) for g in args.predictor_group]
-    stacks = prediction_stacks(load(args.predictor), load(args.horizon), groups)
+    stacks = prediction_stacks(load(args.predictor), load(args.horizon))
     iso = isolated_cost(model, spec, stacks, args.steps)  # first: the session frees the experts
     prompts = load_prompts(None, "test")[: args.max_prompts]
     cfg = SessionConfig(DecodeConfig(max_new_tokens=args.max_new_tokens))
@@ -79,10 +72,9 @@ def main(argv=None) -> int:
         "model": args.model,
         "predictor": args.predictor,
         "horizon": args.horizon,
-        "predictor_groups": args.predictor_group,
         "threads": args.threads,
         **iso,
-        "stack_ratio": next(  # the whole stack given (a general-path twin is a row too)
+        "stack_ratio": next(  # the whole stack given
             r["ratio_to_decode_forward"]
             for r in iso["results"]
             if r["stack"] == whole_stacks(stacks)[0]

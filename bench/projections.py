@@ -32,6 +32,7 @@ from pathlib import Path
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, no_prediction
 from tensorbend.cache.report import compare, run_label, vs_best_cache
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.results import bench_args, command, emit
 from tensorbend.results.projections_page import markdown
 from tensorbend.simulate import SimulateConfig, simulate
@@ -50,10 +51,10 @@ def main(argv=None) -> int:
             trace=Path(a.trace), hardware=hardware, geometry=geometry, progress=False,
             policies=("resident", "on_demand", *NO_PREDICTION, "prefetch", "oracle"),
             predictors=("none", "transition", *a.predictor), lookahead="d1",
-            horizon=Path(a.horizon) if a.horizon else None,
+            prediction=PredictorSpec(horizon=Path(a.horizon) if a.horizon else None),
         )  # fmt: skip
         caches = dict(policies=NO_PREDICTION)
-        blind = dict(policies=("prefetch",), predictors=("none",), horizon=None)  # prefetch:none
+        blind = dict(policies=("prefetch",), predictors=("none",), prediction=PredictorSpec())
         passes = [  # (pool, admission, what runs): every cache without prediction (prefetch:none
             ("global", "all", {}),  # included) x pool x admission; ours and the oracle with
             ("global", "frequency", caches),  # predicted admission (bypass a miss predicted

@@ -15,10 +15,7 @@ expert read comes from the disk, not the page cache; its peak RSS (mapped file p
 included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The import baseline
 is the peak RSS of a process that imports torch, transformers' modeling and generation code
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
-repeat after repeat; the table gives the median decode tok/s with its range. Rows ending
-`/jit=0` run with TENSORBEND_JIT=0 (numpy paths, no numba: its memory goes to the cache);
-`+d1+d2+...` rows: `--predictor-group` (within-token members fired together from every
-n-th router: fewer prediction call sites per token);
+repeat after repeat; the table gives the median decode tok/s with its range.
 `/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
 predictions: fewer than the K routed).
 `--accelerate` adds the baseline without tensorbend: `tensorbend generate --engine accelerate`
@@ -34,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -68,10 +64,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
-    ap.add_argument("--predictor-group", type=Path, nargs="+", default=None,
-                    help="zoo:default within-token checkpoints d1, d2, ... (predictors.group): "
-                         "with --horizon, one more row: --predictor's evict-only row with this "
-                         "group in its place (and its /jit=0 twin)")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
@@ -99,27 +91,15 @@ def main(argv=None) -> int:
             policies["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
                 "--pool", "per_layer", "--predictor", str(args.predictor),
                 "--admission", "predicted"]  # fmt: skip
-        if args.predictor_group:  # the same, the group's members fired together
-            label = "+".join(f"d{i + 1}" for i in range(len(args.predictor_group)))
-            policies[f"ours: horizon(evict only)+{label}/per_layer/adm=predicted"] = evict + [
-                "--pool", "per_layer", "--predictor-group",
-                *map(str, args.predictor_group), "--admission", "predicted"]  # fmt: skip
     if args.horizon or args.predictor:
         ours = ["--policy", "prefetch", "--admission", "predicted"]
         ours += ["--horizon", str(args.horizon)] if args.horizon else []
         ours += ["--predictor", str(args.predictor)] if args.predictor else []
         label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
         policies[f"ours: {label}/adm=predicted"] = ours
-    envs = {}  # rows run with TENSORBEND_JIT=0: numpy paths, numba's memory goes to the cache
-    jit_off = ("ours: horizon(evict only)/per_layer", "ours: horizon(evict only)+")
-    for name in [n for n in policies if n.startswith(jit_off)]:
-        policies[name + "/jit=0"] = policies[name]
-        envs[name + "/jit=0"] = {"TENSORBEND_JIT": "0"}
     narrow = "ours: horizon(evict only)+d1/per_layer/adm=predicted"
     for extra in (-2, -3) if narrow in policies else ():  # fewer prefetches than the K routed
-        name = f"{narrow}/extra={extra}/jit=0"
-        policies[name] = policies[narrow] + ["--prefetch-extra", str(extra)]
-        envs[name] = {"TENSORBEND_JIT": "0"}
+        policies[f"{narrow}/extra={extra}"] = policies[narrow] + ["--prefetch-extra", str(extra)]
     if args.accelerate:
         policies[ACCELERATE] = ["--engine", "accelerate"]
     if args.only:
@@ -144,10 +124,10 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for name, flags in policies.items():
             cmd = (acc if name == ACCELERATE else base) + flags
-            runs[name].append(_run(cmd, envs.get(name), cap))
+            runs[name].append(_run(cmd, cap))
             print(f"repeat {r}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)  # fmt: skip
-    result = _aggregate(runs, args, ckpt, baseline, envs)
+    result = _aggregate(runs, args, ckpt, baseline)
     result["memory_cap_bytes"] = cap
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
@@ -156,7 +136,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
+def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
     experts = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     rows = []
     for name, rs in runs.items():
@@ -182,7 +162,6 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, envs: dict) -> dict:
             "text_equal_to_best": None,
             "cache_slots": rs[0]["cache_slots"],
             "decode_tokens": rs[0]["decode_tokens"],
-            "env": envs.get(name, {}),
         })  # fmt: skip
     best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
     for r in rows:  # greedy text: every run's stdout against the best cache's first run's
@@ -231,17 +210,16 @@ def _split(run: dict) -> dict:
     return {k: v for k, v in run["memory_plan"].items() if k != "measured"}
 
 
-def _run(cmd: list[str], env: dict | None = None, cap: int | None = None) -> dict:
+def _run(cmd: list[str], cap: int | None = None) -> dict:
     """One `tensorbend generate` in a fresh process (under a memory cap when given): its JSON
     summary, its text (stdout) and, capped, the cgroup's high-water mark and OOM kills."""
-    env = {**os.environ, **env} if env else None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         argv = cmd + ["--json", f.name]
         if cap is None:
-            out = subprocess.run(argv, capture_output=True, text=True, env=env)
+            out = subprocess.run(argv, capture_output=True, text=True)
             extra = {}
         else:
-            out = memory_cap.run_capped(argv, cap, env=env)
+            out = memory_cap.run_capped(argv, cap)
             extra = {"cap_max_usage_bytes": out.max_usage_bytes, "oom_kills": out.oom_kills}
         if out.returncode != 0:
             killed = f" (killed by the memory cap: {extra['oom_kills']} OOM kills)" if extra.get(

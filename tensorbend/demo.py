@@ -225,6 +225,7 @@ _RUN_KEYS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token", "deman
 
 
 def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
+    from tensorbend.predictors.spec import PredictorSpec
     from tensorbend.simulate import SimulateConfig, simulate
 
     path = out / "report" / "simulate.json"
@@ -233,7 +234,8 @@ def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]
             trace=trace, hardware="dgx-spark", geometry="kimi-k2.5", progress=False,
             policies=("lru", "lfru", "prefetch", "oracle"),
             predictors=("none", str(ckpts["tensorbend"])),
-            horizon=ckpts["horizon"], max_prompts=cfg.size["sim_prompts"],
+            prediction=PredictorSpec(horizon=ckpts["horizon"]),
+            max_prompts=cfg.size["sim_prompts"],
         )).to_json()  # fmt: skip
         atomic_write_text(path, json.dumps(res, indent=1))
     res = json.loads(path.read_text())

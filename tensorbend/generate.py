@@ -64,11 +64,10 @@ class GenerateConfig:
                 f"--temperature {self.temperature} / --top-p {self.top_p}: expected a "
                 f"temperature > 0 and a top-p in (0, 1]"
             )
-        if self.engine == "accelerate" and (
-            self.serve.predictor or self.serve.predictor_group or self.serve.horizon
-        ):
+        pred = self.serve.prediction
+        if self.engine == "accelerate" and (pred.predictor or pred.horizon):
             raise TensorbendError(
-                "--engine accelerate: expected no --predictor, --predictor-group or --horizon "
+                "--engine accelerate: expected no --predictor or --horizon "
                 "(accelerate offloads whole layers and predicts nothing); drop them or use "
                 "--engine tensorbend"
             )

@@ -10,26 +10,19 @@ Usage:
 
     path = kernel if AVAILABLE else python_path
 
-`TENSORBEND_JIT=0` in the environment turns it off (AVAILABLE False) with numba installed:
-numba and its compiled kernels add to a process's resident set what a tight `--max-memory`
-budget may rather give to the expert cache (the reference paths cost more CPU per token
-instead; `tensorbend generate` prints the plan's split either way).
-
+`TENSORBEND_JIT=0` in the environment turns it off (AVAILABLE False) with numba installed.
 `AVAILABLE` is known without importing numba (which takes ~1.5 s): a module that defines
-kernels imports it when it is imported, so the modules that use kernels import those lazily
-(prefetch.py, predictors/residual_fast.py, predictors/horizon_fast.py load
-predictors/decode_kernels.py only when they first need a kernel). `pip install
-tensorbend[fast]` installs numba. Every compiled path has a reference path that tests compare
-it with: cache/compiled.py (the demand replay) and predictors/decode_kernels.py (the
-runtime's one-token scoring).
+kernels imports it when it is imported, so the modules that use kernels import those lazily.
+`pip install tensorbend[fast]` installs numba. Every compiled path has a reference path that
+tests compare it with: cache/compiled.py (the demand replay). Serving never imports numba: the
+predictors decode in numpy (numba's > 60 MB would come out of the expert cache under a memory
+budget, and measured slower there: docs/serve_memory.md).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-import sys
 
 AVAILABLE = (
     os.environ.get("TENSORBEND_JIT", "1") != "0" and importlib.util.find_spec("numba") is not None
@@ -47,10 +40,4 @@ def njit(*args, **kw):
     return lambda fn: fn
 
 
-def kernels():
-    """predictors/decode_kernels.py, imported at the first call (and numba with it)."""
-    name = "tensorbend.predictors.decode_kernels"
-    return sys.modules.get(name) or importlib.import_module(name)
-
-
-__all__ = ["AVAILABLE", "kernels", "njit"]
+__all__ = ["AVAILABLE", "njit"]

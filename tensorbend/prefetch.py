@@ -25,16 +25,12 @@ The list rule, shared with the simulator (which ranks a trace's rows offline):
     >>> likeliest([0.2, 0.7, 0.7, 0.1], 2)
     [1, 2]
 
-One token: its top-(K + extra) guesses, best first (`-1`: no guess); with numba, ours scores
-and ranks a one-token call in one compiled call (`_predict_token`: the same list, tested), and
-the horizon steps a batch-1 decode token's forecast and ranks the next forward's experts in
-another (`_foresee_token`, `horizon_fast.FastHorizon.step_token`: the same, tested); a decode
-token's router call reaches them through `_observe_token`, in numpy from the routed ids on
-(each tensor touched costs microseconds in the runtime, where a call finds the CPU's caches
-cold: bench/cold_call.py).
-Several tokens (prefill, a batch): the union of their top-K, most voted first (ties by expert id). A cross-token
-horizon names the next forward's likeliest experts per layer (`likeliest`, ties by expert id).
-The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
+One token: its top-(K + extra) guesses, best first (`-1`: no guess; the width is checked by
+`predictors.spec.prefetch_width`), scored in numpy by ours (`residual_fast.score_token`) and
+the horizon (`horizon_fast.FastHorizon`): torch's per-op dispatch would be most of the cost of
+arrays this small (bench/cold_call.py). Several tokens (prefill, a batch): the union of their
+top-K, most voted first (ties by expert id). A cross-token horizon names the next forward's
+likeliest experts per layer (`likeliest`, ties by expert id). The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
 (`simulate.plan`) applies `prefetch_list` and `likeliest` to ranked rows; an engine calls the
 `Prefetcher` directly (documented path: `tensorbend.engines.prefetcher`, docs/prefetch_api.md).
 
@@ -51,10 +47,8 @@ names the next forward's first `token_ahead_layers` layers' likeliest experts (`
 a guess to prefetch, not a step to plan around). Steps count forward * L + m over the
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
 `recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
-A `predictors.group.PredictorGroup` of d1..dn fires its members together from every n-th
-router (`group_targets`: each target once, from one call site per n layers).
-`score_s` adds up the wall seconds spent scoring (the compiled one-token kernels, the horizon's
-step, a predictor's `scores`): the rest of `observe` is the Python around it.
+`score_s` adds up the wall seconds spent scoring (the horizon's step, a predictor's `scores`):
+the rest of `observe` is the Python around it.
 """
 
 from __future__ import annotations
@@ -66,14 +60,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tensorbend.errors import PredictorInputError, TensorbendError
-from tensorbend.jit import AVAILABLE as JIT
-from tensorbend.jit import kernels
+from tensorbend.errors import PredictorInputError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
-from tensorbend.predictors.group import group_schedule
 from tensorbend.predictors.horizon_fast import FastHorizon
 from tensorbend.predictors.registry import check_roles
+from tensorbend.predictors.spec import prefetch_width
 
 INF = float("inf")
 
@@ -170,12 +162,7 @@ class Prefetcher:
         check_roles(
             None if predictor is None else predictor.kind, None if horizon is None else horizon.kind
         )
-        if spec.top_k + extra < 1:
-            raise TensorbendError(
-                f"--prefetch-extra {extra}: expected at least {1 - spec.top_k} (a one-token "
-                f"call prefetches its top-(K + extra) predictions; this model routes top-"
-                f"{spec.top_k})"
-            )
+        prefetch_width(spec.top_k, extra)
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
         self.horizon = None if horizon is None else FastHorizon(horizon)
@@ -189,7 +176,7 @@ class Prefetcher:
         self.clock = clock or StepClock(spec.num_moe_layers)
         self.history = history or RoutingHistory(spec.num_moe_layers)
         self.forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE)
-        self.score_s = 0.0  # wall seconds scoring (kernels, model calls): the rest is glue
+        self.score_s = 0.0  # wall seconds scoring (model calls): the rest is glue
         self._state = None  # the horizon's per-request history
         self._new_forward = True
         # decode's one-token inputs, made once (read-only: predictors build new tensors)
@@ -197,25 +184,10 @@ class Prefetcher:
         self._no_prev_1K = torch.zeros(1, spec.top_k, dtype=torch.long)
         self._no_grad = torch.no_grad()  # one reusable context (a new one per call: ~2 us)
         self._rows_L1 = np.arange(spec.num_moe_layers)[:, None]
-        # the fused one-token path (compiled, ours): target layer -> the kernel's weight args
-        # (False: not covered; the general path scores it)
-        self._plans: dict[int, tuple | bool] = {}
-        # a predictor group (predictors.group): members d1..dn fired from every n-th router
-        self._members = getattr(predictor, "members", None) or (
-            () if predictor is None else (predictor,)
-        )
-        self._fused = JIT and self._asks and all(hasattr(p, "token_plan") for p in self._members)
-        self._fused_horizon = JIT and self.horizon is not None  # (FastHorizon.step_token)
-        self._token_path = self._fused or self._fused_horizon  # (observe's one-token path)
         # observe's per-call constants (it runs at every source point of every forward)
         self._L, self._D = spec.num_moe_layers, spec.hidden_size
         self._layer_input = self._asks and self.la.hidden == "layer_input"
-        # router layer -> the target layers it fires; target layer -> the member predicting it
-        self._fires, self._member_of = self._fire_table(spec.num_moe_layers)
-        self._out_E = np.empty(spec.num_experts, dtype=np.float32)
-        self._out_J = np.empty(spec.num_experts, dtype=np.int64)
-        if JIT and (self._asks or self.horizon is not None):
-            kernels().warm()  # (the compiled one-token paths: not at the first decode token)
+        self._fires = self._fire_table(spec.num_moe_layers)  # router layer -> target layers
 
     @property
     def wants_layer_input(self) -> bool:
@@ -248,12 +220,7 @@ class Prefetcher:
             if hidden_TD is not None:
                 self._check_hidden(layer, hidden_TD.shape)
             return self._within(layer, layer, hidden_TD) if self._layer_input else []
-        ids_TK = self.history.put(layer, routed_ids_TK)  # (integer ids carry no gradient)
-        if self._token_path and ids_TK.shape[0] == 1 and hidden_TD is not None:
-            x_D = _host_f32(hidden_TD)  # a decode token: numpy from here
-            if x_D.shape[-1] != self._D:
-                self._check_hidden(layer, x_D.shape)
-            return self._observe_token(layer, x_D.reshape(-1))
+        self.history.put(layer, routed_ids_TK)  # (integer ids carry no gradient)
         if hidden_TD is not None:
             self._check_hidden(layer, hidden_TD.shape)
         out = []
@@ -273,53 +240,14 @@ class Prefetcher:
                 f"{tuple(shape)}; pass the router's input or the layer's input"
             )
 
-    def _observe_token(self, layer: int, x_D: np.ndarray) -> list[Prediction]:
-        """observe() at a router for one token (a decode token, batch 1) with a compiled
-        path: the same predictions as the general path (tested), from numpy arrays, with no
-        tensor touched between the routed ids and the kernels."""
-        out = []
-        if self.horizon is not None and layer == self._L - 1:
-            out = self._foresee(x_D.reshape(1, -1))
-        for m in self._fires[layer]:
-            plan = self._plan(m) if self.ahead is None and self._fused else False
-            if plan:
-                out += self._predict_token(m, plan, x_D)
-            else:
-                out += self._within(layer, m, torch.from_numpy(x_D).view(1, -1))
-        return out
-
-    def _fire_table(self, L: int) -> tuple[tuple, dict]:
-        """(the target layers each router fires, the member that predicts each target): a dN
-        predictor fires s + N from router s (the runtime's oracle, `ahead`, at every router:
-        it ignores the target), a group of n its `group_schedule`; nothing but the horizon
-        fires at a router for pre_attn or without a predictor."""
-        if not self._asks:
-            return ((),) * L, {}
-        if len(self._members) > 1:
-            fires, member_of = [[] for _ in range(L)], {}
-            for s, m, j in group_schedule(L, len(self._members)):
-                fires[s].append(m)
-                member_of[m] = self._members[j]
-            return tuple(map(tuple, fires)), member_of
-        d = self.la.distance
-        member_of = dict.fromkeys(range(d, L), self.predictor)
-        if self.la.hidden != "gate_input":  # pre_attn: asked before attention (`_within`)
-            return ((),) * L, member_of
-        fires = tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
-        return fires, member_of
-
-    def _plan(self, m: int):
-        """(the fused one-token kernel's weight arguments for target layer m, its member's
-        lookahead distance, whether it reads the previous token's ids), made at its first
-        call, or False where the kernel does not cover the layer."""
-        plan = self._plans.get(m)
-        if plan is None:
-            p = self._member_of[m]
-            args = p.token_plan(m)
-            plan = self._plans[m] = (
-                (args, p.lookahead.distance, p.token_uses_prev) if args else False
-            )
-        return plan
+    def _fire_table(self, L: int) -> tuple:
+        """The target layers each router fires: a dN predictor fires s + N from router s (the
+        runtime's oracle, `ahead`, at every router: it ignores the target); nothing but the
+        horizon fires at a router for pre_attn or without a predictor."""
+        d = None if not self._asks else self.la.distance
+        if d is None or self.la.hidden != "gate_input":  # pre_attn: asked before attention
+            return ((),) * L
+        return tuple((s + d,) if self.ahead is not None or s + d < L else () for s in range(L))
 
     def _within(self, source: int, m: int, hidden_TD: torch.Tensor | None) -> list[Prediction]:
         if not self._asks:
@@ -333,9 +261,7 @@ class Prefetcher:
         (hidden_TD: any leading shape, [..., D])."""
         D, K = self._D, self.spec.top_k
         T = hidden_TD.numel() // D
-        if T == 1 and self._fused and (plan := self._plan(m)):
-            return self._predict_token(m, plan, hidden_TD)
-        p = self._member_of.get(m, self.predictor)
+        p = self.predictor
         la = p.lookahead
         route_layer = m - max(la.distance, 1)  # latest layer routed before the source
         prev_np = self.history.prev.get(m)
@@ -364,27 +290,6 @@ class Prefetcher:
         when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 
-    def _predict_token(self, m: int, plan: tuple, hidden_1D) -> list[Prediction]:
-        """_predict's one-token case in one compiled call (decode_kernels.predict_token_kernel):
-        the same scores and list, without a tensor op or an intermediate array between
-        scoring and the top ids (the routing history's numpy views: the latest layer routed
-        before the source, and the previous token's target-layer ids)."""
-        weights, distance, uses_prev = plan
-        src_ids_1K = self.history.cur_np.get(m - max(distance, 1))  # (None: below 0)
-        prev_K = self.history.prev.get(m)
-        args = (_host_f32(hidden_1D).reshape(-1),  # (a numpy hidden passes as it is)
-                _NO_IDS if src_ids_1K is None else _ids(src_ids_1K[0]),
-                _ids(prev_K) if uses_prev and prev_K is not None else _NO_IDS)  # fmt: skip
-        t0 = time.perf_counter()
-        n = kernels().predict_token_kernel(
-            *args, *weights, self.spec.top_k + self.extra, self._out_E, self._out_J
-        )
-        self.score_s += time.perf_counter() - t0
-        when = self.clock.step(m)
-        return [
-            _new(Prediction, (m, e, when, r, True)) for r, e in enumerate(self._out_J[:n].tolist())
-        ]
-
     def _foresee(self, hidden_TD) -> list[Prediction]:
         """At the last MoE layer's router: update the horizon's request history (a new one at
         a request's first forward), publish the forecast, name the next forward's experts.
@@ -399,8 +304,6 @@ class Prefetcher:
         )
         if not self.history.prev or self._state is None:  # a request's first forward
             self._state = [self.horizon.new_state() for _ in range(B)]
-        if B == 1 and hidden_TD.shape[0] == 1 and self._fused_horizon:
-            return self._foresee_token(hidden_TD)
         f = self.clock.forward
         D = hidden_TD.shape[-1]  # (numpy views from here: no tensor op per layer or sequence)
         hidden_BD = _host_f32(hidden_TD).reshape(B, -1, D)[:, -1]
@@ -429,30 +332,11 @@ class Prefetcher:
         ]
         return self._ranked_pairs(pairs, hint=False)
 
-    def _foresee_token(self, hidden_1D: torch.Tensor) -> list[Prediction]:
-        """_foresee's one-token case at batch 1 (a decode token) in one compiled call
-        (FastHorizon.step_token): the same forecast and list, without building used_LE or
-        ranking the next forward's experts in numpy."""
-        L, f = self.spec.num_moe_layers, self.clock.forward
-        cur = self.history.cur_np
-        ids_LK = _ids(np.concatenate([cur[m] for m in range(L)]))  # (each [1, K]: one token)
-        hidden_D = _host_f32(hidden_1D).reshape(-1)
-        n = min(self.token_ahead_layers, L)
-        t0 = time.perf_counter()
-        ahead, after, first_NK = self.horizon.step_token(
-            self._state[0], ids_LK, hidden_D, f, n, self.spec.top_k
-        )
-        self.score_s += time.perf_counter() - t0
-        self.forecast = (f, ahead, after)
-        pairs = [((m, e), (f + 1) * L + m) for m in range(n) for e in first_NK[m]]
-        return self._ranked_pairs(pairs, hint=False)
-
     @staticmethod
     def _ranked_pairs(pairs, hint: bool) -> list[Prediction]:
         return [_new(Prediction, (m, e, when, r, hint)) for r, ((m, e), when) in enumerate(pairs)]
 
 
-_NO_IDS = np.zeros(0, dtype=np.int64)
 _new = tuple.__new__  # Prediction(*fields) without its __new__'s argument handling
 
 
@@ -468,12 +352,7 @@ def _host_f32(t: torch.Tensor) -> np.ndarray:
     return a if a.dtype is _F32 else a.astype(np.float32)
 
 
-def _ids(ids_K: np.ndarray) -> np.ndarray:
-    """Expert ids as the compiled kernel's type (int64): routers give int64."""
-    return ids_K if ids_K.dtype is _I64 else ids_K.astype(np.int64)
-
-
-_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)  # (`is`: cheaper than a dtype's ==)
+_F32 = np.dtype(np.float32)  # (`is`: cheaper than a dtype's ==)
 
 
 def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
@@ -484,12 +363,7 @@ def ranked_ids(scores_TE: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _token_list(scores_1E: torch.Tensor, width: int) -> list[int]:
-    """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists
-    (compiled with numba: predictors/decode_kernels.top_ids)."""
-    if JIT:
-        return (
-            kernels().top_ids(np.ascontiguousarray(scores_1E.detach().numpy()[0]), width).tolist()
-        )
+    """prefetch_list(ranked_ids(scores_1E, width), width, 0) for one token, in two lists."""
     top = scores_1E.topk(min(width, scores_1E.shape[1]), dim=1)  # (ranked_ids' own call)
     ids_J, values_J = top.indices.tolist()[0], top.values.tolist()[0]
     return [e for e, v in zip(ids_J, values_J, strict=True) if v > -INF]

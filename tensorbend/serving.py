@@ -17,8 +17,7 @@ What happens, in order, and what lives in memory at each step:
    checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
-   modeling code, Python objects, and with numba installed numba and the predictors'
-   compiled kernels, which `TENSORBEND_JIT=0` leaves out) - the top-k staging slots -
+   modeling code, Python objects, the predictors' weights) - the top-k staging slots -
    `reserve` (KV cache and activations), in whole experts; or `cache_frac` of all routed
    experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
    the predictors, to the model in place; counters are on `model.tensorbend`.
@@ -39,8 +38,6 @@ import torch
 
 from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.errors import StoreError, TensorbendError
-from tensorbend.jit import AVAILABLE as JIT
-from tensorbend.jit import kernels
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle, rss_bytes
@@ -52,6 +49,7 @@ from tensorbend.placement import (
     load_non_experts,
     parse_bytes,
 )
+from tensorbend.predictors.spec import PredictorSpec
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -96,16 +94,8 @@ class ServeConfig:
     or direct (O_DIRECT: every read comes from the disk)."""
     io_threads: int = 2
     """I/O threads reading experts."""
-    predictor: Path | None = None
-    """Within-token predictor checkpoint (`tensorbend train`): prefetches ahead of the router
-    (with --policy prefetch)."""
-    predictor_group: tuple[Path, ...] = ()
-    """Within-token checkpoints of lookaheads d1, d2, ..., dn, in that order (instead of
-    --predictor): fired together from every n-th MoE layer's router, one prediction call site
-    per n layers (with --policy prefetch)."""
-    horizon: Path | None = None
-    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`): its forecasts
-    drive eviction and next-token prefetches (with --policy prefetch)."""
+    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    """What predicts for --policy prefetch (--predictor, --horizon, --prefetch-extra)."""
     progress: bool = field(default=True, metadata={"cli": False})
     """Progress bar while the store is built."""
     offload: PolicyConfig = field(default_factory=PolicyConfig)
@@ -126,40 +116,23 @@ class ServeConfig:
                 f"--device {self.device}: expected a CUDA device, found none "
                 f"(torch {torch.__version__}); use --device cpu"
             )
-        if self.predictor is not None and self.predictor_group:
-            raise TensorbendError(
-                "--predictor and --predictor-group both given: expected one; drop one"
-            )
-        group = (("--predictor-group", p) for p in self.predictor_group)
-        for flag, path in (("--predictor", self.predictor), *group, ("--horizon", self.horizon)):
-            if path is not None and not Path(path).is_file():
-                raise TensorbendError(
-                    f"{flag} {path}: expected a checkpoint file, found none; train one with "
-                    f"`tensorbend train`"
-                )
         pol = self.offload.policy
-        has = self.predictor is not None or bool(self.predictor_group) or self.horizon is not None
         if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
                 f"--policy {pol}: not a serving policy (it needs a resident reference run); "
                 f"use `tensorbend run` to measure it, or lru, lfu, lfru, on_demand, prefetch"
             )
-        if pol == "prefetch" and not has:
-            raise TensorbendError("--policy prefetch needs --predictor PRED and/or --horizon PRED")
-        if pol != "prefetch" and has:
-            raise TensorbendError(
-                f"--predictor/--horizon with --policy {pol}: expected --policy prefetch (only it "
-                f"uses predictors); drop them or change the policy"
-            )
+        self.prediction.check_policy(pol)
 
 
 def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **overrides):
     """Load `model` (a local checkpoint directory or zoo:NAME) with its routed experts offloaded.
 
     Returns the transformers CausalLM; `model.tensorbend` is its `OffloadHandle` (counters,
-    reset, close). Keyword overrides set ServeConfig fields, and PolicyConfig fields such as
-    `policy`, `cache_frac`, `pool`, `admission` directly:
-    `load_offloaded(path, max_memory="8GB", policy="lfru")`.
+    reset, close). Keyword overrides set ServeConfig fields, and the fields of its nested
+    PolicyConfig (`policy`, `cache_frac`, `pool`, `admission`, ...) and PredictorSpec
+    (`predictor`, `horizon`, `prefetch_extra`) directly:
+    `load_offloaded(path, max_memory="8GB", policy="prefetch", predictor="d1.safetensors")`.
     """
     cfg = _with_overrides(cfg or ServeConfig(), overrides)
     from tensorbend.zoo import resolve_model
@@ -180,15 +153,14 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
-    if (predictor is not None or horizon is not None) and JIT:
-        kernels().warm()  # (what the Prefetcher does: numba's memory is the model's part too)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     store = _store_path(cfg, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
-    lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts)
+    lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
+                                  prefetch_extra=cfg.prediction.prefetch_extra)  # fmt: skip
     if mem is not None and grown is not None:
         mem["measured"] = grown  # the growth itself, before rounding up
     lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
@@ -207,9 +179,9 @@ def memory_plan(
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
     bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
     its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
-    on CPU, how much the process's resident set grew while the model was built without its experts and the predictors loaded (the
-    model's modeling code and Python objects, the predictors' weights and, with numba, their
-    compiled kernels, beside its tensors): charged as the model's part when it exceeds the
+    on CPU, how much the process's resident set grew while the model was built without its
+    experts and the predictors loaded (the model's modeling code and Python objects, the
+    predictors' weights, beside its tensors): charged as the model's part when it exceeds the
     non-expert tensors' bytes."""
     budget = parse_bytes(cfg.max_memory)
     model = max(non_expert_bytes, loaded_bytes or 0)
@@ -238,19 +210,25 @@ def memory_plan(
 
 
 def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
-    names = set(ServeConfig.__dataclass_fields__)
-    pol = {k: v for k, v in overrides.items() if k in PolicyConfig.__dataclass_fields__}
-    unknown = set(overrides) - names - set(pol)
+    """cfg with `overrides` set: ServeConfig's own fields, or those of its nested configs."""
+    top, nested, unknown = {}, {"offload": {}, "prediction": {}}, []
+    for k, v in overrides.items():
+        home = [n for n in nested if k in type(getattr(cfg, n)).__dataclass_fields__]
+        if k in ServeConfig.__dataclass_fields__:
+            top[k] = v
+        elif home:
+            nested[home[0]][k] = v
+        else:
+            unknown.append(k)
     if unknown:
         raise TensorbendError(
             f"load_offloaded: unknown option(s) {sorted(unknown)}; expected fields of "
-            f"ServeConfig or PolicyConfig"
+            f"ServeConfig, PolicyConfig or PredictorSpec"
         )
-    if pol:
-        overrides = {**overrides, "offload": replace(cfg.offload, **pol)}
-        for k in pol:
-            overrides.pop(k)
-    return replace(cfg, **overrides)
+    for name, fields in nested.items():
+        if fields:
+            top[name] = replace(top.get(name, getattr(cfg, name)), **fields)
+    return replace(cfg, **top)
 
 
 def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
@@ -300,18 +278,13 @@ def _size_cache(
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
-    """The --predictor (or --predictor-group) and --horizon checkpoints, each for this model
-    and in its place."""
+    """The --predictor and --horizon checkpoints, each for this model (PredictorSpec checked
+    their places)."""
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.group import PredictorGroup
-    from tensorbend.predictors.registry import check_roles
 
-    pred, hor = (None if p is None else load_predictor(p, spec, fingerprint)
-                 for p in (cfg.predictor, cfg.horizon))  # fmt: skip
-    check_roles(pred and pred.kind, hor and hor.kind, ("--predictor", "--horizon"))
-    if cfg.predictor_group:  # (PredictorGroup refuses a cross-token member)
-        pred = PredictorGroup(load_predictor(p, spec, fingerprint) for p in cfg.predictor_group)
-    return pred, hor
+    pc = cfg.prediction
+    return tuple(None if p is None else load_predictor(p, spec, fingerprint)
+                 for p in (pc.predictor, pc.horizon))  # fmt: skip
 
 
 def _rss_after_baseline_imports() -> int | None:

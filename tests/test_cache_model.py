@@ -44,6 +44,7 @@ from tensorbend.cache.transfers import Link
 from tensorbend.importers import ImportConfig, import_trace
 from tensorbend.importers.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.simulate import SimulateConfig, simulate
 from tensorbend.simulate.costs import Calibration
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
@@ -63,7 +64,7 @@ CASES = {  # name: (trace, calibration or None for profiles, SimulateConfig fiel
     "a_all": ("a", "plain", dict(policies=ALL, predictors=("transition", "none", "random",
               "frequency"), cache_fracs=(0.25, 0.5))),
     "a_busy": ("a", "busy", dict(policies=ALL[1:], predictors=("transition", "prev_token",
-               "random"), cache_fracs=(0.25, 0.5), prefetch_extra=2)),
+               "random"), cache_fracs=(0.25, 0.5), prediction=PredictorSpec(prefetch_extra=2))),
     "a_busy_b3": ("a", "busy", dict(policies=("lru", "lfru", "prefetch", "oracle"),
                   predictors=("transition", "random"), cache_fracs=(0.375,), batch=3)),
     "a_perlayer_freq": ("a", "one", dict(policies=ALL[2:], predictors=("random", "transition"),
@@ -77,7 +78,7 @@ CASES = {  # name: (trace, calibration or None for profiles, SimulateConfig fiel
                    cache_fracs=(0.5,), prefetch_backlog=float("inf"), lookahead="same_layer",
                    foresight=2)),
     "b_busy": ("b", "busy", dict(policies=ALL[1:], predictors=("transition", "random",
-               "frequency"), cache_fracs=(0.2, 0.4), prefetch_extra=1)),
+               "frequency"), cache_fracs=(0.2, 0.4), prediction=PredictorSpec(prefetch_extra=1))),
     "b_one_b2": ("b", "one", dict(policies=("lru", "prefetch", "oracle"), predictors=("random",
                  "transition"), cache_fracs=(0.3,), batch=2, lookahead="d2")),
     "hw_kimi": ("a", None, dict(hardware="dgx-spark", geometry="kimi-k2.5", policies=("lru",

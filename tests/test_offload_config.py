@@ -42,9 +42,13 @@ def no_model_load(monkeypatch):
         (["--link", "0MB/s"], "--link '0MB/s': expected none"),
         (
             ["--policy", "prefetch"],
-            "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon",
+            "--policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED (`run`: "
+            "or --baseline NAME)",
         ),
-        (["--baseline", "spec_gate"], "--predictor/--baseline with --policy lru: expected"),
+        (
+            ["--baseline", "spec_gate"],
+            "--predictor/--baseline/--horizon with --policy lru: expected",
+        ),
         (["--foresight", "2"], "--foresight 2 with --policy lru: expected a count >= 0 with"),
         (["--admission", "predicted"], "--admission predicted with --policy lru: expected"),
         (["--policy", "prefetch", "--baseline", "transition"], "expected --trace DIR"),

@@ -122,11 +122,8 @@ def test_every_policy_and_predictor_matches_resident_deepseek():
         for pol in ("on_demand", "lru", "lfu", "oracle"):
             _check(sess.run_policy(PolicyConfig(pol, cache_frac=0.25), link=link))
         for p in preds:
-            r = _check(
-                sess.run_policy(
-                    PolicyConfig("prefetch", cache_frac=0.25, prefetch_extra=2), p, link
-                )
-            )
+            pc = PolicyConfig("prefetch", cache_frac=0.25)
+            r = _check(sess.run_policy(pc, p, link, prefetch_extra=2))
             assert r["predictor"] == p.kind and r["lookahead"] == p.lookahead.name
             assert r["link"]["bandwidth_MBps"] == 50.0
         assert r["counters"]["prefetch_issued"] == 0  # the empty predictor prefetched nothing
@@ -243,7 +240,10 @@ def test_run_verb_writes_design_json(tmp_path, capsys):
     assert RUN_KEYS <= set(r) and r["output_matches_resident"] is True
     assert r["predictor"] == "spec_gate" and r["link"]["bandwidth_MBps"] == 200.0
     rc = main([*base, "--policy", "prefetch"])
-    assert rc == 2 and "error: --policy prefetch needs --predictor" in capsys.readouterr().err
+    assert (
+        rc == 2
+        and "error: --policy prefetch needs a predictor: --predictor" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.skipif(

@@ -99,21 +99,14 @@ def test_online_horizon_inputs_equal_offline_request_forwards(setup, monkeypatch
     for p in hz.net.parameters():  # arbitrary but fixed, non-trivial forecasts
         torch.nn.init.normal_(p, std=0.3)
     seen = []  # (state, used_LE, hidden_D, forward, forecast) per horizon step
-    step, step_token = FastHorizon.step, FastHorizon.step_token
+    step = FastHorizon.step
 
     def recording(self, st, used_LE, hidden_D, forward):
         out = step(self, st, used_LE, hidden_D, forward)
         seen.append((st, used_LE.copy(), hidden_D.copy(), forward, out))
         return out
 
-    def recording_token(self, st, ids_LK, hidden_D, forward, first_layers, k):  # (decode, numba)
-        out = step_token(self, st, ids_LK, hidden_D, forward, first_layers, k)
-        used_LE = self._token_bufs[0].copy()  # what the kernel built from the routed ids
-        seen.append((st, used_LE, hidden_D.copy(), forward, out[:2]))
-        return out
-
     monkeypatch.setattr(FastHorizon, "step", recording)
-    monkeypatch.setattr(FastHorizon, "step_token", recording_token)
     r = sess.run_policy(PolicyConfig("prefetch", cache_frac=0.5), None, horizon=hz)
     assert r.output_matches_resident is True
     offline = request_forwards(rows, spec)

@@ -226,21 +226,13 @@ def test_ours_fast_path_equals_training_computation(real_trace, tmp_path):
                 assert torch.allclose(p.scores(m, one), p.scores_reference(m, one), atol=1e-4)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_path, compiled,
-                                                            monkeypatch):  # fmt: skip
-    """Decode scores one token in numpy (residual_fast.score_token), or in its compiled
-    kernel (predictors/decode_kernels.py): the same scores as the torch fast path up to
-    rounding, and the same top-(K + 2) experts in the same order, also as
-    prefetch._token_list names them."""
+def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_path):
+    """Decode scores one token in numpy (residual_fast.score_token): the same scores as the
+    torch fast path up to rounding, and the same top-(K + 2) experts in the same order, also
+    as prefetch._token_list names them."""
     from tensorbend import prefetch
-    from tensorbend.predictors import residual_fast
     from tensorbend.predictors.residual_fast import score_folded
 
-    if compiled:
-        pytest.importorskip("numba")
-    monkeypatch.setattr(residual_fast, "AVAILABLE", compiled)
-    monkeypatch.setattr(prefetch, "JIT", compiled)
     for la in ("d1", "pre_attn"):
         p, rows = _perturbed_ours(real_trace, tmp_path, la)
         width = p.spec.top_k + 2
@@ -257,40 +249,6 @@ def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_pat
                 assert prefetch._token_list(fast, width) == want
 
 
-def test_the_fused_one_token_path_names_what_the_general_path_names(real_trace, tmp_path):
-    """Prefetcher's fused decode path (decode_kernels.predict_token_kernel: scores and top
-    ids in one compiled call, numpy views of the routing history) against its general path
-    (SourceBatch, ResidualGatePredictor.scores, _token_list) on a real trace's rows, each fed
-    as a one-token forward through observe: the same predictions, call by call."""
-    pytest.importorskip("numba")
-    from tensorbend.prefetch import Prefetcher
-
-    for la in ("d1", "pre_attn"):
-        p, rows = _perturbed_ours(real_trace, tmp_path, la)
-        spec = p.spec
-        fused, general = Prefetcher(spec, p, extra=2), Prefetcher(spec, p, extra=2)
-        top1 = Prefetcher(spec, p, extra=1 - spec.top_k)  # (--prefetch-extra 1 - K)
-        assert fused._fused
-        general._fused = False
-        hidden_TLD = rows[f"{p.lookahead.hidden}_TLD"].float()
-        ids_TLK = rows["expert_ids_TLK"].long()
-        n = 0
-        for pf in (fused, general, top1):
-            pf.begin_request()
-        for t in range(min(60, ids_TLK.shape[0])):
-            for m in range(spec.num_moe_layers):
-                h = hidden_TLD[t, m][None]
-                got = [pf.observe(m, hidden_TD=h) for pf in (fused, general, top1)]
-                got += [pf.observe(m, hidden_TD=h, routed_ids_TK=ids_TLK[t, m][None])
-                        for pf in (fused, general, top1)]  # fmt: skip
-                assert got[0] == got[1] and got[3] == got[4]
-                assert got[2] == got[0][:1] and got[5] == got[3][:1]  # the likeliest only
-                n += len(got[0]) + len(got[3])
-            for pf in (fused, general, top1):
-                pf.on_token_end()
-        assert n > 0 and fused._plans and all(fused._plans.values())
-
-
 def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path):
     with pytest.raises(TensorbendError, match="expected 'all' or names from spec_gate"):
         EvalConfig(trace=planted / "t", baselines=("nope",))
@@ -299,34 +257,3 @@ def test_unknown_baseline_and_untrainable_kind_are_user_errors(planted, tmp_path
         match="'spec_gate': expected one of tensorbend, horizon, seed_mlp",
     ):
         TrainConfig(trace=planted / "t", out=tmp_path / "x", predictor="spec_gate")
-
-
-def test_a_predictor_group_fires_each_target_once_from_its_members_source(real_trace, tmp_path):
-    """A PredictorGroup of ours at d1 and d2 (the fused one-token path) on a real trace's rows:
-    router s names, for even s, exactly what d1's own Prefetcher names there (target s + 1)
-    followed by what d2's own names (target s + 2), and nothing at odd routers; each target
-    layer 1..L-1 once per token."""
-    pytest.importorskip("numba")
-    from tensorbend.predictors.group import PredictorGroup
-    from tensorbend.prefetch import Prefetcher
-
-    (d1, rows), (d2, _) = (_perturbed_ours(real_trace, tmp_path, la) for la in ("d1", "d2"))
-    spec, L = d1.spec, d1.spec.num_moe_layers
-    assert L >= 3
-    group = Prefetcher(spec, PredictorGroup((d1, d2)))
-    alone = {1: Prefetcher(spec, d1), 2: Prefetcher(spec, d2)}
-    assert group._fused
-    hidden_TLD, ids_TLK = rows["gate_input_TLD"].float(), rows["expert_ids_TLK"].long()
-    for pf in (group, *alone.values()):
-        pf.begin_request()
-    for t in range(min(40, ids_TLK.shape[0])):
-        named = []
-        for s in range(L):
-            h, ids = hidden_TLD[t, s][None], ids_TLK[t, s][None]
-            got = group.observe(s, hidden_TD=h, routed_ids_TK=ids)
-            by = {d: pf.observe(s, hidden_TD=h, routed_ids_TK=ids) for d, pf in alone.items()}
-            assert got == ([] if s % 2 else by[1] + by[2])
-            named += sorted({p.layer for p in got})
-        assert named == list(range(1, L))
-        for pf in (group, *alone.values()):
-            pf.on_token_end()

@@ -108,8 +108,8 @@ def test_a_negative_extra_prefetches_the_likeliest_only_and_changes_no_output():
     cfg = SessionConfig(DecodeConfig(max_new_tokens=5))
     sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name="tiny")
     try:
-        pc = PolicyConfig("prefetch", cache_frac=0.5, prefetch_extra=1 - K)
-        assert sess.run_policy(pc, pred).output_matches_resident
+        pc = PolicyConfig("prefetch", cache_frac=0.5)
+        assert sess.run_policy(pc, pred, prefetch_extra=1 - K).output_matches_resident
     finally:
         sess.close()
 
@@ -127,6 +127,45 @@ def test_a_predictor_in_the_others_place_is_refused():
                        r"predictor, found a cross-token one \(kind horizon\): pass it as horizon="):  # fmt: skip
         Prefetcher(spec, predictor=_horizon(spec))
     assert Prefetcher(spec, within, _horizon(spec)).horizon is not None  # the right places
+
+
+def test_serving_run_and_simulate_check_one_predictor_spec_alike(tmp_path, capsys):
+    """`generate`, `run` and `simulate` read --predictor/--horizon into one PredictorSpec: a
+    within-token checkpoint passed as --horizon, or --policy prefetch without a predictor
+    (generate, run), is refused before any model or trace is read, with one message each;
+    load_offloaded's keywords reach the spec too."""
+    from tensorbend.cli import main
+    from tensorbend.predictors.checkpoint import save_predictor
+    from tensorbend.serving import ServeConfig, _with_overrides
+
+    spec = describe_model(build("deepseek_v3", 0))
+    rows = {"expert_ids_TLK": torch.randint(0, spec.num_experts, (8, spec.num_moe_layers,
+            spec.top_k)), "prompt_T": torch.zeros(8, dtype=torch.long),
+            "position_T": torch.arange(8), "phase_T": torch.ones(8, dtype=torch.long)}  # fmt: skip
+    within = save_predictor(build_baseline("frequency", spec, "d1", train_rows=rows),
+                            tmp_path / "d1.safetensors", fingerprint="0" * 16)  # fmt: skip
+    verbs = {
+        "generate": ["generate", "--model", "nowhere", "--prompt", "a", "--policy", "prefetch"],
+        "run": ["run", "--model", "nowhere", "--policy", "prefetch"],
+        "simulate": ["simulate", "--trace", "nowhere", "--hardware", "h100-pcie5",
+                     "--geometry", "kimi-k2.5"],
+    }  # fmt: skip
+    errors = {}
+    for verb, argv in verbs.items():
+        assert main([*argv, "--quiet", "--horizon", str(within)]) == 2
+        errors[verb] = capsys.readouterr().err
+        assert "--horizon expected a cross-token (horizon) predictor" in errors[verb]
+    assert errors["generate"] == errors["run"] == errors["simulate"]
+    for verb in ("generate", "run"):
+        assert main([*verbs[verb], "--quiet"]) == 2
+        assert capsys.readouterr().err == (
+            "error: --policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED "
+            "(`run`: or --baseline NAME)\n"
+        )
+    cfg = _with_overrides(ServeConfig(), dict(policy="prefetch", predictor=within,
+                                              prefetch_extra=-1, io_threads=3))  # fmt: skip
+    assert (cfg.offload.policy, cfg.prediction.predictor, cfg.prediction.prefetch_extra,
+            cfg.io_threads) == ("prefetch", within, -1, 3)  # fmt: skip
 
 
 def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand():
@@ -270,28 +309,10 @@ def test_a_predictor_of_only_minus_inf_is_not_asked_and_that_changes_nothing(loo
     assert any(p for p in declared if isinstance(p, list))  # the horizon's prefetches remain
 
 
-def test_compiled_top_ids_ranks_like_torch_topk():
-    """predictors/decode_kernels.top_ids (prefetch._token_list with numba): torch.topk's
-    order on distinct scores, -inf scores left out, ties to the lower expert id."""
-    from tensorbend.predictors.decode_kernels import top_ids
-
-    pytest.importorskip("numba")
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        s = torch.randn(32, generator=g)
-        s[torch.randperm(32, generator=g)[:3]] = -float("inf")
-        width = int(torch.randint(1, 40, (1,), generator=g))
-        top = s.topk(min(width, 32))
-        want = [e for e, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
-                if v > -float("inf")]  # fmt: skip
-        assert top_ids(s.numpy(), width).tolist() == want
-    assert top_ids(np.array([1.0, 3.0, 3.0, 2.0], np.float32), 3).tolist() == [1, 2, 3]
-
-
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "needs_grad", "strided"])
-def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(kind):
-    """prefetch._host_f32 (the one step from a hidden state to the compiled paths' float32
-    numpy input) tries the tensor's own numpy view first: whatever the tensor, the values it
+def test_a_hidden_state_of_any_dtype_reaches_numpy_as_its_float32_values(kind):
+    """prefetch._host_f32 (the one step from a hidden state to the numpy paths' float32
+    input) tries the tensor's own numpy view first: whatever the tensor, the values it
     hands over are the tensor's as float32, and a float32 CPU tensor is not copied."""
     from tensorbend.prefetch import _host_f32
 
@@ -309,72 +330,3 @@ def test_a_hidden_state_of_any_dtype_reaches_the_kernels_as_its_float32_values(k
     np.testing.assert_array_equal(got, t.detach().float().numpy())
     if kind == "float32":
         assert np.shares_memory(got, base.numpy())
-
-
-def test_a_predictor_group_names_its_members_lists_and_changes_no_output():
-    """PredictorGroup(d1, d2) through the general path (spec_gate: no compiled plan): at even
-    routers each member's own list for its target, nothing at odd ones; offloaded with it the
-    model generates what the resident model does; members out of order, one member, or a
-    group beside --predictor are refused with what was expected."""
-    from tensorbend.errors import PredictorConfigError, TensorbendError
-    from tensorbend.offload.runner import RunConfig
-    from tensorbend.predictors.group import PredictorGroup, group_targets
-
-    torch.set_num_threads(1)
-    model = build("deepseek_v3", 0)
-    spec = describe_model(model)
-    d1, d2 = (build_baseline("spec_gate", spec, la, router_params=router_params(model, spec))
-              for la in ("d1", "d2"))  # fmt: skip
-    group = PredictorGroup((d1, d2))
-    assert group.lookahead_label == "d1+d2" and group.stride == 2
-    pfs = [Prefetcher(spec, group), Prefetcher(spec, d1), Prefetcher(spec, d2)]
-    assert not pfs[0]._fused
-    g = torch.Generator().manual_seed(0)
-    for pf in pfs:
-        pf.begin_request()
-    for _ in range(3):
-        for m in range(spec.num_moe_layers):
-            hidden = torch.randn(1, spec.hidden_size, generator=g)
-            ids = torch.randperm(spec.num_experts, generator=g)[: spec.top_k].view(1, -1)
-            got, one, two = (pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids) for pf in pfs)
-            assert got == ([] if m % 2 else one + two)
-            assert {p.layer for p in got} == set(group_targets(spec.num_moe_layers, 2, m))
-        for pf in pfs:
-            pf.on_token_end()
-    with pytest.raises(PredictorConfigError, match=r"expected .* lookaheads d1, d2 in that "
-                       r"order .* found d2, d1"):  # fmt: skip
-        PredictorGroup((d2, d1))
-    with pytest.raises(PredictorConfigError, match=r"at least two\), found d1"):
-        PredictorGroup((d1,))
-    with pytest.raises(TensorbendError, match="--predictor and --predictor-group both given"):
-        RunConfig(model="zoo:default", predictor="a.safetensors", predictor_group=("b", "c"))
-    cfg = SessionConfig(DecodeConfig(max_new_tokens=5))
-    sess = OffloadSession(model, char_tokenizer(), PROMPTS, cfg, model_name="tiny")
-    try:
-        r = sess.run_policy(PolicyConfig("prefetch", cache_frac=0.5), group)
-        assert r.output_matches_resident and r.lookahead == "d1+d2"
-    finally:
-        sess.close()
-
-
-def test_the_offload_sweep_runs_each_predictor_group_where_ours_runs():
-    """bench.offload_sweep's plan with two `--predictor-group`s: each group gets the rows of
-    our within-token predictor (alone; with the horizon, with and without its next-forward
-    prefetches), in the order given, right after ours; nothing else changes. The predictors
-    are placeholders: the plan only places them (no model is run)."""
-    from bench.offload_sweep import _parser, _plan
-
-    a = _parser().parse_args(["--caches", "lru", "--pools", "per_layer", "--admissions",
-                              "frequency", "--foresights", "all"])  # fmt: skip
-    ours, g2, g3, horizon = object(), object(), object(), object()
-    with_groups = _plan(a, 0.25, [ours], 32, horizon, [g2, g3])
-    alone = _plan(a, 0.25, [ours], 32, horizon)
-    rows = lambda plan, p: [(pc.policy, pc.admission, pc.token_ahead_layers, hz is horizon)  # noqa: E731
-                            for pc, q, hz in plan if q is p]  # fmt: skip
-    assert rows(with_groups, g2) == rows(with_groups, g3) == rows(alone, ours)
-    assert len(rows(alone, ours)) == 3  # alone, + horizon, + horizon without its prefetches
-    order = [q for _, q, _ in with_groups if q in (ours, g2, g3)]
-    assert order == [ours, g2, g3, ours, ours, g2, g2, g3, g3]
-    same = lambda plan: [(pc, "none" if type(q).__name__ == "NoPredictor" else q, hz)  # noqa: E731
-                         for pc, q, hz in plan if q not in (g2, g3)]  # fmt: skip
-    assert same(with_groups) == same(alone)

@@ -18,6 +18,7 @@ from test_import import csv_rows, planted_routing
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.importers import ImportConfig, import_trace
 from tensorbend.importers.csv import write_csv
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.simulate import (
     GEOMETRY_NAMES,
     HARDWARE_NAMES,
@@ -339,7 +340,7 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
     assert main(["train", "--trace", str(tmp_path / "t"), "--out", str(ckpt), "--quiet",
                  "--predictor", "horizon", "--inputs", "routing", "--foresight", "2"]) == 0  # fmt: skip
     cal = calibration(tmp_path / "c.json", wire_s=0.1, attn_s=1.0)
-    kw = dict(policies=("lru", "prefetch"), predictors=("none",), horizon=ckpt,
+    kw = dict(policies=("lru", "prefetch"), predictors=("none",), prediction=PredictorSpec(horizon=ckpt),
               token_ahead_layers=0, cache_fracs=(0.75,), split="test", max_prompts=None)  # fmt: skip
     learned = sim(tmp_path / "t", cal, **kw).results
 
@@ -360,61 +361,3 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
     hz = "horizon(evict only)"  # the label says what ran: no within-token predictor
     assert by_true[hz] <= by[hz] < by["prefetch:none"] < by["lru"]
     assert by["prefetch:none"] == by_true["prefetch:none"]  # runs without forecasts untouched
-
-
-def test_a_predictor_group_fires_each_geometry_layer_from_its_members_router():
-    """plan.build_work with a predictor group's ranking (d1, d2; lists planted by hand, one
-    row): target g is issued at router g - j with member dj's list, j = (g - 1) mod 2 + 1, as
-    the runtime's Prefetcher fires it; on a geometry that cycles the trace's layers the same
-    rule holds per geometry layer, and where dj has no list for the replayed trace layer
-    nothing is issued."""
-    from tensorbend.rows import Forward
-    from tensorbend.simulate import plan
-    from tensorbend.simulate.predictions import Ranked, group_ranked
-
-    L = 4
-
-    def member(d: int, base: int) -> Ranked:
-        ids_TLJ = torch.full((1, L, 1), -1, dtype=torch.long)
-        for m in range(d, L):
-            ids_TLJ[0, m, 0] = base + m
-        return Ranked("planted", f"d{d}", d, ids_TLJ, torch.arange(L) >= d)
-
-    group = group_ranked([member(1, 10), member(2, 20)])
-    assert group.lookahead == "d1+d2" and group.valid_L.tolist() == [False, True, True, True]
-    assert group.ids_TLJ[0, :, 0].tolist() == [-1, 11, 22, 13]
-    fwds = [Forward(1, torch.tensor([0]))]
-    demand = [[[(0, 1)] for _ in range(L)]]
-    preds = plan.prediction_lists(group, fwds, top_k=1, extra=0)
-    same = make_mapping(L, 8, 1, L, 8, 1)
-    work = plan.build_work(fwds, demand, same, group, preds)
-    assert [lw.at_router for lw in work[0].layers] == [[(1, [11]), (2, [22])], [], [(3, [13])], []]
-    cycle = make_mapping(L, 8, 1, 7, 8, 1)  # geometry layers 4, 5, 6 replay trace 0, 1, 2
-    work = plan.build_work(fwds, demand, cycle, group, preds)
-    want = [[(1, [11]), (2, [22])], [], [(3, [13])], [], [(5, [11]), (6, [22])], [], []]
-    assert [lw.at_router for lw in work[0].layers] == want  # (g 4: d2 has no list for layer 0)
-
-
-def test_a_predictor_group_spec_simulates_and_a_misordered_one_is_refused(planted, tmp_path):
-    """`--predictor D1+D2` (checkpoints of a routing-only peer saved at d1 and d2) runs as one
-    prefetch row labelled d1+d2, with the demand (hence the demand bytes' floor) of the same
-    trace; `D2+D1` is refused with the order expected."""
-    from tensorbend.predictors.checkpoint import save_predictor
-    from tensorbend.predictors.registry import build_baseline
-
-    tr = Trace.open(planted)
-    rows = routing_rows(tr, "train")
-    fp = tr.manifest["model"]["fingerprint"]
-    paths = {}
-    for la in ("d1", "d2"):
-        p = build_baseline("transition", tr.spec, la, train_rows=rows)
-        paths[la] = str(save_predictor(p, tmp_path / f"{la}.safetensors", fingerprint=fp))
-    cal = calibration(tmp_path / "c.json", wire_s=0.3, attn_s=0.5, expert_s=0.05)
-    group = f"{paths['d1']}+{paths['d2']}"
-    res = sim(planted, cal, policies=("prefetch",), predictors=(paths["d1"], group),
-              cache_fracs=(0.5,), split="test", max_prompts=None)  # fmt: skip
-    by = {r["lookahead"]: r for r in res.results if r["predictor"] == "transition"}
-    assert set(by) == {"d1", "d1+d2"} and by["d1+d2"]["tokens"] == by["d1"]["tokens"]
-    with pytest.raises(TensorbendError, match=r"lookaheads d1, d2 in that order .* found d2, d1"):
-        sim(planted, cal, policies=("prefetch",), predictors=(f"{paths['d2']}+{paths['d1']}",),
-            cache_fracs=(0.5,), split="test")  # fmt: skip

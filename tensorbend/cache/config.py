@@ -154,9 +154,6 @@ class PolicyConfig:
     lookahead: str = field(default="d1", metadata={"choices": tuple(LOOKAHEADS)})
     """Source point of a --baseline predictor and of the oracle's prefetches (a checkpoint
     brings its own)."""
-    prefetch_extra: int = 0
-    """Batch-1 decode prefetches the top-(K + extra) predicted experts (negative: fewer than
-    the K routed, down to 1 - K: only the likeliest one)."""
     prefetch_backlog: float = 0.5
     """Start a prefetch only while the link has at most this many expert transfers booked
     ahead; until then it waits in the queue, behind any demand load that comes (inf: at once)."""

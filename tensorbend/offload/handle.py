@@ -71,7 +71,10 @@ class OffloadHandle:
         opts: AttachOptions | None = None,
         clock: StepClock | None = None,
         history: RoutingHistory | None = None,
+        prefetch_extra: int = 0,
     ):
+        """prefetch_extra: a decode token prefetches its top-(K + extra) predictions
+        (`predictors.spec.PredictorSpec.prefetch_extra`)."""
         check_supported(spec.family)
         opts = opts or AttachOptions()
         self.model, self.spec, self.layout, self.pc, self.opts = model, spec, layout, pc, opts
@@ -93,7 +96,7 @@ class OffloadHandle:
             mod.forward = OffloadedExperts(mod, spec.family, layout, m, self._active)
         self.hooks = PredictionHooks(
             model, spec, self.clock, self.history, predictor, self.loader, self.cache,
-            extra=pc.prefetch_extra,
+            extra=prefetch_extra,
             on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
             horizon=horizon,
             token_ahead_layers=pc.token_ahead_layers,

@@ -9,9 +9,7 @@ model's experts):
 
 Isolated: per decode step, one batch-1 resident forward with a KV cache, then one token's
 `prefetch.Prefetcher.observe` calls per stack (after every MoE layer's router, random router
-inputs and ids: the cost does not depend on values), interleaved; medians. A stack whose
-Prefetcher takes the fused one-token path (numba) is timed beside its general-path twin
-("<stack>, general path": the same predictions, tested), in the same loop.
+inputs and ids: the cost does not depend on values), interleaved; medians.
 
 In the runtime: `OffloadSession.run_policy` with the cache holding every expert and no link
 cap, so after the first prompt's loads the only difference between a `prefetch` run and the
@@ -25,7 +23,7 @@ expert load: with every expert held no layer waits once the first loads are in, 
 on all of it), each as a share of the resident decode step (the session's reference run) and
 of the lru run's own decode step (same repeat, less exposed to the machine's load drifting),
 and decode tok/s over lru's. Decode's calls are split three ways: scoring
-(`decode_predict_score_s_per_token`: the compiled kernels, the horizon's step, a predictor's
+(`decode_predict_score_s_per_token`: the horizon's step, a predictor's
 `scores`; `Prefetcher.score_s`, timed in isolation too as `score_us_per_token`, the same calls
 warm in a tight loop), queueing (`decode_predict_queue_s_per_token`) and the rest (glue: the
 Python of the hooks and of `observe`). Medians over repeats, with the tok/s ratio's range.
@@ -46,24 +44,18 @@ from tensorbend.prefetch import Prefetcher
 TARGET_RATIO = 0.02  # issue 17's goal for the whole stack (5%: its limit)
 
 
-def prediction_stacks(predictor, horizon, groups=()) -> dict[str, tuple]:
-    """{name: (within-token predictor or None, horizon or None)} for those given; with
-    `predictors.group.PredictorGroup`s, each one's rows too ("group d1+d2", "group d1+d2 +
-    horizon"), in order."""
+def prediction_stacks(predictor, horizon) -> dict[str, tuple]:
+    """{name: (within-token predictor or None, horizon or None)} for those given, in order."""
     stacks = {
         "within-token": (predictor, None),
         "horizon": (None, horizon),
         "both": (predictor, horizon),
     }
-    for group in groups:
-        name = f"group {group.lookahead_label}"
-        stacks.update({name: (group, None), f"{name} + horizon": (group, horizon)})
     return {k: (p, h) for k, (p, h) in stacks.items() if p is not None or h is not None}
 
 
 def whole_stacks(stacks: dict) -> list[str]:
-    """The stacks that hold every predictor given: "both" (or the one given alone) and a
-    group's with the horizon."""
+    """The stacks that hold every predictor given: "both" (or the one given alone)."""
     full = [k for k, (p, h) in stacks.items() if p is not None and h is not None]
     return full or list(stacks)[-1:]
 
@@ -71,9 +63,6 @@ def whole_stacks(stacks: dict) -> list[str]:
 def isolated_cost(model, spec, stacks: dict, steps: int = 64, seed: int = 0) -> dict:
     """Resident decode forward and each stack's observe calls per token, interleaved."""
     pfs = {k: Prefetcher(spec, p, h) for k, (p, h) in stacks.items()}
-    for k in [k for k, pf in pfs.items() if pf._fused]:  # the one-token path's A/B
-        pfs[f"{k}, general path"] = general = Prefetcher(spec, *stacks[k])
-        general._fused = False
     for pf in pfs.values():
         pf.begin_request()
     g = torch.Generator().manual_seed(seed)

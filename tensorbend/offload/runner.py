@@ -28,8 +28,9 @@ from tensorbend.errors import TensorbendError
 from tensorbend.models import describe_model
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
-from tensorbend.predictors.checkpoint import check_held_out, read_metadata
-from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
+from tensorbend.predictors.checkpoint import check_held_out
+from tensorbend.predictors.registry import BASELINES, KINDS
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.routers import model_fingerprint
 
 RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
@@ -48,18 +49,10 @@ class RunConfig:
     """Which prompts of the file to run."""
     max_prompts: int | None = 8
     """Run at most this many prompts (file order)."""
-    predictor: Path | None = None
-    """Trained predictor checkpoint (for --policy prefetch)."""
-    predictor_group: tuple[Path, ...] = ()
-    """Within-token checkpoints of lookaheads d1, d2, ..., dn, in that order (instead of
-    --predictor): they fire together from every n-th MoE layer's router, each target layer
-    predicted once, so a decode token makes one prediction call site per n layers."""
+    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    """What predicts for --policy prefetch (--predictor, --horizon, --prefetch-extra)."""
     baseline: str | None = field(default=None, metadata={"choices": RUN_BASELINES})
-    """Peer predictor by name (for --policy prefetch)."""
-    horizon: Path | None = None
-    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`) for --policy
-    prefetch: its forecasts drive eviction (Reuse) and next-forward prefetches; combinable
-    with --predictor/--baseline (within-token prefetches)."""
+    """Peer predictor by name, instead of --predictor (for --policy prefetch)."""
     trace: Path | None = None
     """Trace of this model whose train split fits the table baselines (frequency, prev_token,
     transition)."""
@@ -103,24 +96,21 @@ def run(cfg: RunConfig) -> RunResult:
             f"expected at least one; pick another --split"
         )
     cfg.session.check_prompts(prompts)
-    checkpoints = (cfg.predictor, *cfg.predictor_group, cfg.horizon)
+    pred = cfg.prediction
+    checkpoints = (pred.predictor, pred.horizon)
     for path in () if cfg.allow_seen_split else checkpoints:
         if path is not None:
             check_held_out(path, [p.id for p in prompts], cfg.split)
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
-    if cfg.predictor_group:
-        predictor = build_group(model, cfg.predictor_group)
-    else:
-        predictor = build_predictor(
-            model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
-        )
-    horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
+    la = cfg.offload.lookahead
+    predictor = build_predictor(model, pred.predictor, cfg.baseline, la, cfg.trace)
+    horizon = build_predictor(model, pred.horizon, None, la, None)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
     try:
         link = sess.link(cfg.link, cfg.link_speedup)
-        return sess.run_policy(cfg.offload, predictor, link, horizon)
+        return sess.run_policy(cfg.offload, predictor, link, horizon, pred.prefetch_extra)
     finally:
         sess.close()
 
@@ -149,43 +139,10 @@ def build_predictor(
     )
 
 
-def build_group(model, paths):
-    """A `predictors.group.PredictorGroup` of the checkpoints at `paths` (d1, d2, ... in order)."""
-    from tensorbend.predictors.group import PredictorGroup
-
-    return PredictorGroup(build_predictor(model, Path(p), None, "d1", None) for p in paths)
-
-
 def _check_predictor(cfg: RunConfig) -> None:
-    policy = cfg.offload.policy
-    given = [f for f, v in (("--predictor", cfg.predictor), ("--predictor-group",
-             cfg.predictor_group), ("--baseline", cfg.baseline)) if v]  # fmt: skip
-    if len(given) > 1:
-        raise TensorbendError(f"{' and '.join(given)} both given: expected one; drop one")
-    within = bool(given)
-    if policy == "prefetch" and not within and cfg.horizon is None:
-        raise TensorbendError(
-            "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
-        )
-    if policy != "prefetch" and (within or cfg.horizon is not None):
-        raise TensorbendError(
-            f"--predictor/--baseline with --policy {policy}: expected --policy prefetch "
-            f"(only it uses a predictor); drop the predictor or change the policy"
-        )
-    for flag, path, kind in (
-        ("--predictor", cfg.predictor, ""),
-        *(("--predictor-group", p, " --lookahead dN") for p in cfg.predictor_group),
-        ("--horizon", cfg.horizon, " --predictor horizon"),
-    ):
-        if path is not None and not Path(path).is_file():
-            raise TensorbendError(
-                f"{flag} {path}: expected a checkpoint file, found none; "
-                f"train one with `tensorbend train{kind}`"
-            )
-    kinds = [None if p is None else read_metadata(p)["kind"] for p in (cfg.predictor, cfg.horizon)]
-    check_roles(*kinds, ("--predictor", "--horizon"))
-    for p in cfg.predictor_group:
-        check_roles(read_metadata(p)["kind"], None, ("--predictor-group", "--horizon"))
+    if cfg.prediction.predictor is not None and cfg.baseline is not None:
+        raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
+    cfg.prediction.check_policy(cfg.offload.policy, cfg.baseline)
     if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
         raise TensorbendError(
             f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "

@@ -43,6 +43,7 @@ from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
+from tensorbend.predictors.spec import check_policy
 from tensorbend.routers import model_fingerprint
 
 
@@ -136,20 +137,23 @@ class OffloadSession:
 
     def resident_result(self) -> RunResult:
         pc = PolicyConfig("resident", cache_frac=1.0)
-        return self._result(pc, None, Link(), self.reference, None)
+        return self._result(pc, None, Link(), self.reference, None, 0)
 
     def run_policy(
-        self, pc: PolicyConfig, predictor=None, link: Link | None = None, horizon=None
+        self,
+        pc: PolicyConfig,
+        predictor=None,
+        link: Link | None = None,
+        horizon=None,
+        prefetch_extra: int = 0,
     ) -> RunResult:
         """One offloaded run. predictor: within-token (prefetch + hints); horizon: cross-token
-        (forecasts for eviction + the next forward's first layers), both for policy prefetch."""
+        (forecasts for eviction + the next forward's first layers), both for policy prefetch;
+        prefetch_extra: a decode token prefetches its top-(K + extra) predictions."""
         if pc.policy == "resident":
             return self.resident_result()
         link = link or Link()
-        if pc.policy == "prefetch" and predictor is None and horizon is None:
-            raise TensorbendError(
-                "--policy prefetch needs --predictor PRED, --baseline NAME or --horizon PRED"
-            )
+        check_policy(pc.policy, predictor is not None, horizon is not None)
         if pc.policy != "prefetch":
             horizon = None
         if POLICIES[pc.policy].recorded_routing:
@@ -159,7 +163,8 @@ class OffloadSession:
             predictor = None
         opts = AttachOptions(self.cfg.io, self.cfg.io_threads, link, drive_clock=False)
         handle = OffloadHandle(self.model, self.spec, self.layout, self.store_path, pc,
-                               predictor, horizon, opts, self.clock, self.history)  # fmt: skip
+                               predictor, horizon, opts, self.clock, self.history,
+                               prefetch_extra=prefetch_extra)  # fmt: skip
         cache = handle.cache
         try:
             gen = self._generate(handle.hooks, cache)
@@ -167,7 +172,7 @@ class OffloadSession:
             handle.close()
             for mod in self.experts:
                 mod.forward = _not_attached
-        result = self._result(pc, predictor, link, gen, cache)
+        result = self._result(pc, predictor, link, gen, cache, prefetch_extra)
         decode = gen.tokens["decode"]
         result = dataclasses.replace(
             result,
@@ -217,7 +222,7 @@ class OffloadSession:
             write_store(self.experts, self.layout, path, meta)
         return path
 
-    def _result(self, pc, predictor, link: Link, gen: Generation, cache) -> RunResult:
+    def _result(self, pc, predictor, link: Link, gen: Generation, cache, extra: int) -> RunResult:
         matches, diff = compare(gen, self.reference, self.cfg.logit_tolerance)
         n_routed = self.spec.num_moe_layers * self.spec.num_experts
         slots = cache.capacity if cache is not None else n_routed
@@ -240,7 +245,7 @@ class OffloadSession:
             max_logit_abs_diff=None if cache is None else diff,
             logit_tolerance=self.cfg.logit_tolerance,
             predictor_checkpoint=None if predictor is None else predictor.checkpoint,
-            lookahead=getattr(predictor, "lookahead_label", None) or (la and la.name),
+            lookahead=la and la.name,
             pool=pc.pool,
             admission=pc.admission,
             foresight=pc.foresight if POLICIES[pc.policy].recorded_routing else None,
@@ -249,7 +254,7 @@ class OffloadSession:
             io=self.cfg.io,
             decode=self.cfg.decode.decode,
             device=str(self.device),
-            prefetch_extra=pc.prefetch_extra,
+            prefetch_extra=extra,
             prefetch_backlog=pc.prefetch_backlog,
             cache_slots=slots,
             expert_bytes=self.layout.nbytes,

@@ -6,9 +6,10 @@
 
 Modules: base (lookaheads, SourceBatch, the Predictor protocol), ops (shared tensor ops),
 registry (the table of kinds), baselines (peers), residual_gate + residual_fast (ours),
-horizon (ours across tokens: when each expert is next used),
+horizon + horizon_fast (ours across tokens: when each expert is next used; numpy at decode),
 seed_mlp + seed_net (the seed's predictor), seed_api (the seed's ExpertPredictorSet),
-fit (the training loop), checkpoint (save/load).
+fit (the training loop), checkpoint (save/load), spec (PredictorSpec: what serving, `run` and
+`simulate` predict with, and how wide a prefetch is).
 """
 
 from tensorbend.predictors.base import (

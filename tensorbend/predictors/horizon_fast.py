@@ -1,14 +1,12 @@
 """The horizon predictor's per-forward work in the runtime, in numpy (small arrays: numpy's
 per-op overhead is a fraction of torch's). Equal to `HorizonPredictor` up to float rounding
-(tests/test_horizon.py). With numba installed, `step` is one compiled kernel
-(predictors/decode_kernels.horizon_step_kernel), the same operations.
+(tests/test_horizon.py).
 
 Usage:
     fast = FastHorizon(pred)                    # pred: a trained HorizonPredictor
     state = fast.new_state()                    # one per request
     ahead, after = fast.step(state, used_LE, hidden_D, forward=f)   # Reuse.set_forecast lists
     first_LE = fast.next_forward_probs          # P(next use at f + 1) [L, E], for prefetches
-    ahead, after, first_NK = fast.step_token(state, ids_LK, hidden_D, f, n, k)  # one token
 
 Shape legend: L MoE layers, E experts, J = h + 1 classes, X features, C count decays, T
 recency taus, D hidden, H width.
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorbend.jit import AVAILABLE, kernels
 from tensorbend.predictors.horizon import (
     COUNT_DECAYS,
     HIDDEN_EMA,
@@ -60,10 +57,6 @@ class FastHorizon:
             self.mlp = (sd["mlp.0.weight"].T.copy(), sd["mlp.0.bias"], W2.T.copy(), b2.copy())
         self.decays_C1 = np.asarray(COUNT_DECAYS, dtype=np.float32)[:, None]
         self.neg_inv_tau_T1 = (-1 / np.asarray(RECENCY_TAUS, dtype=np.float32))[:, None]
-        self.decays_C, self.neg_inv_tau_T = (
-            self.decays_C1[:, 0].copy(),
-            self.neg_inv_tau_T1[:, 0].copy(),
-        )
         h = J - 1
         # sums_2J @ p_LJE = (P(next use within h), sum over j < h of j * P(class j)): the
         # expected step of a use within h is base * the first + L * the second (steps below)
@@ -71,8 +64,6 @@ class FastHorizon:
         self.sums_2J[0, :h], self.sums_2J[1, :h] = 1.0, np.arange(h)
         self.m_L1 = np.arange(L, dtype=np.float64)[:, None]
         self.next_forward_probs = None
-        self._kernel = kernels().horizon_step_kernel if AVAILABLE else None  # (None: numpy)
-        self._token_bufs = None  # step_token's arrays, made at its first call
 
     def new_state(self) -> FastState:
         s = self.spec
@@ -80,54 +71,10 @@ class FastHorizon:
 
     def step(self, st: FastState, used_LE: np.ndarray, hidden_D: np.ndarray | None, forward: int):
         """Observe forward `forward` and forecast: (ahead, after_first) lists for Reuse."""
-        if self._kernel is not None:
-            return self._step_compiled(st, used_LE, hidden_D, forward)
         self._observe(st, used_LE, hidden_D)
         p_LJE = self._probs(st)
         self.next_forward_probs = p_LJE[:, 0]
         return self._next_use_steps(p_LJE, st, forward)
-
-    def step_token(self, st: FastState, ids_LK: np.ndarray, hidden_D, forward: int,
-                   first_layers: int, k: int):  # fmt: skip
-        """`step` for one token's forward (a decode token at batch 1), compiled only: the
-        routed ids [L, K] (int64) in place of used_LE, and the `k` likeliest experts of the
-        next forward at each of the first `first_layers` layers (prefetch.likeliest's lists)
-        from the same call: (ahead, after_first, first ids [first_layers][k]) lists. Its
-        arrays are reused: next_forward_probs holds until the next call."""
-        bufs = self._token_bufs
-        if bufs is None or bufs[-1].shape != (first_layers, k):
-            L, E = self.spec.num_moe_layers, self.spec.num_experts
-            bufs = self._token_bufs = (
-                np.empty((L, E), np.float32), np.empty((L, E)), np.empty((L, E)),
-                np.empty((L, E), np.float32), np.empty((first_layers, k), np.int64),
-            )  # fmt: skip
-        used_LE, ahead_LE, after_LE, first_LE, first_NK = bufs
-        kernels().horizon_token_kernel(ids_LK, *self._kernel_args(st, hidden_D), forward,
-                                       used_LE, ahead_LE, after_LE, first_LE, k, first_NK)  # fmt: skip
-        st.forwards += 1
-        self.next_forward_probs = first_LE
-        return ahead_LE.tolist(), after_LE.tolist(), first_NK.tolist()
-
-    def _step_compiled(self, st: FastState, used_LE, hidden_D, forward: int):
-        L, E = used_LE.shape
-        ahead_LE, after_LE = np.empty((L, E)), np.empty((L, E))
-        first_LE = np.empty((L, E), dtype=np.float32)
-        self._kernel(np.ascontiguousarray(used_LE, dtype=np.float32),
-                     *self._kernel_args(st, hidden_D), forward, ahead_LE, after_LE, first_LE)  # fmt: skip
-        st.forwards += 1
-        self.next_forward_probs = first_LE
-        return ahead_LE.tolist(), after_LE.tolist()
-
-    def _kernel_args(self, st: FastState, hidden_D) -> tuple:
-        """The compiled step's arguments from hidden_D to eps_rms (one list for both kernels)."""
-        W1, b1, W2, b2 = self.mlp if self.mlp is not None else _NO_MLP
-        if hidden_D is None or self.mlp is None:
-            hidden_D = _NO_HIDDEN  # (the numpy path keeps the mean of a hidden it never reads)
-        hidden_D = np.ascontiguousarray(hidden_D, dtype=np.float32)
-        L, E = st.age_L1E.shape[0], st.age_L1E.shape[2]
-        return (hidden_D, st.age_L1E.reshape(L, E), st.counts_LCE, st.hidden_2D, st.forwards,
-                self.w_LJX, self.b_LJE, self.decays_C, self.neg_inv_tau_T, W1, b1, W2, b2,
-                HIDDEN_EMA, EPS_RMS)  # fmt: skip
 
     def _observe(self, st: FastState, used_LE: np.ndarray, hidden_D: np.ndarray | None) -> None:
         used_L1E = used_LE.reshape(used_LE.shape[0], 1, -1)
@@ -182,6 +129,3 @@ class FastHorizon:
 
 
 _GELU_C = float(np.sqrt(2 / np.pi))
-_NO_MLP = (np.zeros((0, 0), np.float32), np.zeros(0, np.float32), np.zeros((0, 0), np.float32),
-           np.zeros(0, np.float32))  # fmt: skip
-_NO_HIDDEN = np.zeros(0, np.float32)

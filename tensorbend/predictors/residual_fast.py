@@ -17,8 +17,7 @@ A one-token batch is scored in numpy (`TokenWeights`, `score_token`): the runtim
 token per target layer per decode step, where torch's ~5-10 us dispatch per op is most of the
 cost of matrices this small. Same operations, same order; float rounding may differ from the
 torch path, the top-k lists it yields do not on real traces (tested). Source-router scores
-(use_src_scores) keep the torch path. With numba installed the same operations run as one
-compiled kernel (predictors/decode_kernels.py).
+(use_src_scores) keep the torch path.
 
 Shapes: T tokens, D hidden, E experts, K top-k, H correction width.
 """
@@ -32,7 +31,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorbend.jit import AVAILABLE, kernels
 from tensorbend.predictors.base import SourceBatch
 from tensorbend.predictors.ops import EPS_RMS, EPS_STD, rms_inverse, standardise
 from tensorbend.routers import scores_from_logits
@@ -149,9 +147,6 @@ class TokenWeights:
     bias_E: np.ndarray | None  # the router's logit bias
     correction_E: np.ndarray | None  # sigmoid_bias: added after the sigmoid
     correction2_E: np.ndarray | None  # twice that (score_token's tanh form)
-    kernel_gate: int = 0  # its gate mode (decode_kernels.GATE_NONE, ...)
-    eps: float = EPS_STD  # standardise's eps for the router term (doubled in tanh form)
-    plan: tuple | None = None  # predict_token_kernel's weight arguments (None: numpy)
 
 
 def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
@@ -161,12 +156,7 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
     a = lambda t: None if t is None else t.detach().float().numpy()  # noqa: E731
     H, E = p.H, p.spec.num_experts
     correction_E = a(f.router.get(f"layers.{m}.correction_bias"))
-    kind = p.spec.router_kind
-    k = kernels() if AVAILABLE else None
-    gate = 0 if k is None else (
-        k.GATE_NONE if not p.cfg.use_gate else k.GATE_SIGMOID if kind == "sigmoid_bias"
-        else k.GATE_GROUP if kind == "group_limited" else k.GATE_LOGITS)  # fmt: skip
-    w = TokenWeights(
+    return TokenWeights(
         w_cat_DX=np.ascontiguousarray(a(f.w_cat_DX)[:, : H + E]),
         w_ids_2EH=a(f.w_ids_2EH),
         b1_H=a(f.b1_H),
@@ -177,19 +167,11 @@ def token_weights(p, f: FoldedLayer, m: int) -> TokenWeights | None:
         bias_E=a(f.router.get(f"layers.{m}.bias")),
         correction_E=correction_E,
         correction2_E=None if correction_E is None else 2 * correction_E,
-        kernel_gate=gate,
-        eps=2 * EPS_STD if kind == "sigmoid_bias" else EPS_STD,
     )
-    if k is not None:
-        w.plan = _plan(p, w)
-    return w
 
 
 def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
-    """[1, E] scores of a one-token batch: score_folded's operations in numpy (compiled, with
-    numba: predictors/decode_kernels.py)."""
-    if w.plan is not None:
-        return _score_token_compiled(p, w, src)
+    """[1, E] scores of a one-token batch: score_folded's operations in numpy."""
     H, E = p.H, p.spec.num_experts
     # (tensor.numpy()[0], np.dot, np.add.reduce, scalars in Python floats: np.mean/std, numpy
     # scalar arithmetic and torch indexing cost ~1-10 us a call, more than the arithmetic here)
@@ -231,40 +213,6 @@ def score_token(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
         scale = float(w.alpha) / (math.sqrt(float(np.dot(d_E, d_E)) / (E - 1)) + eps)
         out_E = out_E + d_E * scale
     return torch.from_numpy(out_E.reshape(1, E))
-
-
-def _score_token_compiled(p, w: TokenWeights, src: SourceBatch) -> torch.Tensor:
-    E = p.spec.num_experts
-    has_prev = p.cfg.use_prev and bool(src.has_prev_T.item())
-    out_E = np.empty(E, dtype=np.float32)
-    kernels().predict_token_kernel(
-        _c(src.hidden_TD.float().numpy()[0]),
-        _NO_IDS if src.src_ids_TK is None else _c(src.src_ids_TK.numpy()[0].astype(np.int64)),
-        _c(src.prev_ids_TK.numpy()[0].astype(np.int64)) if has_prev else _NO_IDS,
-        *w.plan, 0, out_E, _NO_IDS,
-    )  # fmt: skip
-    return torch.from_numpy(out_E.reshape(1, E))
-
-
-def _plan(p, w: TokenWeights) -> tuple:
-    """decode_kernels.predict_token_kernel's weight arguments for one target layer, in its
-    order (after x_D, src_K, prev_K; before width, out_E, out_J): the arrays, then the
-    scalars in one float64 array (the kernel's cfg_8)."""
-    cfg_8 = np.array([
-        p.H, w.alpha, w.kernel_gate, p.lookahead.hidden == "layer_input", w.eps, EPS_RMS,
-        p.spec.n_group or 1, p.spec.topk_group or 1,
-    ], dtype=np.float64)  # fmt: skip
-    return (
-        w.w_cat_DX, w.w_ids_2EH, w.b1_H, w.b1_prev_H, w.w2_HE, w.b2_E,
-        _NONE_E if w.bias_E is None else w.bias_E,
-        _NONE_E if w.correction_E is None else w.correction_E,
-        cfg_8,
-    )  # fmt: skip
-
-
-_c = np.ascontiguousarray  # (the kernel's compiled types: C-contiguous arrays)
-_NO_IDS = np.zeros(0, dtype=np.int64)
-_NONE_E = np.zeros(0, dtype=np.float32)
 
 
 def _group_limited(spec, s_E: np.ndarray) -> np.ndarray:

@@ -219,23 +219,12 @@ class ResidualGatePredictor(PredictorBase):
             return score_token(self, token, src)
         return score_folded(self, folded, m, src)
 
-    def token_plan(self, m: int) -> tuple | None:
-        """The compiled one-token kernel's weight arguments for target layer m (TokenWeights.
-        plan), or None where it does not cover the layer: prefetch.Prefetcher's fused path."""
-        token = self._fast_layer(m)[1]
-        return None if token is None else token.plan
-
     def _fast_layer(self, m: int) -> tuple:
         """(FoldedLayer, TokenWeights | None) of target layer m, made at its first call."""
         if m not in self._fast:
             folded = fold_layer(self, m)
             self._fast[m] = (folded, token_weights(self, folded, m))
         return self._fast[m]
-
-    @property
-    def token_uses_prev(self) -> bool:
-        """Whether the one-token score reads the previous token's experts."""
-        return bool(self.cfg.use_prev)
 
     def scores_reference(self, m: int, src: SourceBatch) -> torch.Tensor:
         """The training-time computation (tests compare the fast path against it)."""

@@ -11,10 +11,7 @@ Geometry layer g replays trace layer `mapping.layer_of[g]`; its demand is that l
 for the forward's rows (with how many of the rows each serves). A prediction for target g at
 lookahead distance d is issued at the router of geometry layer g - d (pre_attn: before layer
 g's attention; same_layer: at g's own router) and is the predictor's list for trace layer
-layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). A
-predictor group of d1..dn fires its schedule over the geometry's layers
-(`predictors.group.group_schedule`, as the runtime's Prefetcher does), each target with its
-member's list for the replayed trace layer. The
+layer_of[g], when that trace layer is a valid target of the lookahead (see mapping.py). The
 oracle instead names the exact experts of the step `distance` ahead of every source point,
 also in the next forward (`add_oracle`, as `offload.recorded.RecordedRouting.ahead`). Every
 prediction carries the absolute step it is for.
@@ -26,7 +23,6 @@ import torch
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import Key
-from tensorbend.predictors.group import group_schedule
 from tensorbend.prefetch import likeliest, prefetch_list
 from tensorbend.rows import Forward
 from tensorbend.simulate.events import ForwardWork, LayerWork
@@ -53,9 +49,7 @@ def demand_lists(
 
 def prediction_lists(ranked: Ranked, fwds: list[Forward], top_k: int, extra: int) -> list:
     """[forward][trace layer] -> the runtime's prefetch list (`prefetch.prefetch_list`), or
-    None where no prediction exists; for a predictor group, one such list per member."""
-    if ranked.members:
-        return [prediction_lists(r, fwds, top_k, extra) for r in ranked.members]
+    None where no prediction exists."""
     valid = ranked.valid_L.tolist()
     out = []
     for f in fwds:
@@ -80,12 +74,7 @@ def build_work(
     work = []
     for f, fw in enumerate(fwds):
         layers = [LayerWork(demand=demand[f][layer_of[g]]) for g in range(Lg)]
-        if ranked is not None and ranked.members:  # a group: its schedule on geometry layers
-            for s, g, j in group_schedule(Lg, len(ranked.members)):
-                ids = preds[j][f][layer_of[g]]
-                if ids is not None:
-                    layers[s].at_router.append((f * Lg + g, ids))
-        elif ranked is not None:
+        if ranked is not None:
             d = ranked.distance
             for g in range(Lg):
                 ids = preds[f][layer_of[g]]

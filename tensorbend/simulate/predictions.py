@@ -8,9 +8,7 @@ Usage:
 
 A predictor spec is a checkpoint path (`tensorbend train` output), a peer name from
 `predictors.BASELINES` (tables fitted on the trace's train split), `none` (no predictions:
-`prefetch` then isolates the `Predicted` eviction), or a predictor group (`D1+D2`: specs of
-lookaheads d1, d2, ... joined by `+`, fired together from every n-th router as
-`predictors.group` does in the runtime; `group_ranked`). Routing-only traces (imported) carry no
+`prefetch` then isolates the `Predicted` eviction). Routing-only traces (imported) carry no
 hidden states: `routing_rows` gives them zero-width placeholders so that predictors reading
 routing only (ROUTING_ONLY) run unchanged, and a predictor that needs hidden states is refused
 with a message that says so. Guesses are ranked as the runtime ranks them
@@ -50,7 +48,6 @@ class Ranked:
     distance: int  # MoE layers between source and target (0: pre_attn / same_layer)
     ids_TLJ: torch.Tensor  # [T, L, J] expert ids, best first; -1 = no guess
     valid_L: torch.Tensor  # [L] bool: the lookahead has a source layer for this target
-    members: tuple[Ranked, ...] = ()  # a predictor group's, d1..dn (plan.build_work fires them)
 
     @property
     def issue_at_router(self) -> bool:
@@ -64,12 +61,6 @@ def rank_all(
     """Ranked guesses of each predictor spec on `rows` (`none`: no guesses at all)."""
     out = []
     for spec in specs:
-        if parts := group_parts(spec):
-            from tensorbend.predictors.group import PredictorGroup
-
-            group = PredictorGroup(build_predictor(p, trace, "d1", train_trace) for p in parts)
-            out.append(group_ranked([ranked_predictions(p, rows, width) for p in group.members]))
-            continue
         pred = build_predictor(spec, trace, lookahead, train_trace)
         if pred is None:
             T, L = rows["expert_ids_TLK"].shape[:2]
@@ -85,27 +76,6 @@ def rank_all(
         else:
             out.append(ranked_predictions(pred, rows, width))
     return out
-
-
-def group_parts(spec: str) -> list[str] | None:
-    """The member specs of a predictor group spec (`A+B`), None for any other spec."""
-    if "+" not in spec or Path(spec).is_file():
-        return None
-    return spec.split("+")
-
-
-def group_ranked(members: list[Ranked]) -> Ranked:
-    """A predictor group's guesses: per trace layer m, those of the member the group fires for
-    it (`predictors.group.group_schedule`), the members kept for a geometry's own layers
-    (plan.build_work)."""
-    from tensorbend.predictors.group import group_schedule
-
-    ids_TLJ = torch.full_like(members[0].ids_TLJ, -1)
-    valid_L = torch.zeros_like(members[0].valid_L)
-    for _, m, j in group_schedule(ids_TLJ.shape[1], len(members)):
-        ids_TLJ[:, m], valid_L[m] = members[j].ids_TLJ[:, m], members[j].valid_L[m]
-    label = "+".join(r.lookahead for r in members)
-    return Ranked(members[0].kind, label, 1, ids_TLJ, valid_L, tuple(members))
 
 
 def routing_rows(

@@ -33,7 +33,7 @@ def run_one(
     L, K = mapping.geometry_layers, mapping.trace_top_k
     bounded = POLICIES[policy].bounded
     units = cache_units(cfg, frac, mapping) if bounded else L * mapping.trace_experts
-    extra = cfg.prefetch_extra
+    extra = cfg.prediction.prefetch_extra
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
     if forecasts is not None:
@@ -57,7 +57,7 @@ def run_one(
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
     run.run(work)
     row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
-    row["horizon"] = str(cfg.horizon) if forecasts is not None else None
+    row["horizon"] = str(cfg.prediction.horizon) if forecasts is not None else None
     row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
     return row

@@ -34,6 +34,8 @@ from tensorbend.cache.report import best_rule
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
+from tensorbend.predictors.checkpoint import check_held_out, read_metadata
+from tensorbend.predictors.spec import PredictorSpec, prefetch_width
 from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
@@ -46,11 +48,7 @@ from tensorbend.simulate.geometry import (
 )
 from tensorbend.simulate.hardware import HardwareName, get_hardware
 from tensorbend.simulate.mapping import make_mapping
-from tensorbend.simulate.predictions import (
-    group_parts,
-    rank_all,
-    routing_rows,
-)
+from tensorbend.simulate.predictions import rank_all, routing_rows
 from tensorbend.simulate.runs import fitting_frac, relative, run_one
 from tensorbend.trace import Trace
 
@@ -76,12 +74,12 @@ class SimulateConfig:
         default=("transition",), metadata={"flags": ("--predictor",)}
     )
     """For prefetch: checkpoints (tensorbend train) and/or peer names (frequency, transition,
-    prev_token, spec_gate, random, oracle); D1+D2 (specs of lookaheads d1, d2, ... joined by
-    +): a predictor group, fired together from every n-th router; none (no predictions: the
-    eviction alone, a cache without prediction) always runs beside them."""
-    horizon: Path | None = None
-    """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
-    simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
+    prev_token, spec_gate, random, oracle); none (no predictions: the eviction alone, a cache
+    without prediction) always runs beside them."""
+    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    """--horizon (each prefetch run is also simulated with its forecasts driving eviction and
+    next-forward prefetches, batch 1) and --prefetch-extra; its within-token `predictor` stays
+    None: the ones compared are `predictors`."""
     token_ahead_layers: int = _RUN.token_ahead_layers
     """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
     lookahead: str = _RUN.lookahead
@@ -112,8 +110,6 @@ class SimulateConfig:
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
     """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
     no-prediction cache that read the fewest bytes at the same cache size in this run)."""
-    prefetch_extra: int = _RUN.prefetch_extra
-    """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     prefetch_backlog: float = _RUN.prefetch_backlog
     """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     allow_seen_split: bool = False
@@ -139,7 +135,12 @@ class SimulateConfig:
             raise TensorbendError(
                 f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
             )
-        if self.horizon is not None and self.batch != 1:
+        if self.prediction.predictor is not None:
+            raise TensorbendError(
+                "SimulateConfig.prediction.predictor: expected None; name the within-token "
+                "predictors to compare in `predictors` (--predictor, repeatable)"
+            )
+        if self.prediction.horizon is not None and self.batch != 1:
             raise TensorbendError(
                 f"--horizon with --batch {self.batch}: expected --batch 1 (its forecasts are "
                 "per request; batched forecasts are not simulated)"
@@ -169,11 +170,6 @@ class SimulateConfig:
             raise TensorbendError(
                 f"--max-prompts {self.max_prompts}: expected a count >= 1 (or leave it out to "
                 "replay every prompt of the split)"
-            )
-        if self.horizon is not None and not Path(self.horizon).is_file():
-            raise TensorbendError(
-                f"--horizon {self.horizon}: expected a checkpoint file, found none; train one "
-                "with `tensorbend train --predictor horizon`"
             )
         if self.calibration is not None:
             Calibration.load(self.calibration)  # a bad file fails before the trace is read
@@ -217,16 +213,11 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     specs = cfg.predictors if "prefetch" in cfg.policies or cfg.ep_degree else ()
     auto = "prefetch" in cfg.policies and "none" not in specs  # Predicted eviction fed
     specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
-    if tr.spec.top_k + cfg.prefetch_extra < 1:
-        raise TensorbendError(
-            f"--prefetch-extra {cfg.prefetch_extra}: expected at least {1 - tr.spec.top_k} (a "
-            f"one-token forward prefetches its top-(K + extra); the trace routes top-"
-            f"{tr.spec.top_k})"
-        )
-    width = tr.spec.top_k + max(cfg.prefetch_extra, 0)  # (several tokens: each one's top-K)
+    extra = cfg.prediction.prefetch_extra
+    width = max(prefetch_width(tr.spec.top_k, extra), tr.spec.top_k)  # (several tokens: top-K)
     rankeds = rank_all(specs, tr, rows, cfg.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
-    fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
+    fcs = _forecasts(cfg, tr, rows) if cfg.prediction.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
     jobs = [
         (p, r, f, fc)
@@ -272,16 +263,13 @@ def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
     """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
     from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.predictors.registry import check_roles
 
-    pred = load_predictor(
-        cfg.horizon, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"]
-    )
-    check_roles(None, pred.kind, ("--predictor", "--horizon"))
+    path = cfg.prediction.horizon  # (PredictorSpec checked its kind)
+    pred = load_predictor(path, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"])
     missing = [f for f in pred.cfg.features if f not in tr.features]
     if missing:
         raise TensorbendError(
-            f"--horizon {cfg.horizon} reads trace features {list(pred.cfg.features)}, found "
+            f"--horizon {path} reads trace features {list(pred.cfg.features)}, found "
             f"{tr.features}: train one with --inputs routing for this trace"
         )
     return forecasts(pred, rows)
@@ -330,18 +318,15 @@ def format_table(res: SimulateResult) -> str:
 
 def _rows(cfg, tr: Trace):
     hidden = set()
-    for p in [q for spec in cfg.predictors for q in (group_parts(spec) or [spec])]:
+    for p in cfg.predictors:
         if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
             continue
         hidden.add(get_lookahead(cfg.lookahead).hidden)
         if Path(p).is_file():
-            from tensorbend.predictors.checkpoint import read_metadata
-
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
-    if cfg.horizon is not None and "prefetch" in cfg.policies:
-        from tensorbend.predictors.checkpoint import read_metadata
-
-        if read_metadata(cfg.horizon)["config"].get("inputs") == "routing+hidden":
+    horizon = cfg.prediction.horizon
+    if horizon is not None and "prefetch" in cfg.policies:
+        if read_metadata(horizon)["config"].get("inputs") == "routing+hidden":
             hidden.add("gate_input")
     rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
     if rows["expert_ids_TLK"].shape[0] == 0:
@@ -353,13 +338,10 @@ def _rows(cfg, tr: Trace):
 
 def _check_held_out(cfg: SimulateConfig, tr: Trace) -> None:
     """Refuse checkpoints on the prompts they saw (manifest only: before any row is read)."""
-    from tensorbend.predictors.checkpoint import check_held_out
-
     if cfg.allow_seen_split:
         return
-    specs = [q for p in cfg.predictors for q in (group_parts(p) or [p])]
-    paths = [Path(p) for p in specs if Path(p).is_file()]
-    paths += [cfg.horizon] if cfg.horizon is not None else []
+    paths = [Path(p) for p in cfg.predictors if Path(p).is_file()]
+    paths += [cfg.prediction.horizon] if cfg.prediction.horizon is not None else []
     ids = [p["id"] for p in tr.prompts if cfg.split in ("all", p["split"])]
     for path in paths:  # the first max_prompts in row (= manifest) order are replayed
         check_held_out(path, ids[: cfg.max_prompts], cfg.split, tr.manifest["model"]["fingerprint"])

@@ -37,6 +37,7 @@ from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors import get_lookahead
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.prompts import load_prompts
 from tensorbend.simulate.calibration import calibrate
 from tensorbend.simulate.simulator import SimulateConfig, simulate
@@ -247,7 +248,8 @@ def _simulated(cfg: ValidateConfig, todo: list[Check], trace: Path, cal: Path) -
             policies=tuple(dict.fromkeys(c.policy for c in group)),
             predictors=tuple(dict.fromkeys(want)) or ("none",), lookahead=cfg.lookahead,
             cache_fracs=(cfg.cache_frac,), split="all", train_trace=cfg.train_trace,
-            horizon=cfg.horizon if any(c.horizon for c in group) else None, pool=pool,
+            prediction=PredictorSpec(horizon=cfg.horizon if any(c.horizon for c in group)
+                                     else None), pool=pool,
             admission=adm, progress=False,
         )  # fmt: skip
         rows += simulate(sc).to_json()["results"]
