@@ -1,0 +1,55 @@
+"""`cache/` decides and imports nothing above it (issue 40): every import statement of every
+module under tensorbend/cache, at any depth (lazy imports inside functions too), parsed with ast."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tensorbend
+
+ABOVE = ("foresight", "offload", "predictors", "prefetch", "serving", "simulate")
+CACHE = Path(tensorbend.__file__).parent / "cache"
+# (cache/imitation.py reads forecasts through predictors and foresight; it is removed with the
+# eviction learner on another branch of issue 40: drop this entry when that lands)
+LEAVING = {"imitation.py"}
+
+
+def _imported(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            top = node.module == "tensorbend"  # (from tensorbend import foresight)
+            names += [f"tensorbend.{a.name}" for a in node.names] if top else [node.module]
+    return names
+
+
+def _upward(name: str) -> bool:
+    return any(name == f"tensorbend.{m}" or name.startswith(f"tensorbend.{m}.") for m in ABOVE)
+
+
+def test_cache_imports_nothing_above_it():
+    found = {
+        f"{p.relative_to(CACHE.parent)}: {name}"
+        for p in sorted(CACHE.rglob("*.py"))
+        if p.name not in LEAVING
+        for name in _imported(p)
+        if _upward(name)
+    }
+    assert not found, f"cache/ must not import {', '.join(ABOVE)}: {sorted(found)}"
+    assert len(list(CACHE.rglob("*.py"))) > 10  # (the walk found the package)
+
+
+def test_the_check_sees_lazy_and_from_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import tensorbend.errors\n"
+        "def f():\n    from tensorbend import foresight\n"
+        "    from tensorbend.predictors.base import LOOKAHEADS\n"
+    )
+    assert [n for n in _imported(src) if _upward(n)] == [
+        "tensorbend.foresight",
+        "tensorbend.predictors.base",
+    ]
