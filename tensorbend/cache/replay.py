@@ -213,9 +213,11 @@ def exact_forecasts(ids_FLK: np.ndarray, n_FL: np.ndarray, num_experts: int) -> 
 
 def as_padded(ids_FLK) -> tuple[np.ndarray, np.ndarray]:
     """(ids_FLK as int64 [F, L, K], padded with -1 where a layer-step routes fewer, n_FL)."""
-    if isinstance(ids_FLK, np.ndarray):
+    if isinstance(ids_FLK, np.ndarray):  # (padded already where it holds -1: at the end)
         a = ids_FLK.astype(np.int64)
-        return a, np.full(a.shape[:2], a.shape[2], np.int64)
+        n_FL = (a >= 0).sum(-1)
+        assert (a[np.arange(a.shape[2]) >= n_FL[..., None]] == -1).all(), "-1 pads the end"
+        return a, n_FL
     F = len(ids_FLK)
     L = len(ids_FLK[0]) if F else 1
     K = max((len(ids) for layers in ids_FLK for ids in layers), default=0)
