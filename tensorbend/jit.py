@@ -18,10 +18,10 @@ instead; `tensorbend generate` prints the plan's split either way).
 `AVAILABLE` is known without importing numba (which takes ~1.5 s): a module that defines
 kernels imports it when it is imported, so the modules that use kernels import those lazily
 (prefetch.py, predictors/residual_fast.py, predictors/horizon_fast.py load
-predictors/decode_kernels.py only when they first need a kernel). `pip install
-tensorbend[fast]` installs numba. Every compiled path has a reference path that tests compare
-it with: cache/compiled.py (the demand replay) and predictors/decode_kernels.py (the
-runtime's one-token scoring).
+predictors/decode_kernels.py only when they first need a kernel). Every compiled path has a
+reference path that tests compare it with: predictors/decode_kernels.py (the runtime's
+one-token scoring). THE cache replay (cache/kernel.py) imports numba itself: it has no
+Python path to fall back to (its test oracle is the runtime's index, bench/index_replay.py).
 """
 
 from __future__ import annotations

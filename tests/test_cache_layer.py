@@ -1,9 +1,13 @@
 """`cache/` decides and imports nothing above it (issue 40): every import statement of every
-module under tensorbend/cache, at any depth (lazy imports inside functions too), parsed with ast."""
+module under tensorbend/cache, at any depth (lazy imports inside functions too), parsed with ast.
+And THE replay's numba (> 60 MB of a serving memory budget) loads only where a replay runs."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import tensorbend
@@ -53,3 +57,21 @@ def test_the_check_sees_lazy_and_from_imports(tmp_path):
         "tensorbend.foresight",
         "tensorbend.predictors.base",
     ]
+
+
+def test_serving_imports_no_numba_and_a_replay_loads_it():
+    """Importing the serving path, the CLI and the replay's callers leaves numba out; the first
+    replay brings it in (cache/replay.py imports its kernel lazily)."""
+    code = (
+        "import sys\n"
+        "import tensorbend.cli, tensorbend.serving, tensorbend.generate, tensorbend.offload.build\n"
+        "import tensorbend.foresight, tensorbend.zoo.realism, tensorbend.simulate.runs\n"
+        "from tensorbend.cache.replay import ReplayConfig, replay\n"
+        "before = 'numba' in sys.modules\n"
+        "replay([[[0, 1]], [[1, 2]]], ReplayConfig('lru', 2))\n"
+        "print(before, 'numba' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(CACHE.parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]

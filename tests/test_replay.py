@@ -12,9 +12,9 @@ import random
 
 import numpy as np
 import pytest
-from bench.index_replay import index_replay
 from planted import router_trace
 
+from bench.index_replay import index_replay
 from tensorbend.cache.replay import (
     REPLAY_POLICIES,
     Forecasts,
