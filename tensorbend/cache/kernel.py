@@ -1,8 +1,7 @@
 """THE replay's kernel (numba): a whole routing trace through one cache policy, compiled.
 
-Usage: not called directly; `cache.replay.replay` prepares its arguments (numpy) and imports
-this module at its first call, so numba is loaded only by the processes that replay (never by
-serving, whose memory budget it would take).
+Usage: through `cache.replay.replay`, which prepares the arguments (numpy) and imports this
+module at its first call: numba loads only where a replay runs (never in serving).
 
 It decides what `cache.victim_heap.IndexedResidentSet` decides online, event for event (the
 test oracle: tests/test_replay.py replays planted and random traces through both): per
@@ -40,9 +39,6 @@ INF = math.inf
 _SEQ, _CLOCK, _FORECAST = range(3)  # State.tick: recency counter, latest step, forecast forward
 
 
-_inline = njit(cache=True, inline="always")  # (per-entry helpers: no call passing the state)
-
-
 class Rules(NamedTuple):
     evict: int
     beyond: int  # NEXT_USE: how keys not seen used within its sight rank
@@ -53,6 +49,7 @@ class Rules(NamedTuple):
     per_layer: bool  # pools: one per layer, else one global pool
     hints: bool  # hint and prefetch the next layer's experts (a perfect d1 predictor)
     judge: bool  # count evictions as good as Belady's (Out.tally GOOD, JUDGED)
+    log_counts: bool  # keep Predicted's log counts (a rule ranks by them)
     decay: float  # Predicted's decay per forward
 
 
@@ -162,19 +159,12 @@ def _touch(k, now, rules, st):
     st.last[k] = now
     if now > st.tick[_CLOCK]:
         st.tick[_CLOCK] = now
-    if _keeps_log_counts(rules):  # Predicted.touch: the decayed count, as a log referred to 0
+    if rules.log_counts:  # Predicted.touch: the decayed count, as a log referred to step 0
         per_step = math.log(rules.decay) / st.layer_hint.shape[0]
         c = math.exp(st.g[k] + now * per_step)  # (0.0 never used)
         st.g[k] = math.log(c + 1.0) - now * per_step
     if rules.admit == ADMIT_FREQUENCY or rules.fallback == ADMIT_FREQUENCY:
         st.uses_KW[k, st.count[k] % st.uses_KW.shape[1]] = now
-
-
-@_inline
-def _keeps_log_counts(rules):
-    """Whether Predicted's log counts rank anything (PREDICTED, REUSE, or beyond Belady)."""
-    return (rules.evict == PREDICTED or rules.evict == REUSE
-            or (rules.evict == NEXT_USE and rules.beyond == PREDICTED))  # fmt: skip
 
 
 @njit(cache=True)
@@ -257,13 +247,12 @@ def _admits(k, v, now, rules, tr, st):
 
 @njit(cache=True)
 def _worth(v, when, now, rules, tr, st):
-    """admission.prefetch_worth: evict v for a prefetch used at `when` only if v's next use is
-    later (a rule without next uses: always)."""
+    """admission.prefetch_worth: v's next use is after `when` (or the rule has none)."""
     theirs = _next_use(v, now, rules, tr, st)
     return theirs < 0 or theirs > when
 
 
-@_inline
+@njit(cache=True)
 def _recent_uses(k, now, rules, st):
     """AdmitFrequent.count: k's uses at steps > now - window (forwards) * L."""
     low, n = now - rules.window * st.layer_hint.shape[0], 0
@@ -307,20 +296,20 @@ def _advance(k, now, nxt, ptr, steps):
     return nxt[0, k]
 
 
-@_inline
+@njit(cache=True)
 def _sight(now, L, foresight):
     """The first step Belady with `foresight` forwards cannot see (INF: the whole trace)."""
     return INF if foresight == NONE else (now // L + foresight) * L * 1.0
 
 
-@_inline
+@njit(cache=True)
 def _forecast(f, m, now, L, ahead, after):
     """Reuse.next_use without a hint under the forecast made after forward f (`ahead`, or
     `after` once layer m of forward f + 1 has passed): never before now + 1."""
     return max(ahead if (f + 1) * L + m > now else after, now + 1.0)
 
 
-@_inline
+@njit(cache=True)
 def _estimate(m, gk, now, L, layer_hint, decay):
     """Predicted._estimate for a key of layer m with log count gk: its layer's next visit (one
     later when the prediction for it left the key out), stretched by the odds against use."""
@@ -333,7 +322,7 @@ def _estimate(m, gk, now, L, layer_hint, decay):
     return visit + L * (1 - p) / max(p, 1e-3)
 
 
-@_inline
+@njit(cache=True)
 def _ranks_above(a, b, rec, best_a, best_b, best_rec):
     """(a, b, -rec) > (best_a, best_b, -best_rec)."""
     return a > best_a or (a == best_a and (b > best_b or (b == best_b and rec < best_rec)))

@@ -147,14 +147,16 @@ def replay(
     used_ptr, used_steps = _uses_by_key(ids, n_FL, E) if judge else _no_uses(L * E)
     tr = kn.Trace(ids, n_FL, E, seen_ptr, seen_steps, used_ptr, used_steps,
                   *(forecasts if forecasts is not None else (none, none)))  # fmt: skip
+    beyond = cfg.beyond if cfg.foresight is not None else "lru"  # (NextUse: full sight, LRU)
     rules = kn.Rules(
         evict=_EVICTIONS.index(cfg.eviction),
-        beyond=_EVICTIONS.index(cfg.beyond if cfg.foresight is not None else "lru"),
+        beyond=_EVICTIONS.index(beyond),
         foresight=kn.NONE if cfg.foresight is None else cfg.foresight,
         admit=_ADMISSIONS.index(cfg.admission),
         fallback=kn.NONE if cfg.fallback is None else _ADMISSIONS.index(cfg.fallback),
         window=cfg.admission_window, per_layer=cfg.pool == "per_layer", hints=cfg.hints,
         judge=judge, decay=cfg.decay,
+        log_counts=cfg.eviction in ("predicted", "reuse") or (belady and beyond == "predicted"),
     )  # fmt: skip
     n_out = int(n_FL.sum()) * (2 if cfg.hints else 1) if record else 0
     out = kn.Out(*(np.empty(n_out, np.int64) for _ in range(4)), np.zeros(F, np.int64),
