@@ -1,41 +1,179 @@
-"""Layer-steps per second of a pure-Python replay, per policy, before and after the victim index.
+"""Layer-steps per second per policy: THE replay (cache/replay.py, numba) beside the Python
+victim index it is checked against (bench/index_replay.py), same placements.
 
 Usage:
-    python -m bench.replay_speed [--prompts 60] [--tokens 64] [--before-prompts 6]
+    python -m bench.replay_speed [--prompts 60] [--tokens 64] [--policies lru,lfru]
         [--json docs/bench/replay_speed.json] [--doc docs/bench/replay_speed.md]
 
-What is measured and how: `tensorbend/cache/replay_speed.py`.
+A layer-step is one MoE layer of one forward: its K demands, the policy's predictions for it,
+and the misses' placements. The trace is `cache.replay.planted_trace` at the given geometry
+(default 26 MoE layers x 64 experts, top-6: an imported DeepSeek-V2-Lite trace's), one global
+pool of 25% of the experts, admission of every miss. "index" replays it through the runtime's
+`IndexedResidentSet`; "replay" through the kernel, timed from the list trace to its placement
+arrays, after one warm-up call that compiles the kernel or loads it from numba's cache
+(`compile_s`); every placement of the two must be equal. Rates are wall-clock
+(`time.perf_counter`) and process CPU time (`time.process_time`), whose ratio shows how much
+of the machine other work took meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.index_replay import index_replay
 from tensorbend.atomic import atomic_write_text
-from tensorbend.cache.replay_speed import SpeedConfig, markdown, measure
+from tensorbend.cache.replay import (
+    REPLAY_POLICIES,
+    as_padded,
+    exact_forecasts,
+    named,
+    planted_trace,
+    replay,
+)
 from tensorbend.results import command, emit
+
+BAR = 100_000  # layer-steps per second per policy (issue 40)
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    prompts: int = 60  # prompts of `tokens` forwards each, one after another
+    tokens: int = 64
+    layers: int = 26  # MoE layers (L); an imported real trace's geometry
+    experts: int = 64  # per layer (E)
+    top_k: int = 6  # (K)
+    reuse: float = 0.5  # planted_trace: chance to keep each of the last token's experts
+    seed: int = 0
+    cache_frac: float = 0.25  # slots = round(cache_frac * L * E), one global pool
+    policies: tuple[str, ...] = REPLAY_POLICIES
+
+    def __post_init__(self):
+        assert set(self.policies) <= set(REPLAY_POLICIES), self.policies
+
+
+def measure(cfg: SpeedConfig, command: str = "") -> dict:
+    """Every policy through the index and the replay (module docstring): a JSON-ready dict;
+    `command` is what produced it (the doc names it)."""
+    L, E = cfg.layers, cfg.experts
+    ids_FLK = planted_trace(cfg.prompts, cfg.tokens, L, E, cfg.top_k, cfg.reuse, cfg.seed)
+    slots = round(cfg.cache_frac * L * E)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    replay(ids_FLK[:2], named("reuse", 4), E)  # (compiles every function the kernel calls)
+    compile_s = round(time.perf_counter() - t0, 2)
+    rows = []
+    for name in cfg.policies:
+        fc = exact_forecasts(*as_padded(ids_FLK), E) if name == "reuse" else None
+        run = named(name, slots)
+        index = _timed(lambda: index_replay(ids_FLK, run, E, forecasts=fc), ids_FLK)  # noqa: B023
+        fast = _timed(lambda: replay(ids_FLK, run, E, forecasts=fc), ids_FLK)  # noqa: B023
+        rows.append({
+            "policy": name,
+            "index_layer_steps_per_s": index["rate"],
+            "index_cpu_layer_steps_per_s": index["cpu_rate"],
+            "replay_layer_steps_per_s": fast["rate"],
+            "replay_cpu_layer_steps_per_s": fast["cpu_rate"],
+            "speedup": round(fast["rate"] / index["rate"], 1),
+            "same_placements": fast["out"].victims() == index["out"].victims(),
+            "misses": fast["out"].misses,
+            "evictions": fast["out"].evictions,
+        })  # fmt: skip
+    return {
+        "command": command,
+        "config": asdict(cfg) | {"policies": list(cfg.policies)},
+        "layer_steps": len(ids_FLK) * L,
+        "cache_slots": slots,
+        "pool": "global",
+        "admission": "all",
+        "compile_s": compile_s,
+        "bar_layer_steps_per_s": BAR,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg_1min_at_start": round(load, 2),
+            "load_avg_1min_at_end": round(os.getloadavg()[0], 2),
+        },
+        "results": rows,
+    }
+
+
+def markdown(r: dict) -> str:
+    """docs/bench/replay_speed.md from `measure`'s dict."""
+    c, m = r["config"], r["machine"]
+    slowest = min(r["results"], key=lambda x: x["replay_layer_steps_per_s"])
+    lines = [
+        "# Replay speed per policy",
+        "",
+        f"Generated by `{r['command']}`. A planted trace of {c['prompts']} prompts x {c['tokens']} "
+        f"tokens at {c['layers']} MoE layers, {c['experts']} experts, top-{c['top_k']} "
+        f"({r['layer_steps']:,} layer-steps), one global pool of {r['cache_slots']} slots "
+        f"({c['cache_frac']:.0%}), admission of every miss; what each policy is fed: "
+        "`tensorbend/cache/replay.py`. Replay = THE replay (`cache/replay.py`, its numba kernel "
+        "`cache/kernel.py`), timed from the list trace to its placement arrays after a warm-up "
+        f"call that compiled the kernel or loaded it from numba's cache ({r['compile_s']} s); "
+        "index = the runtime's `IndexedResidentSet` fed the same events in Python "
+        "(`bench/index_replay.py`, the replay's test oracle); same placements = every "
+        "placement of the whole trace equal. Layer-steps per second, wall clock; CPU = per "
+        f"second of this process's CPU time. Machine: {m['cpus']} CPUs, Python {m['python']}. "
+        + _sharing(r),
+        "",
+        f"Slowest policy: {slowest['policy']}, {slowest['replay_layer_steps_per_s']:,.0f} "
+        f"layer-steps per second (the bar: {r['bar_layer_steps_per_s']:,}).",
+        "",
+        "| policy | replay | replay, CPU | index | index, CPU | replay vs index | same placements |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in r["results"]:
+        lines.append(
+            f"| {x['policy']} | {x['replay_layer_steps_per_s']:,.0f} | "
+            f"{x['replay_cpu_layer_steps_per_s']:,.0f} | {x['index_layer_steps_per_s']:,.0f} | "
+            f"{x['index_cpu_layer_steps_per_s']:,.0f} | {x['speedup']}x | "
+            f"{'yes' if x['same_placements'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=SpeedConfig.prompts)
     ap.add_argument("--tokens", type=int, default=SpeedConfig.tokens)
-    ap.add_argument("--before-prompts", type=int, default=SpeedConfig.before_prompts)
     ap.add_argument("--policies", default=",".join(SpeedConfig.policies))
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=None)
     a = ap.parse_args(argv)
-    cfg = SpeedConfig(
-        prompts=a.prompts,
-        tokens=a.tokens,
-        before_prompts=a.before_prompts,
-        policies=tuple(a.policies.split(",")),
-    )
+    cfg = SpeedConfig(prompts=a.prompts, tokens=a.tokens, policies=tuple(a.policies.split(",")))
     result = measure(cfg, command("replay_speed", argv))
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(result))
     return emit(result, a.json)
+
+
+def _sharing(r: dict) -> str:
+    """Whether the run had a core to itself, from its own rates (wall clock against CPU time)
+    rather than the 1-minute load average, which lags behind work that just ended."""
+    m = r["machine"]
+    own = min(x["index_layer_steps_per_s"] / x["index_cpu_layer_steps_per_s"]
+              for x in r["results"])  # fmt: skip
+    loads = (f"1-minute load average {m['load_avg_1min_at_start']} at the start, "
+             f"{m['load_avg_1min_at_end']} at the end")  # fmt: skip
+    if own >= 0.95:
+        return (f"The process had a core to itself: every wall-clock rate is within 5% of its "
+                f"CPU-time rate ({loads}).")  # fmt: skip
+    return (f"Measured while other work shared the machine (wall-clock rates down to "
+            f"{own:.0%} of the CPU-time rates; {loads}): an idle machine replays faster.")  # fmt: skip
+
+
+def _timed(fn, ids_FLK: list) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = len(ids_FLK) * len(ids_FLK[0])
+    return {"rate": round(steps / wall), "cpu_rate": round(steps / max(cpu, 1e-9)), "out": out}
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ decode forwards of held-out requests:
   within_h_recall       per layer, |top-n(P(use within h)) ∩ S| / n, S = experts used in
                         forwards f+1..f+h of the request, n = |S| (R-precision)
   replay                the requests replayed one after another, demand loads only (no
-                        prefetch, no timing: what a policy must read), through the runtime's own
-                        ResidentSet and policy table, named by `cache.report.run_label`: experts
+                        prefetch, no timing: what a policy must read), through THE replay
+                        (cache/replay.py: the runtime's victims, compiled; the experts of a
+                        layer-step pinned while it runs), named by `cache.report.run_label`: experts
                         read per decode token of every cache without prediction (lru, lfu, lfru
                         and `prefetch:none`, the Predicted eviction fed no predictions, x pool
                         global/per_layer x admission all/frequency), the forecast-driven
@@ -36,16 +37,13 @@ decode forwards of held-out requests:
 
 from __future__ import annotations
 
-import heapq
-
+import numpy as np
 import torch
 
-from tensorbend.cache.admission import make_admission
-from tensorbend.cache.config import POLICIES, make_eviction, no_prediction
-from tensorbend.cache.oracle import steps_by_key
-from tensorbend.cache.policies import NextUse
+from tensorbend.cache import replay as demand
+from tensorbend.cache.config import POLICIES, no_prediction
+from tensorbend.cache.replay import Forecasts, ReplayConfig
 from tensorbend.cache.report import best_no_prediction, best_rule, gap_closed, run_label
-from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.predictors.horizon import Forecast, HorizonPredictor, request_forwards
 
 ORACLE_FORESIGHTS = (0, 1, 2, 4, 8, None)  # None: all of the future; 0: the best cache itself
@@ -75,15 +73,36 @@ def evaluate_foresight(
     if not replay:
         return recalls
     slots = round(cache_frac * L * E)
-    steps = _steps_by_key(used_FLE)
-    replays, args = {}, (phases, used_FLE, slots, L)
+    ids_FLK, n_FL = _padded(used_FLE)
+    decode_F = np.array([p == "decode" for p in phases])
+    forecasts = _forecast_arrays(fc, L)
+    replays = {}
 
-    def run(row: dict, fc=None, fallback=None) -> None:
-        ev = make_eviction(row["policy"], L, steps, row.get("foresight"), fc is not None,
-                           row.get("oracle_beyond") or "lru")  # fmt: skip
-        judge = None if POLICIES[row["policy"]].recorded_routing else NextUse(steps, L)
-        out = _replay(*args, ev, row["pool"], row["admission"], fc, judge, fallback)
-        replays[run_label(row)] = {**out, **row}
+    def run(row: dict, forecast: Forecasts | None = None, fallback=None) -> None:
+        spec = POLICIES[row["policy"]]  # prefetch: Reuse on a forecast, else Predicted alone
+        evict = (
+            "next_use"
+            if spec.recorded_routing
+            else "reuse"
+            if forecast is not None
+            else "predicted"
+        )
+        cfg = ReplayConfig(
+            evict if spec.uses_prediction else row["policy"], slots, row["pool"],
+            row["admission"], ADMISSION_WINDOW, fallback, row.get("foresight"),
+            row.get("oracle_beyond") or "lru", judge=not spec.recorded_routing,
+        )  # fmt: skip
+        out = demand.replay(ids_FLK, cfg, E, forecasts=forecast, record=False)
+        replays[run_label(row)] = {
+            "experts_per_token": int(out.misses_F[decode_F].sum()) / max(int(decode_F.sum()), 1),
+            "evictions": out.evictions,
+            **(
+                {"good_decisions": out.good / out.judged if out.judged else None}
+                if cfg.judge
+                else {}
+            ),
+            **row,
+        }
 
     for policy in (*no_prediction(), "prefetch"):  # prefetch with none: Predicted alone
         for pool in POOLS:
@@ -96,7 +115,7 @@ def evaluate_foresight(
     for adm in ("all", "predicted"):
         row = {"policy": "prefetch", "horizon": "forecast", "token_ahead_layers": 0,
                "pool": "global", "admission": adm}  # fmt: skip
-        run(row, fc)
+        run(row, forecasts)
         ours.append(run_label(row))
     beyond = best_rule([best], "experts_per_token")
     for hz in ORACLE_FORESIGHTS:  # beyond its sight: the best cache's rule, pool and admission
@@ -269,69 +288,24 @@ def _within_h_recall(phases, used_FLE, reuse_FLE, starts, h: int) -> list[float]
     return (hits / n.clamp(min=1)).tolist()
 
 
-def _steps_by_key(used_FLE: torch.Tensor) -> dict:
-    L = used_FLE.shape[1]
-    return steps_by_key((f * L + m, m, e) for f, m, e in used_FLE.nonzero().tolist())
+def _padded(used_FLE: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The experts each layer-step uses, ascending, as THE replay takes them: ids [F, L, K]
+    padded with -1 (K: the most any layer-step uses, a prefill's union), and n_FL."""
+    used = used_FLE.bool().numpy()
+    n_FL = used.sum(-1).astype(np.int64)
+    K = max(int(n_FL.max(initial=0)), 1)
+    ids_FLK = np.argsort(~used, axis=-1, kind="stable")[..., :K].astype(np.int64)
+    ids_FLK[np.arange(K) >= n_FL[..., None]] = -1
+    return ids_FLK, n_FL
 
 
-def _replay(
-    phases, used_FLE, slots, L, policy, pool, admission, fc=None, oracle=None, fallback=None
-):
-    """Demand-only replay: experts read per decode token; with `oracle`, the good-decision rate
-    of the evictions (see the module docstring); `fallback`: admission predicted's rule when
-    both next uses are unknown."""
-    adm = make_admission(admission, L, ADMISSION_WINDOW, fallback)
-    rs = IndexedResidentSet(slots, L, policy, pool=pool, admission=adm)
-    farthest = None if oracle is None else _Farthest(rs, oracle)
-    reads = decode = good = evictions = 0
-    for f, phase in enumerate(phases):
-        for m in range(L):
-            now = f * L + m
-            for e in used_FLE[f, m].nonzero().flatten().tolist():
-                if rs.use((m, e), now):
-                    continue
-                reads += phase == "decode"
-                best = None if farthest is None else farthest.value((m, e), now)
-                placed = rs.place((m, e), now)
-                if placed.victim is not None and best is not None:
-                    evictions += 1
-                    good += oracle.next_use(placed.victim, now) >= best
-                if farthest is not None and placed.outcome == "admitted":
-                    farthest.placed((m, e), now)
-        decode += phase == "decode"
-        if fc is not None:
-            rs.set_forecast(f, *Forecast(fc.first_use_LEJ[f], fc.tail_LE[f]).next_use_steps(f, L))
-    out = {"experts_per_token": reads / max(decode, 1), "evictions": rs.evictions}
-    if oracle is not None:
-        out["good_decisions"] = good / evictions if evictions else None
-    return out
-
-
-class _Farthest:
-    """The farthest next use (full-foresight NextUse) among the entries of a pool: the victim
-    Belady would pick, by value, without ranking the pool at each miss. Each entry's next use s
-    is stored until step s, when the key is used and its next use moves on (heap `until`)."""
-
-    def __init__(self, rs: IndexedResidentSet, oracle: NextUse):
-        self.rs, self.oracle = rs, oracle
-        self.heaps: dict[int, list] = {}  # pool -> [(-next use, key)]
-        self.until: list = []  # [(next use, key)]
-
-    def placed(self, key, now: int) -> None:
-        s = self.oracle.next_use(key, now)
-        heapq.heappush(self.heaps.setdefault(self.rs.pool_of(key), []), (-s, key))
-        if s != float("inf"):
-            heapq.heappush(self.until, (s, key))
-
-    def value(self, key, now: int) -> float | None:
-        """The farthest next use in key's pool (None when the pool has room: no victim)."""
-        if self.rs.has_room(key):
-            return None
-        while self.until and self.until[0][0] <= now:
-            _, k = heapq.heappop(self.until)
-            if k in self.rs:
-                self.placed(k, now)
-        heap = self.heaps.get(self.rs.pool_of(key), [])
-        while heap and (heap[0][1] not in self.rs or -heap[0][0] <= now):
-            heapq.heappop(heap)  # evicted, or a next use that has passed (re-pushed above)
-        return -heap[0][0] if heap else None
+def _forecast_arrays(fc: Forecast, L: int, chunk: int = 512) -> Forecasts:
+    """The forecast after every forward as the expected next-use steps `Reuse` ranks by
+    (`Forecast.next_use_tensors`), [F, L * E] float64, a chunk of forwards at a time."""
+    F = fc.first_use_LEJ.shape[0]
+    ahead, after = (np.empty((F, fc.tail_LE[0].numel())) for _ in range(2))
+    for i in range(0, F, chunk):
+        part = Forecast(fc.first_use_LEJ[i : i + chunk], fc.tail_LE[i : i + chunk])
+        a, b = part.next_use_tensors(torch.arange(i, min(i + chunk, F)), L)
+        ahead[i : i + chunk], after[i : i + chunk] = a.flatten(1).numpy(), b.flatten(1).numpy()
+    return Forecasts(ahead, after)

@@ -103,7 +103,7 @@ def test_seed_study_table_matches_its_json():
             "docs/bench/train_memory.md",
         ),
         (
-            "tensorbend.cache.replay_speed",
+            "bench.replay_speed",
             "docs/bench/replay_speed.json",
             "docs/bench/replay_speed.md",
         ),

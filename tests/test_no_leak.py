@@ -203,41 +203,36 @@ def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
     no oracle before forward CUT + 1 starts, are the same with the future scrambled; from
     forward CUT + 1 on they differ (the replay does read what it is given)."""
     from tensorbend import foresight
-    from tensorbend.cache.policies import NextUse
-    from tensorbend.cache.predicted import Reuse
+    from tensorbend.cache import replay as demand
 
     spec, pred, rows, scrambled = request_pair
-    L, log = spec.num_moe_layers, []
-    set_forecast, place = Reuse.set_forecast, foresight.IndexedResidentSet.place
+    L, log, replay = spec.num_moe_layers, [], demand.replay
 
-    def logged_forecast(self, forward, ahead, after):
-        log.append(("forecast", forward, ahead, after))
-        return set_forecast(self, forward, ahead, after)
-
-    def logged_place(self, key, now, *a, **kw):
-        out = place(self, key, now, *a, **kw)
-        if not isinstance(self.policy, NextUse):  # Belady reads the future by definition
-            log.append(("place", type(self.policy).__name__, self.pool,
-                        type(self.admission).__name__, key, now, out))  # fmt: skip
+    def logged(ids_FLK, cfg, *args, forecasts=None, **kw):
+        out = replay(ids_FLK, cfg, *args, forecasts=forecasts, **kw | {"record": True})
+        if cfg.eviction != "next_use":  # Belady reads the future by definition
+            log.append((cfg, forecasts, out.victims()))
         return out
 
-    monkeypatch.setattr(Reuse, "set_forecast", logged_forecast)
-    monkeypatch.setattr(foresight.IndexedResidentSet, "place", logged_place)
+    monkeypatch.setattr(demand, "replay", logged)
     runs = []
     for r in (rows, scrambled):
         log.clear()
         foresight.evaluate_foresight(pred, r, cache_frac=0.25)
         runs.append((list(log), foresight.forecasts(pred, r)))
-    (log_a, fc_a), (log_b, fc_b) = runs
+    ((log_a, fc_a), (log_b, fc_b)), first = runs, (CUT + 1) * L
 
     def before_cut(entries):
-        return [e for e in entries if (e[1] <= CUT if e[0] == "forecast" else e[5] < (CUT + 1) * L)]
+        return [(cfg, None if fc is None else [a[: CUT + 1].tolist() for a in fc],
+                 [v for v in victims if v[0] < first])  # fmt: skip
+                for cfg, fc, victims in entries]  # fmt: skip
 
     past = before_cut(log_a)
     assert past == before_cut(log_b)
-    assert {e[1] for e in past if e[0] == "place"} >= {"LRU", "LFU", "LFRU", "Reuse"}
-    assert sum(e[0] == "forecast" for e in past) == 2 * (CUT + 1)  # reuse x 2 admissions
-    assert log_a != log_b
+    assert {cfg.eviction for cfg, _, _ in past} >= {"lru", "lfu", "lfru", "reuse"}
+    assert sum(fc is not None for _, fc, _ in past) == 2  # reuse x 2 admissions
+    assert all(victims for _, _, victims in past)
+    assert [v for _, _, v in log_a] != [v for _, _, v in log_b]
     for f in range(CUT + 1):
         assert torch.equal(fc_a[f].first_use_LEJ, fc_b[f].first_use_LEJ), f
         assert torch.equal(fc_a[f].tail_LE, fc_b[f].tail_LE), f

@@ -1,11 +1,9 @@
 """Routing-realism statistics (zoo/realism.py) on traces whose answers are known by construction."""
 
 import numpy as np
-import pytest
 import torch
 from planted import _phase, _record, _spec, _writer, cycle_trace
 
-from tensorbend.cache.replay import planted_trace
 from tensorbend.trace import Trace
 from tensorbend.zoo.realism import (
     REFERENCE,
@@ -74,17 +72,6 @@ def test_the_card_puts_the_reference_beside_each_model(tmp_path):
     assert "| real (DeepSeek-V2-Lite) | cycle |" in text
     assert f"| {REFERENCE['token_table_recall']:.3f} | " in text
     assert text.count("\n") == 2 + 1 + 4 + 3 + 4
-
-
-def test_the_compiled_replay_gives_the_same_gaps():
-    """foresight_gaps through cache/compiled.py and through the Python resident set."""
-    pytest.importorskip("numba")
-    ids_FLK = planted_trace(prompts=3, tokens=30, layers=3, experts=10, top_k=2, seed=2)
-    seen = planted_trace(prompts=3, tokens=30, layers=3, experts=10, top_k=2, seed=3)
-    for pool, other in (("per_layer", ids_FLK), ("global", seen)):
-        fast = foresight_gaps(ids_FLK, other, 3, 10, 0.25, pool, TOKEN_H, fast=True)
-        slow = foresight_gaps(ids_FLK, other, 3, 10, 0.25, pool, TOKEN_H, fast=False)
-        assert fast == slow and len(set(fast.values())) > 1
 
 
 def test_recall_by_fit_count_and_fit_share_by_hand():

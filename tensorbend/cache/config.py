@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from tensorbend.cache.admission import AdmissionName, make_admission
 from tensorbend.cache.policies import LFRU, LFU, LRU, NextUse
@@ -40,8 +40,10 @@ from tensorbend.cache.predicted import Predicted, Reuse
 from tensorbend.cache.resident import PoolName, ResidentSet
 from tensorbend.cache.victim_heap import IndexedResidentSet
 from tensorbend.errors import TensorbendError
-from tensorbend.models import RoutingSpec
-from tensorbend.predictors.base import LOOKAHEADS, get_lookahead
+from tensorbend.lookahead import LOOKAHEADS, get_lookahead
+
+if TYPE_CHECKING:
+    from tensorbend.models import RoutingSpec
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
 BeyondName = Literal["lru", "lfu", "lfru", "predicted"]

@@ -1,49 +1,236 @@
-"""Demand replay of a routing trace through a resident set: victims, misses, layer-steps per second.
+"""THE demand replay: a routing trace through one cache policy, compiled; every replay number
+(eval's foresight report, the zoo card, bench/replay_speed.py) comes from here.
 
 Usage:
-    >>> from tensorbend.cache.victim_heap import IndexedResidentSet
     >>> ids_FLK = planted_trace(prompts=2, tokens=8, layers=3, experts=8, top_k=2)
-    >>> policy, feed = replay_policy("lfru", ids_FLK, num_layers=3)
-    >>> out = replay(ids_FLK, IndexedResidentSet(4, 3, policy), feed)
-    >>> len(out.victims) == out.misses + out.prefetches
+    >>> out = replay(ids_FLK, ReplayConfig("lfru", slots=6))
+    >>> out.misses == int(out.misses_F.sum()), out.evictions <= out.misses
+    (True, True)
+    >>> replay_named(ids_FLK, "belady", 6).misses <= out.misses    # Belady misses least
     True
 
 Shape legend: F forwards (prompts x tokens, one after another), L MoE layers, E experts,
-K top-k. `ids_FLK[f][m]` lists the experts layer m routes forward f to, ascending; the step of
-layer m of forward f is f * L + m (the policies' clock).
+K top-k (a list trace may route fewer at some layer-steps: rows are padded). `ids_FLK[f][m]`
+lists the experts layer m routes forward f to; the step of layer m of forward f is f * L + m.
 
-`replay` walks the steps as the runtime and the simulator do: first the feed's predictions
-for the step (hints, and prefetches placed with the step they are for), then each routed expert
-used, and placed on a miss, with the experts of the step already used pinned (not evictable).
-After each forward the feed may hand the policy a cross-token forecast. It records every
-placement's outcome and victim, so two resident sets can be compared victim for victim.
+It walks the steps as the runtime and the simulator do: first the exact hints and prefetches
+for the next layer when `hints` is on (a perfect d1 predictor), then each routed expert used,
+and placed on a miss with the step's experts already used pinned (not evictable); after
+forward f the forecast made after f (`Forecasts`) comes into force for `reuse`. Victims,
+admission and prefetch decisions are those of `cache.victim_heap.IndexedResidentSet` with the
+policy `cache.config` builds, event for event: the kernel (cache/kernel.py, numba) is checked
+against that index on planted and random traces (tests/test_replay.py; the index's driver is
+bench/index_replay.py). numba is imported at the first replay, never by serving.
 
-`REPLAY_POLICIES` names what the bench and the victim test replay: the no-prediction caches,
-`Predicted` fed no predictions, `prefetch` (`Predicted` told the exact experts of the next
-layer, as a perfect d1 predictor would, and prefetching them), `reuse` (`Reuse` given the
-exact next use of every expert as its forecast), and Belady with all or h forwards of sight.
+`REPLAY_POLICIES` names what the bench and the tests replay: the no-prediction caches,
+`predicted` (Predicted fed no predictions), `prefetch` (Predicted told the exact experts of
+the next layer, and prefetching them), `reuse` (Reuse given the exact next use of every expert
+as its forecast), and Belady with all or h forwards of sight (`belady/h=N`).
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
-from tensorbend.cache.oracle import steps_by_key as oracle_steps
-from tensorbend.cache.policies import INF, LFRU, LFU, LRU, NextUse
-from tensorbend.cache.predicted import Predicted, Reuse
-from tensorbend.cache.resident import ResidentSet, inherited
+import numpy as np
 
+from tensorbend.cache.admission import AdmissionName
+from tensorbend.cache.resident import PoolName
+from tensorbend.errors import TensorbendError
+
+EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
+BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
 REPLAY_POLICIES = (
     "lru", "lfu", "lfru", "predicted", "prefetch", "reuse", "belady", "belady/h=1", "belady/h=2"
 )  # fmt: skip
+_EVICTIONS = ("lru", "lfu", "lfru", "predicted", "reuse", "next_use")  # kernel codes, in order
+_ADMISSIONS = ("all", "frequency", "predicted")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    eviction: EvictionName = "lru"
+    """The rule (cache/policies.py, cache/predicted.py): next_use is Belady over `seen_FLK`."""
+    slots: int = 0
+    """Cache slots (per-layer pools: split evenly, the first slots % L layers one more)."""
+    pool: PoolName = "global"
+    admission: AdmissionName = "all"
+    admission_window: int = 8
+    """Forwards of use counts for admission frequency."""
+    fallback: AdmissionName | None = None
+    """Admission predicted: the rule deciding two unknown next uses (None: admit)."""
+    foresight: int | None = None
+    """next_use: forwards it sees, counting the current one (None: the whole trace)."""
+    beyond: BeyondName = "lru"
+    """next_use with a foresight: how the keys it does not see used rank among themselves."""
+    hints: bool = False
+    """Hint and prefetch the exact experts of the next layer (a perfect d1 predictor)."""
+    judge: bool = False
+    """Count evictions whose victim is next used no sooner than Belady's (`good`, `judged`)."""
+    decay: float = 0.9
+    """Predicted's decay of a use count per forward (cache/predicted.py's default)."""
+
+    def __post_init__(self) -> None:
+        if self.eviction not in _EVICTIONS or self.pool not in ("global", "per_layer"):
+            raise TensorbendError(
+                f"replay: expected eviction in {', '.join(_EVICTIONS)} and pool global or "
+                f"per_layer, found {self.eviction!r}, {self.pool!r}"
+            )
+        if self.admission == "predicted" and self.eviction in ("lru", "lfu", "lfru"):
+            raise TensorbendError(
+                f"replay: admission predicted with eviction {self.eviction}: expected a rule "
+                "with next uses (predicted, reuse, next_use)"
+            )
+        assert self.slots >= 0 and self.admission_window >= 1, self
+        assert self.beyond in _EVICTIONS[:4] and self.admission in _ADMISSIONS, self
+        assert self.fallback in (None, "all", "frequency"), self.fallback
+
+
+class Forecasts(NamedTuple):
+    """Per forward f, the forecast made after it (`predicted.Reuse.set_forecast`): each key's
+    (k = m * E + e) expected next use, with every class still ahead (`ahead_FK`) and once
+    layer m of forward f + 1 has passed without it (`after_FK`); float64 [F, L * E]."""
+
+    ahead_FK: np.ndarray
+    after_FK: np.ndarray
 
 
 @dataclass
 class Replayed:
-    misses: int = 0
-    prefetches: int = 0  # prefetch placements asked (the step's expert was not resident)
-    victims: list = field(default_factory=list)  # per placement: (step, key, outcome, victim)
+    misses: int
+    prefetches: int  # prefetch placements asked (the hinted expert was not resident)
+    evictions: int
+    misses_F: np.ndarray  # demand misses per forward
+    good: int = 0  # with judge: evictions as good as Belady's, of `judged`
+    judged: int = 0
+    num_experts: int = 0
+    placements: tuple = field(default=(), repr=False)  # (step_P, key_P, outcome_P, victim_P)
+
+    def victims(self) -> list[tuple]:
+        """Per placement, in order: (step, (m, e), outcome, victim (m, e) or None)."""
+        from tensorbend.cache.kernel import OUTCOMES
+
+        E = self.num_experts
+        step_P, key_P, outcome_P, victim_P = (a.tolist() for a in self.placements)
+        return [(s, (k // E, k % E), OUTCOMES[o], None if v < 0 else (v // E, v % E))
+                for s, k, o, v in zip(step_P, key_P, outcome_P, victim_P, strict=True)]  # fmt: skip
+
+
+def replay(
+    ids_FLK, cfg: ReplayConfig, num_experts: int = 0, seen_FLK=None,
+    forecasts: Forecasts | None = None, record: bool = True,
+) -> Replayed:  # fmt: skip
+    """The trace through the cache `cfg` describes (module docstring). seen_FLK: the routing
+    Belady ranks by (default: the demands themselves; a prediction of them, say); forecasts:
+    what `reuse` evicts by; record: keep every placement (`Replayed.victims`)."""
+    from tensorbend.cache import kernel as kn
+
+    ids, n_FL = as_padded(ids_FLK)
+    seen, n_seen = (ids, n_FL) if seen_FLK is None else as_padded(seen_FLK)
+    F, L, K = ids.shape
+    if seen.shape[:2] != (F, L):
+        raise TensorbendError(
+            f"replay: seen_FLK covers {seen.shape[0]} forwards x {seen.shape[1]} layers; the "
+            f"demands {F} x {L}: pass a routing of the same forwards"
+        )
+    E = max(num_experts, 1 + int(ids.max(initial=-1)), 1 + int(seen.max(initial=-1)))
+    if forecasts is not None and forecasts.ahead_FK.shape != (F, L * E):
+        raise TensorbendError(
+            f"replay: forecasts of shape {forecasts.ahead_FK.shape}: expected ({F}, {L * E})"
+        )
+    none = np.zeros((0, L * E))
+    belady, judge = cfg.eviction == "next_use", cfg.judge
+    seen_ptr, seen_steps = _uses_by_key(seen, n_seen, E) if belady else _no_uses(L * E)
+    used_ptr, used_steps = _uses_by_key(ids, n_FL, E) if judge else _no_uses(L * E)
+    tr = kn.Trace(ids, n_FL, E, seen_ptr, seen_steps, used_ptr, used_steps,
+                  *(forecasts if forecasts is not None else (none, none)))  # fmt: skip
+    beyond = cfg.beyond if cfg.foresight is not None else "lru"  # (NextUse: full sight, LRU)
+    rules = kn.Rules(
+        evict=_EVICTIONS.index(cfg.eviction),
+        beyond=_EVICTIONS.index(beyond),
+        foresight=kn.NONE if cfg.foresight is None else cfg.foresight,
+        admit=_ADMISSIONS.index(cfg.admission),
+        fallback=kn.NONE if cfg.fallback is None else _ADMISSIONS.index(cfg.fallback),
+        window=cfg.admission_window, per_layer=cfg.pool == "per_layer", hints=cfg.hints,
+        judge=judge, decay=cfg.decay,
+        log_counts=cfg.eviction in ("predicted", "reuse") or (belady and beyond == "predicted"),
+    )  # fmt: skip
+    n_out = int(n_FL.sum()) * (2 if cfg.hints else 1) if record else 0
+    out = kn.Out(*(np.empty(n_out, np.int64) for _ in range(4)), np.zeros(F, np.int64),
+                 np.zeros(5, np.int64))  # fmt: skip
+    kn.run(rules, tr, kn.new_state(rules, cfg.slots, L, E), out)
+    n = int(out.tally[kn.PLACEMENTS]) if record else 0
+    return Replayed(
+        misses=int(out.misses_F.sum()), prefetches=int(out.tally[kn.PREFETCHES]),
+        evictions=int(out.tally[kn.EVICTIONS]), misses_F=out.misses_F,
+        good=int(out.tally[kn.GOOD]), judged=int(out.tally[kn.JUDGED]), num_experts=E,
+        placements=tuple(a[:n] for a in out[:4]),
+    )  # fmt: skip
+
+
+def named(name: str, slots: int, pool: PoolName = "global") -> ReplayConfig:
+    """The ReplayConfig of a name of `REPLAY_POLICIES` (or belady/h=N)."""
+    if name not in REPLAY_POLICIES and not re.fullmatch(r"belady/h=\d+", name):
+        raise TensorbendError(
+            f"unknown replay policy {name!r}; expected one of {', '.join(REPLAY_POLICIES)} "
+            "(or belady/h=N, N >= 0)"
+        )
+    if name.startswith("belady"):
+        h = int(name.split("=")[1]) if "=" in name else None
+        return ReplayConfig("next_use", slots, pool, foresight=h)
+    if name == "prefetch":
+        return ReplayConfig("predicted", slots, pool, hints=True)
+    return ReplayConfig(name, slots, pool)  # type: ignore[arg-type]
+
+
+def replay_named(ids_FLK, name: str, slots: int, num_experts: int = 0,
+                 pool: PoolName = "global", seen_FLK=None) -> Replayed:  # fmt: skip
+    """`replay` of a name of `REPLAY_POLICIES` with its feed (reuse: the exact forecasts)."""
+    cfg = named(name, slots, pool)
+    fc = None
+    if name == "reuse":
+        ids, n_FL = as_padded(ids_FLK)
+        fc = exact_forecasts(ids, n_FL, max(num_experts, 1 + int(ids.max(initial=-1))))
+    return replay(ids_FLK, cfg, num_experts, seen_FLK, fc)
+
+
+def exact_forecasts(ids_FLK: np.ndarray, n_FL: np.ndarray, num_experts: int) -> Forecasts:
+    """Forecasts that know the future: after forward f, each key's first use in a forward
+    > f (`ahead`) and > f + 1 (`after`; inf: never); views of one [F + 1, L * E] buffer."""
+    F, L, K = ids_FLK.shape
+    E = num_experts
+    buf = np.full((F + 1, L * E), np.inf)
+    live_LK = np.arange(K)[None, :] < n_FL[:, :, None]  # [F, L, K]
+    key_FLK = np.arange(L)[None, :, None] * E + ids_FLK
+    step_FLK = np.broadcast_to((np.arange(F)[:, None] * L + np.arange(L))[..., None], key_FLK.shape)
+    for f in range(F - 2, -1, -1):  # buf[f]: uses in forwards f + 1, f + 2, ...
+        buf[f] = buf[f + 1]
+        live = live_LK[f + 1]
+        buf[f, key_FLK[f + 1][live]] = step_FLK[f + 1][live]
+    return Forecasts(buf[:F], buf[1:])
+
+
+def as_padded(ids_FLK) -> tuple[np.ndarray, np.ndarray]:
+    """(ids_FLK as int64 [F, L, K], padded with -1 where a layer-step routes fewer, n_FL)."""
+    if isinstance(ids_FLK, np.ndarray):  # (padded already where it holds -1: at the end)
+        a = ids_FLK.astype(np.int64)
+        n_FL = (a >= 0).sum(-1)
+        assert (a[np.arange(a.shape[2]) >= n_FL[..., None]] == -1).all(), "-1 pads the end"
+        return a, n_FL
+    F = len(ids_FLK)
+    L = len(ids_FLK[0]) if F else 1
+    K = max((len(ids) for layers in ids_FLK for ids in layers), default=0)
+    n_FL = np.array([[len(ids) for ids in layers] for layers in ids_FLK], np.int64).reshape(F, L)
+    if (n_FL == K).all():
+        return np.array(ids_FLK, np.int64).reshape(F, L, K), n_FL
+    a = np.full((F, L, K), -1, np.int64)
+    for f, layers in enumerate(ids_FLK):
+        for m, ids in enumerate(layers):
+            a[f, m, : len(ids)] = ids
+    return a, n_FL
 
 
 def planted_trace(
@@ -74,109 +261,18 @@ def planted_trace(
     return ids_FLK
 
 
-class Feed:
-    """What a policy is told besides demands: nothing (the base), hints, or forecasts."""
-
-    def before(self, rs: ResidentSet, f: int, m: int, now: int, out: Replayed) -> None:
-        pass
-
-    def after(self, rs: ResidentSet, f: int) -> None:
-        pass
-
-
-class NextLayerHints(Feed):
-    """A perfect d1 predictor: at layer m, the experts of layer m + 1 (or of layer 0 of the
-    next forward) are hinted for their step and prefetched."""
-
-    def __init__(self, ids_FLK: list):
-        self.ids, self.L = ids_FLK, len(ids_FLK[0])
-
-    def before(self, rs, f, m, now, out):
-        f2, m2 = (f, m + 1) if m + 1 < self.L else (f + 1, 0)
-        if f2 >= len(self.ids):
-            return
-        for e in self.ids[f2][m2]:
-            rs.hint((m2, e), now + 1)
-            if (m2, e) not in rs:
-                out.prefetches += 1
-                placed = rs.place((m2, e), now, now + 1)
-                out.victims.append((now, (m2, e), placed.outcome, placed.victim))
+def _uses_by_key(ids_FLK: np.ndarray, n_FL: np.ndarray, E: int):
+    """CSR of `cache.oracle.steps_by_key`: key k = m * E + e is used at steps[ptr[k]:ptr[k+1]],
+    ascending."""
+    F, L, K = ids_FLK.shape
+    live = np.arange(K)[None, None, :] < n_FL[:, :, None]
+    step_FLK = np.broadcast_to((np.arange(F)[:, None] * L + np.arange(L))[..., None], (F, L, K))
+    keys, steps = (np.arange(L)[None, :, None] * E + ids_FLK)[live], step_FLK[live]
+    order = np.argsort(keys, kind="stable")  # (C order is step order: stable keeps it)
+    ptr = np.zeros(L * E + 1, np.int64)
+    np.cumsum(np.bincount(keys, minlength=L * E), out=ptr[1:])
+    return ptr, steps[order].astype(np.int64)
 
 
-class ExactForecast(Feed):
-    """After forward f: every expert's next use after forward f (`ahead`) and after forward
-    f + 1 (`after_first`), INF when never; what `Reuse.set_forecast` takes."""
-
-    def __init__(self, ids_FLK: list, num_experts: int):
-        self.ids, self.L = ids_FLK, len(ids_FLK[0])
-        # then_F[f][m]: [(e, the step of (m, e)'s next use after its use in forward f)]
-        later: dict = {}
-        self.then_F: list = [None] * len(ids_FLK)
-        for f in range(len(ids_FLK) - 1, -1, -1):
-            rows = self.then_F[f] = []
-            for m, ids in enumerate(ids_FLK[f]):
-                rows.append([(e, later.get((m, e), INF)) for e in ids])
-                for e in ids:
-                    later[m, e] = f * self.L + m
-        self.next_LE = [[INF] * num_experts for _ in range(self.L)]
-        for (m, e), step in later.items():  # (now each key's first use)
-            self.next_LE[m][e] = step
-
-    def after(self, rs, f):
-        for row, then in zip(self.next_LE, self.then_F[f], strict=True):
-            for e, step in then:  # the keys whose next use was in forward f move on
-                row[e] = step
-        after_LE = [row[:] for row in self.next_LE]
-        if f + 1 < len(self.ids):
-            for row, then in zip(after_LE, self.then_F[f + 1], strict=True):
-                for e, step in then:
-                    row[e] = step
-        rs.set_forecast(f, [row[:] for row in self.next_LE], after_LE)
-
-
-def replay_policy(name: str, ids_FLK: list, num_layers: int, num_experts: int = 0):
-    """(a fresh policy, its feed) for a name of REPLAY_POLICIES."""
-    L = num_layers
-    if name == "predicted":
-        return Predicted(L), Feed()
-    if name == "prefetch":
-        return Predicted(L), NextLayerHints(ids_FLK)
-    if name == "reuse":
-        E = num_experts or 1 + max(e for layers in ids_FLK for ids in layers for e in ids)
-        return Reuse(L), ExactForecast(ids_FLK, E)
-    if name.startswith("belady"):
-        h = None if name == "belady" else int(name.split("=")[1])
-        return NextUse(steps_by_key(ids_FLK), L, h), Feed()
-    return {"lru": LRU, "lfu": LFU, "lfru": LFRU}[name](), Feed()
-
-
-def replay(ids_FLK: list, rs: ResidentSet, feed: Feed | None = None) -> Replayed:
-    """Every step of the trace through `rs` (module docstring); the placements it made."""
-    feed = feed or Feed()
-    out = Replayed()
-    L = len(ids_FLK[0]) if ids_FLK else 1
-    step, victims = rs.demand_step, out.victims
-    before = None if inherited(feed.before, Feed.before) else feed.before  # (no-op calls skipped)
-    after = None if inherited(feed.after, Feed.after) else feed.after
-    E = 1 + max((max(ids) for layers in ids_FLK for ids in layers if ids), default=0)
-    keys_LE = [[(m, e) for e in range(E)] for m in range(L)]  # one tuple per key, made once
-    misses = 0
-    for f, layers in enumerate(ids_FLK):
-        now = f * L
-        for m, ids in enumerate(layers):
-            if before is not None:
-                before(rs, f, m, now, out)
-            row = keys_LE[m]
-            misses += step([row[e] for e in ids], now, victims)
-            now += 1
-        if after is not None:
-            after(rs, f)
-    out.misses += misses
-    return out
-
-
-def steps_by_key(ids_FLK: list) -> dict:
-    """Sorted steps at which each (m, e) is used in a list trace (`cache.oracle.steps_by_key`)."""
-    L = len(ids_FLK[0]) if ids_FLK else 1
-    return oracle_steps((f * L + m, m, e) for f, layers in enumerate(ids_FLK)
-                        for m, ids in enumerate(layers) for e in ids)  # fmt: skip
+def _no_uses(n_keys: int):
+    return np.zeros(n_keys + 1, np.int64), np.zeros(0, np.int64)

@@ -152,24 +152,6 @@ class ResidentSet:
         self.place(key, now)
         return False
 
-    def demand_step(self, keys: list, now: int, out: list) -> int:
-        """One layer-step of a replay (`cache.replay.replay`): each key used in turn, and placed
-        on a miss with the step's keys used before it not evictable (pinned); appends (now,
-        key, outcome, victim) to `out` per placement; returns the misses."""
-        pinned: set = set()
-
-        def evictable(k):
-            return k not in pinned
-
-        misses = 0
-        for key in keys:
-            if not self.use(key, now):
-                misses += 1
-                placed = self.place(key, now, None, evictable)
-                out.append((now, key, placed.outcome, placed.victim))
-            pinned.add(key)
-        return misses
-
     def victim(
         self, key: Key, now: int, evictable: Callable[[Key], bool] | None = None
     ) -> Key | None:

@@ -68,6 +68,7 @@ class ScheduledIndex:
         self.memo_now = -1
         self.seen: tuple | None = None  # (forward, ahead, after_first) of the last forecast
         self.pending = False  # a forecast not applied yet (at the next victim search)
+        self.put_pending: dict[Key, None] = {}  # keys ranked meanwhile (by a newer forecast)
         self.hinted_keys: dict[Key, None] = {}  # hinted since the last search (applied there)
         self.schedule, self.recency = rs.policy.schedule, rs._recency
         self.per_layer = rs.pool == "per_layer"
@@ -80,6 +81,8 @@ class ScheduledIndex:
         self.stale = stale
 
     def put(self, key: Key, now: int) -> None:
+        if self.pending:
+            self.put_pending[key] = None
         until, group, order = self.schedule(key, self.recency[key], now)
         assert until > now, (key, now, until)
         version = self.version
@@ -138,7 +141,8 @@ class ScheduledIndex:
         victim is asked for on an I/O thread, at a miss, often forwards later (or never, when
         the cache holds everything), so the work leaves the critical path, and several
         forecasts in between cost one application. Uses, placements and hints meanwhile rank
-        their keys under the policy's newest forecast, as a fresh entry would."""
+        their keys under the policy's newest forecast, as a fresh entry would; those keys are
+        ranked again when it is applied (a later forecast may have come since)."""
         self.pending = True
 
     def _apply_forecast(self, now: int) -> None:
@@ -146,6 +150,7 @@ class ScheduledIndex:
         against a copy of the last applied one), or every rank when there is no such rule."""
         self.pending = False
         policy, seen = self.rs.policy, self.seen
+        ranked_meanwhile, self.put_pending = self.put_pending, {}
         changes = getattr(policy, "forecast_changes", None)
         self.seen = policy.forward, [r[:] for r in policy.ahead], [r[:] for r in policy.after_first]
         if changes is None or seen is None:
@@ -153,7 +158,7 @@ class ScheduledIndex:
             return
         recency, version, due, done = self.rs._recency, self.version, self.due, self.done
         moved, until = changes(seen, now)
-        for key in moved:
+        for key in (*moved, *ranked_meanwhile):  # (ranked by a forecast older than this one)
             if key in recency:
                 self.put(key, now)
         for step, key in until:

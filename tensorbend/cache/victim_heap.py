@@ -81,38 +81,6 @@ class IndexedResidentSet(ResidentSet):
         self._missed[key] = seq  # its recency once placed: the order of demands
         return False
 
-    def demand_step(self, keys: list, now: int, out: list) -> int:
-        """`ResidentSet.demand_step`, its uses flattened (`use`, inline)."""
-        if now > self._now:
-            self._now = now
-        touch, adm_touch, used = self._touch, self._adm_touch, self._used
-        recency, missed, place = self._recency, self._missed, self.place
-        pinned: set = set()
-        evictable = None  # (made at the first miss)
-        misses = 0
-        for key in keys:
-            if touch is not None:
-                touch(key, now)
-            if adm_touch is not None:
-                adm_touch(key, now)
-            self._seq = seq = self._seq + 1
-            if key in recency:
-                recency[key] = seq
-                if used is not None:
-                    used(key, now)
-            else:
-                missed[key] = seq
-                misses += 1
-                if evictable is None:
-
-                    def evictable(k, pinned=pinned):
-                        return k not in pinned
-
-                placed = place(key, now, None, evictable)
-                out.append((now, key, placed.outcome, placed.victim))
-            pinned.add(key)
-        return misses
-
     def hint(self, key: Key, when: int) -> None:
         self.policy.hint(key, when)
         self._index.hinted(key, self._now)

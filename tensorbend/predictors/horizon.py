@@ -142,22 +142,27 @@ class Forecast:
         (step = forward * L + m), as nested lists [L][E] for `predicted.Reuse`: with every class
         still ahead, and once layer m of the next forward has passed without it (class 1
         dropped, the rest renormalised)."""
+        ahead_LE, after_LE = self.next_use_tensors(forward, num_layers)
+        return ahead_LE.tolist(), after_LE.tolist()
+
+    def next_use_tensors(self, forward, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`next_use_steps` as float64 tensors [..., L, E]; forecasts stacked over forwards
+        take `forward` as a tensor of theirs ([F]: the replay's `cache.replay.Forecasts`)."""
         h = self.first_use_LEJ.shape[-1] - 1
-        L, m_L1 = (
-            num_layers,
-            torch.arange(self.first_use_LEJ.shape[0], dtype=torch.float64)[:, None],
-        )
+        L, lead = num_layers, self.first_use_LEJ.shape[:-3]
+        fwd = torch.as_tensor(forward, dtype=torch.float64).reshape(*lead, 1, 1, 1)
+        m_L11 = torch.arange(self.first_use_LEJ.shape[-3], dtype=torch.float64)[:, None, None]
         j_J = torch.arange(1, h + 1, dtype=torch.float64)
         p_LEJ = self.first_use_LEJ.double()
-        steps_LEJ = (forward + j_J) * L + m_L1[..., None]  # [L, 1, h]
-        later_LE = (forward + h) * L + m_L1 + L * self.tail_LE.double()
+        steps_LEJ = (fwd + j_J) * L + m_L11  # [..., L, 1, h]
+        later_LE = ((fwd + h) * L + m_L11)[..., 0] + L * self.tail_LE.double()
         soon_LE = (p_LEJ[..., :h] * steps_LEJ).sum(-1)
         ahead_LE = soon_LE + p_LEJ[..., h] * later_LE
         rest_LE = (1 - p_LEJ[..., 0]).clamp(min=1e-12)
         after_LE = (
             soon_LE - p_LEJ[..., 0] * steps_LEJ[..., 0] + p_LEJ[..., h] * later_LE
         ) / rest_LE
-        return ahead_LE.tolist(), after_LE.tolist()
+        return ahead_LE, after_LE
 
     def expected_offset_LE(self) -> torch.Tensor:
         """Expected forwards until the next use."""

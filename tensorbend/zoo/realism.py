@@ -42,10 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorbend.cache import compiled
-from tensorbend.cache.policies import LRU, NextUse
-from tensorbend.cache.replay import replay, steps_by_key
-from tensorbend.cache.victim_heap import IndexedResidentSet
+from tensorbend.cache.replay import replay_named
 from tensorbend.errors import TraceError
 
 WINDOWS = (1, 2, 4, 8)
@@ -200,19 +197,14 @@ def recurrence(used: list, num_experts: int, windows=WINDOWS) -> dict:
     return out
 
 
-def foresight_gaps(ids_FLK, seen_FLK, L, E, cache_frac, pool, hs, fast: bool | None = None) -> dict:
+def foresight_gaps(ids_FLK, seen_FLK, L, E, cache_frac, pool, hs) -> dict:
     """{h: share of the LRU -> Belady miss gap closed by Belady seeing `seen_FLK` for the
-    current and the next h forwards}; demands are always `ids_FLK`. fast: replay with
-    cache/compiled.py (None: when numba is installed); the misses are the same either way."""
+    current and the next h forwards}; demands are always `ids_FLK` (THE replay,
+    cache/replay.py)."""
     slots = max(round(cache_frac * E) * L if pool == "per_layer" else round(cache_frac * L * E), L)
-    fast = compiled.available() if fast is None else fast
 
     def misses(name: str, seen_FLK) -> int:
-        if fast:
-            return compiled.run(ids_FLK, name, slots, E, pool, seen_FLK).misses
-        h = int(name.split("=")[1]) if "=" in name else None
-        policy = LRU() if name == "lru" else NextUse(steps_by_key(seen_FLK), L, h)
-        return replay(ids_FLK, IndexedResidentSet(slots, L, policy, pool=pool)).misses
+        return replay_named(ids_FLK, name, slots, E, pool, seen_FLK).misses
 
     lru = misses("lru", ids_FLK)
     full = misses("belady", ids_FLK)
