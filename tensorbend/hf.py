@@ -30,7 +30,8 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.placement import align_offloaded, check_device, placement_kwargs
+from tensorbend.memory import check_device
+from tensorbend.placement import align_offloaded, placement_kwargs
 from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

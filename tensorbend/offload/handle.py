@@ -22,8 +22,6 @@ forward itself (the session's `Recorder`) passes `drive_clock=False` and its own
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,8 @@ import torch
 from tensorbend.cache.config import PolicyConfig, horizon_prefetch_layers
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
-from tensorbend.errors import StoreError, TensorbendError
+from tensorbend.errors import TensorbendError
+from tensorbend.memory import peak_rss_bytes
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
@@ -41,7 +40,13 @@ from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
 from tensorbend.offload.loader import Loader
 from tensorbend.offload.result import phase_numbers
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    IOMode,
+    StoreConfig,
+    check_store,
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class OffloadHandle:
         self.history = history or RoutingHistory(L)
         self.device = _device_of(model)
         self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link)
-        _check_store(self.store, spec, layout, store_path)
+        check_store(self.store, {}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
         self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s)
@@ -220,61 +225,8 @@ class OffloadHandle:
         self._phase = None
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (anonymous and mapped file pages), in bytes.
-
-    Linux: VmHWM of /proc/self/status, this address space's own high-water mark. Not
-    getrusage's ru_maxrss, which a process started by fork or vfork and exec inherits from its
-    parent (the kernel carries the parent's peak across exec): a child of a large process
-    reports the parent's peak. Elsewhere ru_maxrss (kilobytes on Linux, bytes on macOS)."""
-    hwm = _proc_status_bytes(b"VmHWM:")
-    if hwm is not None:
-        return hwm
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def rss_bytes() -> int | None:
-    """This process's resident set now (VmRSS of /proc/self/status), or None off Linux."""
-    return _proc_status_bytes(b"VmRSS:")
-
-
-def _proc_status_bytes(field: bytes) -> int | None:
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
-
-
 def _device_of(model) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
-
-
-def _check_store(store: ExpertStore, spec: RoutingSpec, layout: ExpertLayout, path: Path) -> None:
-    want = (spec.num_moe_layers, spec.num_experts, [list(p) for p in layout.parts])
-    import json
-
-    found = (store.num_layers, store.num_experts, json.loads(store.meta.get("layout", "[]")))
-    found = (found[0], found[1], [[n, list(s)] for n, s in found[2]])
-    want = (want[0], want[1], [[n, list(s)] for n, s in want[2]])
-    if found == want and store.expert_nbytes != layout.nbytes:
-        store.close()
-        raise StoreError(
-            f"expert store {path}: expected {layout.nbytes} bytes per expert ({layout.dtype}), "
-            f"found {store.expert_nbytes}: it was built in another dtype; delete it or pass "
-            f"another store directory"
-        )
-    if found != want:
-        store.close()
-        raise StoreError(
-            f"expert store {path}: expected {want[0]} MoE layers x {want[1]} experts of layout "
-            f"{want[2]} (this model), found {found[0]} x {found[1]} of {found[2]}: it was built "
-            f"for another model; delete it or pass another store directory"
-        )

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import check_link
 from tensorbend.errors import TensorbendError
+from tensorbend.memory import check_device
 from tensorbend.models import describe_model
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
@@ -89,7 +88,7 @@ class RunConfig:
         check_link(self.link)
         if not self.link_speedup > 0:
             raise TensorbendError(f"--link-speedup {self.link_speedup}: expected a number > 0")
-        _check_device(self.device)
+        check_device(self.device)
 
 
 def run(cfg: RunConfig) -> RunResult:
@@ -196,14 +195,4 @@ def _check_predictor(cfg: RunConfig) -> None:
     if cfg.trace is not None and not (Path(cfg.trace) / "manifest.json").is_file():
         raise TensorbendError(
             f"--trace {cfg.trace}: expected a trace directory with manifest.json, found none"
-        )
-
-
-def _check_device(device: str) -> None:
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        raise TensorbendError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TensorbendError(
-            f"--device {device}: expected a CUDA device, found none (torch {torch.__version__}); "
-            f"use --device cpu"
         )

@@ -42,7 +42,14 @@ from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    IOMode,
+    StoreConfig,
+    check_store,
+    write_store,
+)
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.routers import model_fingerprint
 
@@ -215,7 +222,7 @@ class OffloadSession:
     def _write_store(self, directory: Path) -> Path:
         path = directory / "experts.safetensors"
         fingerprint = model_fingerprint(self.model, self.spec)
-        if not _store_matches(path, fingerprint):
+        if not _store_matches(path, fingerprint, self.spec, self.layout):
             meta = {"fingerprint": fingerprint, "family": self.spec.family}
             write_store(self.experts, self.layout, path, meta)
         return path
@@ -278,13 +285,15 @@ def _load_json(load) -> dict | None:
     return None if load is None else load.to_json()
 
 
-def _store_matches(path: Path, fingerprint: str) -> bool:
+def _store_matches(path: Path, fingerprint: str, spec: RoutingSpec, layout: ExpertLayout) -> bool:
     try:
         store = ExpertStore.open(path)
-    except TensorbendError:
+        check_store(store, {"fingerprint": fingerprint}, spec.num_moe_layers, spec.num_experts,
+                    layout)  # fmt: skip
+    except TensorbendError:  # none there, or another model's: (re)written
         return False
     store.close()
-    return store.meta.get("fingerprint") == fingerprint
+    return True
 
 
 def _not_attached(*args, **kwargs):

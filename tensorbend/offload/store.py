@@ -313,6 +313,36 @@ class ExpertStore:
         return bounce
 
 
+def check_store(
+    store: ExpertStore,
+    identity: dict[str, str],
+    num_layers: int,
+    num_experts: int,
+    layout: ExpertLayout,
+) -> None:
+    """The one check of a store's identity: StoreError (closing `store`) unless it holds
+    `num_layers` x `num_experts` experts of `layout` (parts and dtype) and carries every
+    `identity` item (the model fingerprint, the checkpoint's identity) in its metadata."""
+
+    def parts(p):
+        return [[n, list(shape)] for n, shape in p]
+
+    want = {**identity, "experts": f"{num_layers} x {num_experts}", "layout": parts(layout.parts),
+            "expert bytes": f"{layout.nbytes}"}  # fmt: skip
+    found = {k: store.meta.get(k) for k in identity}
+    found |= {"experts": f"{store.num_layers} x {store.num_experts}",
+              "layout": parts(json.loads(store.meta.get("layout", "[]"))),
+              "expert bytes": f"{store.expert_nbytes}"}  # fmt: skip
+    diff = [k for k in want if want[k] != found[k]]
+    if diff:
+        store.close()
+        raise StoreError(
+            f"expert store {store.path}: expected {_items(want, diff)} (this model, "
+            f"{layout.dtype}), found {_items(found, diff)}: it was built for another model, "
+            f"checkpoint or dtype; delete it or pass another --store-dir"
+        )
+
+
 def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """[rows, numel] of `dtype` whose every row starts on a 4096-byte boundary (rows are
     `stride` bytes apart): direct reads land in each row with no copy.
@@ -327,6 +357,10 @@ def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(rows * row + _ALIGN // itemsize, dtype=dtype)
     skip = (-raw.data_ptr() % _ALIGN) // itemsize
     return raw[skip : skip + rows * row].view(rows, row)[:, :numel]
+
+
+def _items(d: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k} {d[k]}" for k in keys)
 
 
 def _name(m: int, e: int) -> str:

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import math
 
-from tensorbend.cache.config import POLICIES, Learned, horizon_prefetch_layers, make_resident_set
+from tensorbend.cache.config import (
+    POLICIES,
+    Learned,
+    check_slots,
+    horizon_prefetch_layers,
+    make_resident_set,
+)
 from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.transfers import Link
-from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, IOThreads, Times
@@ -73,14 +78,7 @@ def cache_units(cfg, frac: float, mapping) -> int:
     one per layer with a per-layer pool)."""
     L, E, K = mapping.geometry_layers, mapping.trace_experts, mapping.trace_top_k
     units = round(frac * L * E)
-    need = max(K, L if cfg.pool == "per_layer" else 1)
-    if units < need:
-        raise TensorbendError(
-            f"--cache-frac {frac} gives {units} cache slots: expected at least {need} (top-k"
-            f"{' and one per MoE layer for --pool per_layer' if cfg.pool == 'per_layer' else ''});"
-            f" raise it to {need / (L * E):.4f} or more"
-        )
-    return units
+    return check_slots(units, f"--cache-frac {frac} of {L * E} experts", K, L, cfg.pool)
 
 
 def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
