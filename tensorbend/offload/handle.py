@@ -119,7 +119,7 @@ class OffloadHandle:
     def counters(self) -> dict:
         """Everything counted since the last `reset`: per phase (tokens, tok/s, bytes and hits
         per token), the cache's totals, prediction seconds, per-layer demand counts, memory."""
-        gen, stats = self.gen, self.cache.stats
+        gen = self.gen
         phases = {}
         for p in ("prefill", "decode"):
             phases[p] = {
@@ -129,19 +129,12 @@ class OffloadHandle:
                 **phase_numbers(gen.stats[p], gen.tokens[p]),
             }
         decode_tokens = gen.tokens["decode"]
+        pred = self.prediction_counters()
         return {
             **phases,
-            "totals": dict(vars(stats)),
-            "predict_s": self.hooks.predict_s,
-            "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
-            "decode_predict_s": self.hooks.decode_predict_s,
-            "decode_predict_exposed_s": self.hooks.decode_exposed_s,
-            "predict_queue_s": self.hooks.queue_s,
-            "decode_predict_score_s": self.hooks.decode_score_s,
-            "decode_predict_queue_s": self.hooks.decode_queue_s,
-            "predict_calls": self.hooks.predict_calls,
-            "decode_predict_calls": self.hooks.decode_predict_calls,
-            "expert_compute": self.compute.rows(),
+            "totals": dict(vars(self.cache.stats)),
+            **pred,
+            "predict_s_per_token": pred["predict_s"] / decode_tokens if decode_tokens else None,
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
@@ -149,6 +142,22 @@ class OffloadHandle:
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
+        }
+
+    def prediction_counters(self) -> dict:
+        """The prediction hooks' seconds (keys ending in _s) and calls, and the experts' math,
+        since the last `reset` (what `counters` and `tensorbend run`'s result report)."""
+        h = self.hooks
+        return {
+            "predict_s": h.predict_s,
+            "decode_predict_s": h.decode_predict_s,
+            "decode_predict_exposed_s": h.decode_exposed_s,
+            "predict_queue_s": h.queue_s,
+            "decode_predict_score_s": h.decode_score_s,
+            "decode_predict_queue_s": h.decode_queue_s,
+            "predict_calls": h.predict_calls,
+            "decode_predict_calls": h.decode_predict_calls,
+            "expert_compute": self.compute.rows(),
         }
 
     def reset(self) -> None:

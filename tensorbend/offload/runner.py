@@ -24,7 +24,7 @@ from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import check_link
 from tensorbend.errors import TensorbendError
 from tensorbend.memory import check_device
-from tensorbend.models import describe_model
+from tensorbend.models import RoutingSpec, describe_model
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.checkpoint import check_held_out, read_metadata
@@ -113,11 +113,11 @@ def run(cfg: RunConfig) -> RunResult:
         predictor = build_group(model, cfg.predictor_group)
     else:
         predictor = build_predictor(
-            model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace
+            model, cfg.predictor, cfg.baseline, cfg.offload.lookahead, cfg.trace, spec
         )
-    horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None)
+    horizon = build_predictor(model, cfg.horizon, None, cfg.offload.lookahead, None, spec)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
-    sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
+    sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model, spec=spec)
     try:
         link = sess.link(cfg.link, cfg.link_speedup)
         return sess.run_policy(cfg.offload, predictor, link, horizon)
@@ -126,10 +126,16 @@ def run(cfg: RunConfig) -> RunResult:
 
 
 def build_predictor(
-    model, path: Path | None, baseline: str | None, lookahead: str, trace: Path | None
+    model,
+    path: Path | None,
+    baseline: str | None,
+    lookahead: str,
+    trace: Path | None,
+    spec: RoutingSpec | None = None,
 ):
-    """A trained checkpoint, a named baseline, or None."""
-    spec = describe_model(model)
+    """A trained checkpoint, a named baseline, or None (spec: the model's description, when the
+    caller has it)."""
+    spec = spec or describe_model(model)
     if path is not None:
         from tensorbend.predictors.checkpoint import load_predictor
 
