@@ -47,7 +47,7 @@ class DecodeConfig:
     max_prompt_tokens: int = 256
     """Prompts are truncated to this many tokens."""
     temperature: float = 0.8
-    """Softmax temperature for --decode sample."""
+    """Softmax temperature when sampling."""
     seed: int = 0
     """Sampling seed (prompt i uses seed + i)."""
 

@@ -541,3 +541,18 @@ def test_learned_eviction_serves_what_the_resident_model_generates(tmp_path):
     with pytest.raises(CheckpointError, match="an evictor for"):
         tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.3,
                                   policy="evictor", evictor=str(other), progress=False)  # fmt: skip
+
+
+def test_generate_flags_build_the_nested_decode_config(monkeypatch):
+    """`tensorbend generate` keeps its flags and defaults (--max-new-tokens 64, --sample,
+    --temperature, --top-p, --seed) over the one DecodeConfig it nests."""
+    import tensorbend.generate
+    from tensorbend.hf import DecodeConfig
+
+    got = []
+    monkeypatch.setattr(tensorbend.generate, "generate", lambda cfg: got.append(cfg) or {})
+    base = ["generate", "--model", "m", "--prompt", "x", "--quiet"]
+    assert main(base) == 0 and main([*base, "--sample", "--seed", "3", "--top-p", "0.5"]) == 0
+    assert got[0].decode == DecodeConfig("greedy", max_new_tokens=64) and got[0].top_p == 1.0
+    assert got[1].decode == DecodeConfig("sample", max_new_tokens=64, seed=3)
+    assert got[1].top_p == 0.5

@@ -42,19 +42,19 @@ def run_one(
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
     learned = POLICIES[policy].learned
-    ahead_layers = horizon_prefetch_layers(policy, cfg.token_ahead_layers)
+    ahead_layers = horizon_prefetch_layers(policy, cfg.offload.token_ahead_layers)
     if forecasts is not None:
         plan.add_horizon(work, mapping, forecasts, ahead_layers, K)
     steps = None
     if POLICIES[policy].recorded_routing:
-        la = get_lookahead(cfg.lookahead)
-        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
+        la = get_lookahead(cfg.offload.lookahead)
+        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.offload.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
     rule = Learned(str(cfg.evictor), mapping.trace_experts, cfg.guard_window) if learned else None
-    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, forecasts is not None, beyond, rule)  # fmt: skip
-    backlog = cfg.prefetch_backlog * costs.transfer_s()
+    rs = make_resident_set(policy, units, L, cfg.offload.pool, cfg.offload.admission, cfg.offload.admission_window,
+                           steps, cfg.offload.foresight, forecasts is not None, beyond, rule)  # fmt: skip
+    backlog = cfg.offload.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
@@ -78,7 +78,7 @@ def cache_units(cfg, frac: float, mapping) -> int:
     one per layer with a per-layer pool)."""
     L, E, K = mapping.geometry_layers, mapping.trace_experts, mapping.trace_top_k
     units = round(frac * L * E)
-    return check_slots(units, f"--cache-frac {frac} of {L * E} experts", K, L, cfg.pool)
+    return check_slots(units, f"--cache-frac {frac} of {L * E} experts", K, L, cfg.offload.pool)
 
 
 def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
@@ -102,9 +102,9 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
         "cache_bytes": int(cache_bytes),
         "fits_fast_memory": cfg.calibration is not None
         or cache_bytes + resident_bytes(geo) <= hw.mem_capacity.value,
-        "pool": cfg.pool,
-        "admission": cfg.admission,
-        "foresight": cfg.foresight if POLICIES[policy].recorded_routing else None,
+        "pool": cfg.offload.pool,
+        "admission": cfg.offload.admission,
+        "foresight": cfg.offload.foresight if POLICIES[policy].recorded_routing else None,
         "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
         "prefill": {
             "stall_s_per_token": pre.stall_s / npf,

@@ -27,11 +27,9 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from tensorbend.cache.admission import AdmissionName
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
 from tensorbend.cache.report import best_rule
-from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
 from tensorbend.rows import RowSelection, forwards, select_rows
@@ -55,7 +53,6 @@ from tensorbend.simulate.runs import fitting_frac, relative, run_one
 from tensorbend.trace import Trace
 
 POLICIES: tuple[str, ...] = tuple(POLICY_TABLE)
-_RUN = PolicyConfig()  # the cache options' defaults live in PolicyConfig (cache/config.py)
 
 
 @dataclass(frozen=True)
@@ -82,10 +79,6 @@ class SimulateConfig:
     horizon: Path | None = None
     """Cross-token checkpoint (tensorbend train --predictor horizon): each prefetch run is also
     simulated with its forecasts driving eviction (Reuse) and next-forward prefetches (batch 1)."""
-    token_ahead_layers: int = _RUN.token_ahead_layers
-    """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
-    lookahead: str = _RUN.lookahead
-    """Lookahead of named peers and of the oracle's prefetches."""
     train_trace: Path | None = None
     """Trace whose train split fits the table peers (frequency, prev_token, transition);
     default: the simulated trace."""
@@ -100,25 +93,22 @@ class SimulateConfig:
     """Replay at most this many prompts of the split (row order)."""
     dtype: ExpertDtype = "native"
     """Storage of the geometry's routed experts (native: as released)."""
-    pool: PoolName = _RUN.pool
-    """Cache slots shared by all layers (global) or split evenly per layer."""
-    admission: AdmissionName = _RUN.admission
-    """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
-    admission_window: int = _RUN.admission_window
-    """Forwards of use counts for --admission frequency."""
-    foresight: int | None = _RUN.foresight
-    """Oracle: forwards (tokens at decode) of exact routing it knows, counting the current one
-    (0: nothing, LRU); default: the whole run."""
+    offload: PolicyConfig = field(
+        default_factory=lambda: PolicyConfig("oracle"),
+        metadata={"skip": ("policy", "cache_frac", "cache_bytes", "oracle_beyond",
+                           "prefetch_extra", "evictor", "guard_window")},
+    )  # fmt: skip
+    """The cache options of `tensorbend run` (--pool, --admission, --foresight, --lookahead,
+    ...), each applied to the policies it concerns; its policy is not read (--policy lists the
+    simulated ones; oracle, the default, accepts every option)."""
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
     """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
     no-prediction cache that read the fewest bytes at the same cache size in this run)."""
-    prefetch_extra: int = _RUN.prefetch_extra
+    prefetch_extra: int = 0
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
-    prefetch_backlog: float = _RUN.prefetch_backlog
-    """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     evictor: Path | None = None
     """--policy evictor: the trained eviction model (tensorbend train --predictor evictor)."""
-    guard_window: int = _RUN.guard_window
+    guard_window: int = 48
     """--policy evictor: forwards per window of its LFRU shadow guard (0: no guard)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
@@ -148,18 +138,10 @@ class SimulateConfig:
                 f"--horizon with --batch {self.batch}: expected --batch 1 (its forecasts are "
                 "per request; batched forecasts are not simulated)"
             )
-        if (
-            self.batch < 1
-            or (self.foresight is not None and self.foresight < 0)
-            or self.admission_window < 1
-            or not self.prefetch_backlog >= 0
-        ):
-            raise TensorbendError(
-                "expected --batch >= 1, --foresight >= 0, "
-                "--admission-window >= 1, --prefetch-backlog >= 0"
-            )
+        if self.batch < 1:
+            raise TensorbendError(f"--batch {self.batch}: expected a count >= 1")
         blind = [p for p in self.policies if not POLICY_TABLE[p].uses_prediction]
-        if self.admission == "predicted" and [p for p in blind if p != "resident"]:
+        if self.offload.admission == "predicted" and [p for p in blind if p != "resident"]:
             raise TensorbendError(
                 "--admission predicted needs a policy that predicts (prefetch, oracle): drop "
                 f"{[p for p in blind if p != 'resident']} from --policies"
@@ -184,14 +166,13 @@ class SimulateConfig:
         if "evictor" in self.policies or self.evictor is not None:
             PolicyConfig("evictor" if "evictor" in self.policies else "lru",
                          evictor=None if self.evictor is None else str(self.evictor),
-                         pool=self.pool, admission=self.admission,
+                         pool=self.offload.pool, admission=self.offload.admission,
                          guard_window=self.guard_window)  # fmt: skip
             if self.evictor is not None and not Path(self.evictor).is_file():
                 raise TensorbendError(
                     f"--evictor {self.evictor}: expected a checkpoint file, found none; train "
                     "one with `tensorbend train --predictor evictor`"
                 )
-        get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
             EPConfig(self.ep_degree, self.ep_placement)
@@ -245,7 +226,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
             f"{tr.spec.top_k})"
         )
     width = tr.spec.top_k + max(cfg.prefetch_extra, 0)  # (several tokens: each one's top-K)
-    rankeds = rank_all(specs, tr, rows, cfg.lookahead, width, train)
+    rankeds = rank_all(specs, tr, rows, cfg.offload.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
@@ -364,7 +345,7 @@ def _rows(cfg, tr: Trace):
     for p in [q for spec in cfg.predictors for q in (group_parts(spec) or [spec])]:
         if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
             continue
-        hidden.add(get_lookahead(cfg.lookahead).hidden)
+        hidden.add(get_lookahead(cfg.offload.lookahead).hidden)
         if Path(p).is_file():
             from tensorbend.predictors.checkpoint import read_metadata
 

@@ -247,10 +247,11 @@ def _simulated(cfg: ValidateConfig, todo: list[Check], trace: Path, cal: Path) -
         sc = SimulateConfig(
             trace=trace, hardware="h100-pcie5", geometry="from-trace", calibration=cal,
             policies=tuple(dict.fromkeys(c.policy for c in group)),
-            predictors=tuple(dict.fromkeys(want)) or ("none",), lookahead=cfg.lookahead,
-            cache_fracs=(cfg.cache_frac,), split="all", train_trace=cfg.train_trace,
-            horizon=cfg.horizon if any(c.horizon for c in group) else None, pool=pool,
-            admission=adm, progress=False,
+            predictors=tuple(dict.fromkeys(want)) or ("none",), cache_fracs=(cfg.cache_frac,),
+            split="all", train_trace=cfg.train_trace,
+            horizon=cfg.horizon if any(c.horizon for c in group) else None,
+            offload=PolicyConfig("oracle", lookahead=cfg.lookahead, pool=pool, admission=adm),
+            progress=False,
         )  # fmt: skip
         rows += simulate(sc).to_json()["results"]
     return rows
