@@ -46,13 +46,7 @@ from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
-    IOMode,
-    StoreConfig,
-    check_store,
-)
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import build_without_experts, load_non_experts
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
@@ -262,7 +256,7 @@ def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
 
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     """Build the store unless a finished one of this very checkpoint is there; refuse one of
-    another checkpoint (`store.check_store`: its model fingerprint or the checkpoint's own
+    another checkpoint (`ExpertStore.check`: its model fingerprint or the checkpoint's own
     identity differ)."""
     spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
     if store.is_file():
@@ -271,7 +265,7 @@ def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, pro
         except StoreError:  # unfinished or of an older format: built again
             found = None
         if found is not None:
-            check_store(found, ident, spec.num_moe_layers, spec.num_experts, layout)
+            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)
             found.close()
             return
     meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}

@@ -9,7 +9,7 @@ import torch
 from tensorbend.cache.config import PolicyConfig, check_slots, min_slots
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.memory import check_device, kv_bytes_per_token, parse_bytes
-from tensorbend.offload.store import ExpertLayout, ExpertStore, check_store, write_store
+from tensorbend.offload.store import ExpertLayout, ExpertStore, write_store
 
 
 def test_sizes_parse_and_bad_ones_name_their_flag():
@@ -82,9 +82,9 @@ def test_store_identity_one_check_one_message(tmp_path):
     layout = ExpertLayout.of(mods[0])
     path = write_store(mods, layout, tmp_path / "s.safetensors", {"fingerprint": "abc"})
     store = ExpertStore.open(path)
-    check_store(store, {"fingerprint": "abc"}, 2, 3, layout)  # this model's: no error
+    store.check({"fingerprint": "abc"}, 2, 3, layout)  # this model's: no error
     with pytest.raises(StoreError) as e:
-        check_store(store, {"fingerprint": "xyz"}, 2, 4, layout)
+        store.check({"fingerprint": "xyz"}, 2, 4, layout)
     assert str(e.value) == (
         f"expert store {path}: expected fingerprint xyz, experts 2 x 4 (this model, "
         "torch.float32), found fingerprint abc, experts 2 x 3: it was built for another model, "

@@ -40,13 +40,7 @@ from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
 from tensorbend.offload.loader import Loader
 from tensorbend.offload.result import phase_numbers
-from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
-    IOMode,
-    StoreConfig,
-    check_store,
-)
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 
 
 @dataclass(frozen=True)
@@ -87,7 +81,7 @@ class OffloadHandle:
         self.history = history or RoutingHistory(L)
         self.device = _device_of(model)
         self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link)
-        check_store(self.store, {}, L, spec.num_experts, layout)
+        self.store.check({}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
         self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s)

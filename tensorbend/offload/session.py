@@ -42,14 +42,7 @@ from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
-from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
-    IOMode,
-    StoreConfig,
-    check_store,
-    write_store,
-)
+from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.routers import model_fingerprint
 
@@ -283,8 +276,7 @@ def _load_json(load) -> dict | None:
 def _store_matches(path: Path, fingerprint: str, spec: RoutingSpec, layout: ExpertLayout) -> bool:
     try:
         store = ExpertStore.open(path)
-        check_store(store, {"fingerprint": fingerprint}, spec.num_moe_layers, spec.num_experts,
-                    layout)  # fmt: skip
+        store.check({"fingerprint": fingerprint}, spec.num_moe_layers, spec.num_experts, layout)
     except TensorbendError:  # none there, or another model's: (re)written
         return False
     store.close()

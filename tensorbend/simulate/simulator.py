@@ -104,11 +104,11 @@ class SimulateConfig:
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
     """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
     no-prediction cache that read the fewest bytes at the same cache size in this run)."""
-    prefetch_extra: int = 0
+    prefetch_extra: int = PolicyConfig.prefetch_extra
     """Batch-1 decode prefetches the top-(K + extra) predicted experts."""
     evictor: Path | None = None
     """--policy evictor: the trained eviction model (tensorbend train --predictor evictor)."""
-    guard_window: int = 48
+    guard_window: int = PolicyConfig.guard_window
     """--policy evictor: forwards per window of its LFRU shadow guard (0: no guard)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
