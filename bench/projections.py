@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         base = SimulateConfig(
             trace=Path(a.trace), hardware=hardware, geometry=geometry, progress=False,
             policies=("resident", "on_demand", *NO_PREDICTION, "prefetch", "oracle"),
-            predictors=("none", "transition", *a.predictor), lookahead="d1",
+            predictors=("none", "transition", *a.predictor),
             prediction=PredictorSpec(horizon=Path(a.horizon) if a.horizon else None),
         )  # fmt: skip
         caches = dict(policies=NO_PREDICTION)
@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         old = _previous(a, hardware, geometry)
         rows, head = [], old and {k: old[k] for k in _HEAD}
         for pool, adm, what in passes:
-            cfg = replace(base, pool=pool, admission=adm, **what)
+            offload = replace(base.offload, lookahead="d1", pool=pool, admission=adm)
+            cfg = replace(base, offload=offload, **what)
             kept = [r for r in (old or {}).get("results", []) if r["pool"] == pool
                     and r["admission"] == adm and r["policy"] in cfg.policies]  # fmt: skip
             if {r["policy"] for r in kept} == set(cfg.policies):

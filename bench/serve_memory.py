@@ -12,7 +12,7 @@ The model is zoo:default with every expert widened `--factor` times by zero rows
 experts), so the predictors trained on zoo:default load on it (same fingerprint). Each run is
 `tensorbend generate` on the held-out test prompts (greedy), with `--io direct` so every
 expert read comes from the disk, not the page cache; its peak RSS (mapped file pages
-included) is its own high-water mark (`offload.handle.peak_rss_bytes`). The import baseline
+included) is its own high-water mark (`memory.peak_rss_bytes`). The import baseline
 is the peak RSS of a process that imports torch, transformers' modeling and generation code
 and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from tensorbend import memory_cap
 from tensorbend.atomic import write_generated
-from tensorbend.placement import parse_bytes
+from tensorbend.memory import parse_bytes
 from tensorbend.results.serve_memory_page import markdown
 from tensorbend.zoo import resolve_model
 from tensorbend.zoo.inflate import inflate

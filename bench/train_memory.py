@@ -7,7 +7,7 @@ Usage:
 
 The trace is replicated 1x/4x/16x (every shard copied with its prompts renamed and its
 prompt indices shifted; new sha256s), and each step runs in its own process whose peak
-resident set (its own high-water mark, `offload.handle.peak_rss_bytes`) is read at its end:
+resident set (its own high-water mark, `memory.peak_rss_bytes`) is read at its end:
 
   imports         python + torch + tensorbend, nothing loaded (the floor)
   load_all        the train and val splits loaded whole, then rows selected (what `train`
@@ -115,7 +115,7 @@ def _child(a) -> int:
     import torch
 
     from tensorbend.evaluate import EvalConfig, evaluate
-    from tensorbend.offload.handle import peak_rss_bytes
+    from tensorbend.memory import peak_rss_bytes
     from tensorbend.predictors.checkpoint import load_predictor
     from tensorbend.rows import RowSelection, select_rows
     from tensorbend.scoring import score_predictor

@@ -127,7 +127,8 @@ def _cmd_generate(args) -> int:
     from tensorbend.generate import GenerateConfig, generate
 
     cfg = config_from_args(GenerateConfig, args)
-    cfg = replace(cfg, serve=replace(cfg.serve, progress=not args.quiet))
+    decode = replace(cfg.decode, decode="sample") if args.sample else cfg.decode
+    cfg = replace(cfg, decode=decode, serve=replace(cfg.serve, progress=not args.quiet))
     summary = generate(cfg)
     _write_json(args.json, summary)
     return 0
@@ -253,6 +254,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     gn = _verb(sub, "generate", _cmd_generate, "stream text from a model larger than memory")
     add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"))
+    gn.add_argument("--sample", action="store_true", help="Sample instead of greedy decoding.")
     gn.add_argument("--json", help="write the summary as JSON (keys in docs/formats.md)")
 
     from tensorbend.simulate.simulator import SimulateConfig

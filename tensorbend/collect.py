@@ -37,8 +37,8 @@ from tensorbend.capture import RoutingCapture
 from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
+from tensorbend.memory import parse_bytes
 from tensorbend.models import describe_model
-from tensorbend.placement import parse_bytes
 from tensorbend.prompts import file_sha, load_prompts
 from tensorbend.routers import model_fingerprint, router_params
 from tensorbend.trace import FEATURES, MANIFEST

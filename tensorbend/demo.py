@@ -188,8 +188,8 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
     if ref is not None and ref.busy:  # the link is scaled to this pass: say so before the wait
         _say(cfg, f"warning: {warning({'resident reference': ref.other_cores}, ref.cpus)}; "
                   "on a busy machine this step can take many times longer than usual")  # fmt: skip
-    ours = build_predictor(model, ckpts["tensorbend"], None, "d1", None)
-    horizon = build_predictor(model, ckpts["horizon"], None, "d1", None)
+    ours = build_predictor(model, ckpts["tensorbend"], None, "d1", None, sess.spec)
+    horizon = build_predictor(model, ckpts["horizon"], None, "d1", None, sess.spec)
     none = NoPredictor(sess.spec.num_experts, get_lookahead("d1"))
     plan = [
         (PolicyConfig("lru"), None, None),

@@ -15,12 +15,15 @@ Rules, from the field's annotation and default:
   `bool | None` (None)    -> `--name` / `--no-name` / neither (None: the kind's default);
   `bool` (default True)   -> `--no-name`; `tuple[X, ...]` -> values, repeatable and/or
                              comma-separated (`--x a b`, `--x a --x b`, `--x a,b`; `none`: empty);
-  `X | None`              -> optional X;  a nested config dataclass -> its fields, flattened;
+  `X | None`              -> optional X;  a nested config dataclass -> its fields, flattened,
+                             their defaults those of the field's default instance;
   no default              -> a required flag.
 The help text is the attribute docstring under the field (read from the source), followed by
 the default. `field(metadata={"choices": TABLE})` takes choices from a table defined elsewhere
-(e.g. the predictor registry), `{"flags": ("--old-spelling",)}` adds aliases, and
-`{"cli": False}` keeps a field off the command line.
+(e.g. the predictor registry), `{"flags": ("--old-spelling",)}` adds aliases,
+`{"cli": False}` keeps a field off the command line, and on a nested config
+`{"skip": ("name", ...)}` keeps those of its fields off this command's line (they keep the
+default instance's values).
 """
 
 from __future__ import annotations
@@ -45,18 +48,21 @@ def add_config_flags(
     skip: tuple[str, ...] = (),
     required: tuple[str, ...] = (),
     positional: tuple[str, ...] = (),
+    defaults=None,
 ) -> None:
-    """Add one flag per field of dataclass `cls` (nested config dataclasses flattened)."""
+    """Add one flag per field of dataclass `cls` (nested config dataclasses flattened);
+    `defaults`: an instance of `cls` whose values are the defaults (else the fields')."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
             continue
         hint = hints[f.name]
+        default = _default(f) if defaults is None else getattr(defaults, f.name)
         if dataclasses.is_dataclass(hint):
-            add_config_flags(parser, hint, skip=skip)
+            inner = skip + tuple(f.metadata.get("skip", ()))
+            add_config_flags(parser, hint, skip=inner, defaults=default)
             continue
-        default = _default(f)
         kind, base = _kind(hint)
         help_text = docs.get(f.name, "")
         if f.name in positional:
@@ -95,8 +101,9 @@ def add_config_flags(
         parser.add_argument(*names, **kw)
 
 
-def config_from_args(cls: type, args: argparse.Namespace, **overrides):
-    """Build `cls` from parsed flags (nested configs too); `overrides` win over flags."""
+def config_from_args(cls: type, args: argparse.Namespace, *, _base=None, _skip=(), **overrides):
+    """Build `cls` from parsed flags (nested configs too, from their field's default instance);
+    `overrides` win over flags."""
     hints = typing.get_type_hints(cls)
     values = {}
     ns = vars(args)
@@ -104,14 +111,17 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides):
         if f.name in overrides:
             values[f.name] = overrides[f.name]
         elif dataclasses.is_dataclass(hints[f.name]):
-            values[f.name] = config_from_args(hints[f.name], args)
+            skip = tuple(f.metadata.get("skip", ()))
+            values[f.name] = config_from_args(hints[f.name], args, _base=_default(f), _skip=skip)
+        elif f.name in _skip:
+            continue
         elif f.name in ns and ns[f.name] is not None:
             value = ns[f.name]
             if isinstance(value, list):
                 base = _kind(hints[f.name])[1]
                 value = _tuple_value(value, _converter(base), _choices(f, base), f.name)
             values[f.name] = value
-    return cls(**values)
+    return cls(**values) if _base is None else dataclasses.replace(_base, **values)
 
 
 def _tuple_value(values: list[str], convert, choices, name: str) -> tuple:

@@ -1,7 +1,8 @@
 """`tensorbend generate`: stream text from an offloaded model, then one summary line.
 
 Usage:
-    >>> cfg = GenerateConfig(model="zoo:default", prompt="In the beginning", max_new_tokens=8)
+    >>> cfg = GenerateConfig(model="zoo:default", prompt="In the beginning",
+    ...                      decode=DecodeConfig(max_new_tokens=8))
     >>> summary = generate(cfg)                                  # doctest: +SKIP
     >>> summary["decode_tok_s"], summary["bytes_read_per_token"]  # doctest: +SKIP
 
@@ -24,6 +25,7 @@ import torch
 from transformers import TextStreamer
 
 from tensorbend.errors import TensorbendError
+from tensorbend.hf import DecodeConfig
 from tensorbend.serving import ServeConfig, load_offloaded
 
 
@@ -35,16 +37,14 @@ class GenerateConfig:
     """Text to continue (or --prompts FILE)."""
     prompts: Path | None = None
     """Prompts JSONL (`{"id", "text"}` per line): each is continued in turn."""
-    max_new_tokens: int = 64
-    """Tokens to generate per prompt (fewer at EOS)."""
-    sample: bool = False
-    """Sample instead of greedy decoding."""
-    temperature: float = 0.8
-    """Softmax temperature with --sample."""
+    decode: DecodeConfig = field(
+        default_factory=lambda: DecodeConfig(max_new_tokens=64),
+        metadata={"skip": ("decode", "max_prompt_tokens")},
+    )
+    """Greedy, or sampled with --sample (decode="sample"), at most --max-new-tokens per prompt
+    (fewer at EOS), with --temperature and --seed; prompts are not truncated."""
     top_p: float = 1.0
     """Nucleus sampling mass with --sample."""
-    seed: int = 0
-    """Sampling seed."""
     engine: Literal["tensorbend", "accelerate"] = "tensorbend"
     """Who offloads: tensorbend (expert store, cache, policy, predictors) or accelerate
     (transformers' device_map="auto" within --max-memory, the rest streamed in from disk every
@@ -57,13 +57,16 @@ class GenerateConfig:
             raise TensorbendError("expected exactly one of --prompt TEXT or --prompts FILE")
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise TensorbendError(f"--prompts {self.prompts}: expected a JSONL file, found none")
-        if self.max_new_tokens < 1:
-            raise TensorbendError(f"--max-new-tokens {self.max_new_tokens}: expected a count >= 1")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+        if self.decode.max_new_tokens < 1:
             raise TensorbendError(
-                f"--temperature {self.temperature} / --top-p {self.top_p}: expected a "
-                f"temperature > 0 and a top-p in (0, 1]"
+                f"--max-new-tokens {self.decode.max_new_tokens}: expected a count >= 1"
             )
+        if self.decode.decode == "teacher":
+            raise TensorbendError(
+                'decode="teacher": expected greedy or sample (generate has no continuation to feed)'
+            )
+        if not 0 < self.top_p <= 1:
+            raise TensorbendError(f"--top-p {self.top_p}: expected a value in (0, 1]")
         pred = self.serve.prediction
         if self.engine == "accelerate" and (pred.predictor or pred.horizon):
             raise TensorbendError(
@@ -105,10 +108,11 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
 def _continue(model, tok, texts: list[str], cfg: GenerateConfig, out, on_prompt=None) -> None:
     """Each text, then its continuation streamed, through transformers' own generate()."""
     streamer = _Streamer(tok, out)
-    kw = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.sample}
-    kw.update({"temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.sample else {})
-    torch.manual_seed(cfg.seed)
-    for text in texts:
+    dc, sample = cfg.decode, cfg.decode.decode == "sample"
+    kw = {"max_new_tokens": dc.max_new_tokens, "do_sample": sample}
+    kw.update({"temperature": dc.temperature, "top_p": cfg.top_p} if sample else {})
+    for i, text in enumerate(texts):
+        torch.manual_seed(dc.seed + i)  # (as hf.decode_prompt seeds prompt i)
         ids = tok(text, return_tensors="pt").input_ids.to(cfg.serve.device)
         out.write(text)
         if on_prompt is not None:

@@ -30,7 +30,8 @@ from typing import Literal
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.placement import align_offloaded, check_device, placement_kwargs
+from tensorbend.memory import check_device
+from tensorbend.placement import align_offloaded, placement_kwargs
 from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,7 +47,7 @@ class DecodeConfig:
     max_prompt_tokens: int = 256
     """Prompts are truncated to this many tokens."""
     temperature: float = 0.8
-    """Softmax temperature for --decode sample."""
+    """Softmax temperature when sampling."""
     seed: int = 0
     """Sampling seed (prompt i uses seed + i)."""
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.handle import peak_rss_bytes
+from tensorbend.memory import peak_rss_bytes
 
 PHASES = ("prefill", "decode")
 

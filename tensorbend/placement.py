@@ -2,8 +2,6 @@
 budget, and offloaded weights that compute exactly what the resident model computes.
 
 Usage:
-    >>> parse_bytes("8GB"), parse_bytes("512MiB")
-    (8000000000, 536870912)
     >>> sorted(placement_kwargs("cpu", "10MB", "/tmp/offload"))
     ['device_map', 'max_memory', 'offload_folder']
 
@@ -35,40 +33,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorbend.errors import StoreError, TensorbendError
+from tensorbend.memory import check_device, parse_bytes
 from tensorbend.models import RoutingSpec, describe_model, moe_block
 
 if TYPE_CHECKING:
     from tensorbend.offload.expert_plan import ExpertPlan
-
-
-def parse_bytes(text: str | int) -> int:
-    """'8GB' / '512MB' / '64KiB' / '1000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB)."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    units.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
-    try:
-        value = float(num) * units[t[len(num) :].strip()]
-    except (ValueError, KeyError):
-        raise TensorbendError(
-            f"--max-memory {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
-        ) from None
-    if not 1 <= value < float("inf"):  # nan fails every comparison
-        raise TensorbendError(
-            f"--max-memory {text!r}: expected a finite size of at least one byte, such as 8GB"
-        )
-    return int(value)
-
-
-def check_device(device: str) -> None:
-    """TensorbendError when `device` is CUDA and this torch has none (hf.load_model checks too)."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TensorbendError(
-            f"--device {device}: expected a CUDA device, found none (torch "
-            f"{torch.__version__}, cuda available: False); use --device cpu"
-        )
 
 
 def placement_kwargs(device: str, max_memory: str | int, offload_dir) -> dict:
@@ -236,14 +205,3 @@ def _persistent_buffers(lm) -> set[str]:
             if b not in mod._non_persistent_buffers_set:
                 names.add(f"{mod_name}.{b}" if mod_name else b)
     return names
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """KV-cache bytes per token at batch 1: keys and values of every decoder layer."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(c, "num_attention_heads", 1)
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head = getattr(c, "head_dim", None) or c.hidden_size // heads
-    k_dim = getattr(c, "qk_nope_head_dim", 0) + getattr(c, "qk_rope_head_dim", 0) or head
-    v_dim = getattr(c, "v_head_dim", None) or head
-    return c.num_hidden_layers * kv_heads * (k_dim + v_dim) * dtype.itemsize

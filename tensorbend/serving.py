@@ -36,26 +36,22 @@ from typing import Literal
 
 import torch
 
-from tensorbend.cache.config import POLICIES, PolicyConfig
+from tensorbend.cache.config import POLICIES, PolicyConfig, min_slots
 from tensorbend.errors import StoreError, TensorbendError
+from tensorbend.memory import check_device, kv_bytes_per_token, parse_bytes, rss_bytes
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
-from tensorbend.offload.handle import AttachOptions, OffloadHandle, rss_bytes
+from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
-from tensorbend.placement import (
-    build_without_experts,
-    kv_bytes_per_token,
-    load_non_experts,
-    parse_bytes,
-)
+from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
 IMPORT_BASELINE = (
     f"import {', '.join(BASELINE_MODULES)}; "
-    "from tensorbend.offload.handle import peak_rss_bytes; print(peak_rss_bytes())"
+    "from tensorbend.memory import peak_rss_bytes; print(peak_rss_bytes())"
 )
 """Python code printing the peak RSS of a process that imports what any transformers
 inference needs (torch, transformers' modeling and generation code) and tensorbend: the
@@ -105,17 +101,11 @@ class ServeConfig:
         if self.max_memory is not None:
             parse_bytes(self.max_memory)
         if self.reserve != "auto":
-            parse_bytes(self.reserve)
+            parse_bytes(self.reserve, "--reserve")
         if self.io_threads < 1:
             raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
         StoreConfig(self.io)
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise TensorbendError(f"--device {self.device!r}: expected cpu, cuda or cuda:N")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise TensorbendError(
-                f"--device {self.device}: expected a CUDA device, found none "
-                f"(torch {torch.__version__}); use --device cpu"
-            )
+        check_device(self.device)
         pol = self.offload.policy
         if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
@@ -156,13 +146,15 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     store = _store_path(cfg, path, cfg.dtype)
-    _ensure_store(plan, store, fingerprint, spec, dtype, cfg.progress)
+    _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
                                   prefetch_extra=cfg.prediction.prefetch_extra)  # fmt: skip
-    if mem is not None and grown is not None:
-        mem["measured"] = grown  # the growth itself, before rounding up
+    if mem is not None:  # what the slots hold (the rest of the budget: less than one expert)
+        mem["cache"] = lm.tensorbend.cache.capacity * layout.nbytes
+        if grown is not None:
+            mem["measured"] = grown  # the growth itself, before rounding up
     lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
     return lm
 
@@ -174,8 +166,10 @@ def memory_plan(
     expert_bytes: int,
     kv_bytes: int,
     loaded_bytes: int | None = None,
-):
-    """(cache slots, details) for a budget; raises when the budget cannot hold one layer.
+) -> dict:
+    """Where --max-memory goes, in bytes: {budget, non_expert, model, staging, reserve, cache};
+    `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
+    when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
     bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
     its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
@@ -190,20 +184,18 @@ def memory_plan(
         what = f"the model without its experts {_mb(model)} (measured; its tensors "
         what += f"{_mb(non_expert_bytes)})"
     auto = 2048 * kv_bytes + RESERVE_FIXED
-    reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve)
+    reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
     staging = spec.top_k * expert_bytes
-    need_slots = max(spec.top_k, spec.num_moe_layers if cfg.offload.pool == "per_layer" else 1)
-    minimum = model + staging + reserve + need_slots * expert_bytes
+    need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
+    minimum = model + staging + reserve + need * expert_bytes
     if budget < minimum:
         raise TensorbendError(
             f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
-            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need_slots} cached experts "
+            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need} cached experts "
             f"of {_mb(expert_bytes)}; raise it"
         )
-    slots = (budget - model - staging - reserve) // expert_bytes
-    slots = min(slots, spec.num_moe_layers * spec.num_experts)
-    return slots, {"budget": budget, "non_expert": non_expert_bytes, "model": model,
-                   "staging": staging, "reserve": reserve, "cache": slots * expert_bytes}  # fmt: skip
+    return {"budget": budget, "non_expert": non_expert_bytes, "model": model,
+            "staging": staging, "reserve": reserve, "cache": budget - model - staging - reserve}  # fmt: skip
 
 
 # ------------------------------------------------------------ helpers
@@ -240,28 +232,22 @@ def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
     return Path(root) / sub / f"experts-{dtype}.safetensors"
 
 
-def _ensure_store(plan, store: Path, fingerprint: str, spec, dtype, progress: bool) -> None:
+def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     """Build the store unless a finished one of this very checkpoint is there; refuse one of
-    another checkpoint (its model fingerprint or the checkpoint's own identity differ)."""
-    ident = plan.ckpt.identity()
+    another checkpoint (`ExpertStore.check`: its model fingerprint or the checkpoint's own
+    identity differ)."""
+    spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
     if store.is_file():
         try:
             found = ExpertStore.open(store)
-        except StoreError:
+        except StoreError:  # unfinished or of an older format: built again
             found = None
         if found is not None:
+            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)
             found.close()
-            got = (found.meta.get("fingerprint"), found.meta.get("checkpoint"))
-            if got == (fingerprint, ident):
-                return
-            raise StoreError(
-                f"expert store {store}: built from another checkpoint ({found.meta.get('source')}"
-                f": model fingerprint {got[0]}, checkpoint {got[1]}; this one: {fingerprint}, "
-                f"{ident}); delete it or pass another --store-dir"
-            )
-    meta = {"fingerprint": fingerprint, "checkpoint": ident, "family": spec.family,
-            "source": str(plan.ckpt.directory)}  # fmt: skip
-    build_store(plan, store, meta, dtype, progress)
+            return
+    meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
+    build_store(plan, store, meta, layout.dtype, progress)
 
 
 def _size_cache(
@@ -273,8 +259,8 @@ def _size_cache(
                      if p.device.type != "meta")  # fmt: skip
     non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
     kv = kv_bytes_per_token(lm.config, layout.dtype)
-    slots, plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
-    return replace(cfg.offload, cache_bytes=slots * layout.nbytes), plan
+    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
+    return replace(cfg.offload, cache_bytes=plan["cache"]), plan
 
 
 def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):

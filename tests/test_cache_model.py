@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from test_import import csv_rows, planted_routing
+from test_simulate import sim_config
 
 from tensorbend.cache.config import make_resident_set
 from tensorbend.cache.replay import planted_trace
@@ -45,7 +46,7 @@ from tensorbend.importers import ImportConfig, import_trace
 from tensorbend.importers.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.simulate import SimulateConfig, simulate
+from tensorbend.simulate import simulate
 from tensorbend.simulate.costs import Calibration
 from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
 
@@ -109,7 +110,7 @@ def simulated(root: Path) -> dict:
             max_prompts=10,
             oracle_beyond="lru",
         )  # the rule the recorded answers were made with
-        cfg = SimulateConfig(trace=traces[trace], calibration=_calibration(root, cal),
+        cfg = sim_config(trace=traces[trace], calibration=_calibration(root, cal),
                              progress=False, **{**base, **kw})  # fmt: skip
         for r in simulate(cfg).results:
             out[f"sim/{name}/{r['policy']}/{r['predictor']}/{r['cache_frac']}"] = _row(r)
@@ -126,7 +127,7 @@ def horizon(root: Path) -> dict:
     from tensorbend.trace import Trace
 
     trace = _trace(root / "a", prompts=40, L=3, E=8, K=2, prefill=4, decode=6, seed=3)
-    cfg = SimulateConfig(trace=trace, hardware="h100-pcie5", geometry="from-trace",
+    cfg = sim_config(trace=trace, hardware="h100-pcie5", geometry="from-trace",
                          calibration=_calibration(root, "busy"), progress=False, split="all",
                          max_prompts=6, policies=("prefetch",), predictors=("transition", "none"),
                          cache_fracs=(0.5,), token_ahead_layers=2)  # fmt: skip

@@ -171,3 +171,26 @@ def test_run_verb_on_cuda(tmp_path):
     )
     r = json.loads(out.read_text())
     assert rc == 0 and r["device"].startswith("cuda") and r["output_matches_resident"] is True
+
+
+def test_run_describes_the_model_once(tmp_path, monkeypatch):
+    """`tensorbend run` computes the model's description once and hands it to the predictors
+    and the session (it was computed four times per run)."""
+    import tensorbend.models
+    from tensorbend.offload import session
+
+    calls = []
+    real = tensorbend.models.describe_model
+
+    def counted(model):
+        calls.append(1)
+        return real(model)
+
+    for mod in (runner, session):
+        monkeypatch.setattr(mod, "describe_model", counted)
+    ckpt = save_checkpoint("mixtral", tmp_path / "model")
+    prompts = write_prompts(tmp_path / "p.jsonl", 1)
+    res = runner.run(runner.RunConfig(model=str(ckpt), prompts=prompts, split="all", link="none",
+                                      offload=PolicyConfig("prefetch"), baseline="spec_gate",
+                                      session=SessionConfig(DecodeConfig(max_new_tokens=2))))  # fmt: skip
+    assert res.output_matches_resident and len(calls) == 1

@@ -188,7 +188,9 @@ def test_bad_input_one_line_errors(tmp_path, capsys):
     assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet", "--store-dir",
                  str(store), "--max-new-tokens", "2"]) == 0  # fmt: skip
     capsys.readouterr()
-    assert "another checkpoint" in err("--model", str(other), "--store-dir", str(store))
+    assert "built for another model, checkpoint or dtype" in err(
+        "--model", str(other), "--store-dir", str(store)
+    )
     pred = tmp_path / "missing.safetensors"
     assert "expected a checkpoint file" in err("--model", str(ckpt), "--policy", "prefetch",
                                                "--horizon", str(pred))  # fmt: skip
@@ -203,10 +205,13 @@ def test_layout_and_dtype_refused(tmp_path):
     from tensorbend.cache.config import PolicyConfig
     from tensorbend.offload.handle import OffloadHandle
 
-    with pytest.raises(tensorbend.TensorbendError, match="another dtype"):
+    with pytest.raises(
+        tensorbend.TensorbendError,
+        match=r"expected expert bytes \d+ \(this model, torch.float32\), found expert bytes \d+:",
+    ):
         OffloadHandle(lm, spec, layout, path, PolicyConfig("lru", cache_frac=0.5))
     small = ExpertLayout(tuple((n, (1,) + s[1:]) for n, s in layout.parts), torch.float32)
-    with pytest.raises(tensorbend.TensorbendError, match="another model"):
+    with pytest.raises(tensorbend.TensorbendError, match=r"expected layout .* found layout"):
         OffloadHandle(lm, spec, small, path, PolicyConfig("lru", cache_frac=0.5))
 
 
@@ -340,10 +345,11 @@ def test_budget_holds_with_a_predictor_and_serving_imports_no_numba(tmp_path):
 
 def test_memory_plan_charges_the_measured_model_part():
     """Hand-computed plan: 100 MB budget, experts of 1 MB, top-2 staging, a 10 MB reserve.
-    With the model's tensors (5 MB) alone the cache gets 100 - 5 - 2 - 10 = 83 experts; when
-    loading the model grew the process by 30 MB (modeling code, Python objects, predictors)
-    that is charged instead: 58. A measured growth below the tensors' bytes charges the
-    tensors; a budget too small names the measured part."""
+    With the model's tensors (5 MB) alone the cache gets 100 - 5 - 2 - 10 = 83 MB (83 slots at
+    the slot table); when loading the model grew the process by 30 MB (modeling code, Python
+    objects, predictors) that is charged instead: 58. A measured growth below the tensors'
+    bytes charges the tensors; a budget too small names the measured part and the minimum."""
+    from tensorbend.cache.config import PolicyConfig
     from tensorbend.models import RoutingSpec
     from tensorbend.serving import ServeConfig, memory_plan
 
@@ -352,14 +358,18 @@ def test_memory_plan_charges_the_measured_model_part():
                        moe_layer_ids=(0, 1, 2, 3))  # fmt: skip
     cfg = ServeConfig(max_memory="100MB", reserve="10MB")
     mb = 10**6
-    assert memory_plan(cfg, 5 * mb, spec, mb, 0)[0] == 83
-    slots, plan = memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=30 * mb)
-    assert (slots, plan["model"], plan["non_expert"]) == (58, 30 * mb, 5 * mb)
-    assert memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=3 * mb)[0] == 83
-    with pytest.raises(
-        tensorbend.TensorbendError, match=r"without its experts 90\.0 MB \(measured"
-    ):
+    assert memory_plan(cfg, 5 * mb, spec, mb, 0)["cache"] == 83 * mb
+    assert PolicyConfig(cache_bytes=83 * mb).slots(spec, mb) == 83
+    plan = memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=30 * mb)
+    assert (plan["cache"], plan["model"], plan["non_expert"]) == (58 * mb, 30 * mb, 5 * mb)
+    assert memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=3 * mb)["cache"] == 83 * mb
+    with pytest.raises(tensorbend.TensorbendError) as e:
         memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=90 * mb)
+    assert str(e.value) == (
+        "--max-memory 100MB: expected at least 104.0 MB = the model without its experts 90.0 MB "
+        "(measured; its tensors 5.0 MB) + staging 2.0 MB + --reserve 10.0 MB + 2 cached experts "
+        "of 1.0 MB; raise it"
+    )
 
 
 def test_peak_rss_is_the_process_own_not_its_parents():
@@ -367,10 +377,10 @@ def test_peak_rss_is_the_process_own_not_its_parents():
     import of tensorbend's runtime, well under 1 GB), not the parent's: getrusage's ru_maxrss
     carries the parent's peak across fork/vfork and exec, which once made the serving bench's
     import baseline read 866 MB instead of ~400 MB."""
-    from tensorbend.offload.handle import peak_rss_bytes
+    from tensorbend.memory import peak_rss_bytes
 
     ballast = bytearray(b"\x01") * (1 << 30)  # every page touched
-    code = "from tensorbend.offload.handle import peak_rss_bytes; print(peak_rss_bytes())"
+    code = "from tensorbend.memory import peak_rss_bytes; print(peak_rss_bytes())"
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                check=True).stdout)  # fmt: skip
     assert peak_rss_bytes() >= len(ballast)
@@ -497,3 +507,18 @@ def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):
             h.store.read_into(m, e, got)
             assert got.dtype == torch.float32 and torch.equal(got, want)
     h.close()
+
+
+def test_generate_flags_build_the_nested_decode_config(monkeypatch):
+    """`tensorbend generate` keeps its flags and defaults (--max-new-tokens 64, --sample,
+    --temperature, --top-p, --seed) over the one DecodeConfig it nests."""
+    import tensorbend.generate
+    from tensorbend.hf import DecodeConfig
+
+    got = []
+    monkeypatch.setattr(tensorbend.generate, "generate", lambda cfg: got.append(cfg) or {})
+    base = ["generate", "--model", "m", "--prompt", "x", "--quiet"]
+    assert main(base) == 0 and main([*base, "--sample", "--seed", "3", "--top-p", "0.5"]) == 0
+    assert got[0].decode == DecodeConfig("greedy", max_new_tokens=64) and got[0].top_p == 1.0
+    assert got[1].decode == DecodeConfig("sample", max_new_tokens=64, seed=3)
+    assert got[1].top_p == 0.5

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_import import csv_rows, planted_routing
 
+from tensorbend.cache.config import PolicyConfig
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.importers import ImportConfig, import_trace
 from tensorbend.importers.csv import write_csv
@@ -66,7 +67,17 @@ def sim(trace, cal, **kw):
         split="all",
         max_prompts=8,
     )
-    return simulate(SimulateConfig(**{**base, **kw}))
+    return simulate(sim_config(**{**base, **kw}))
+
+
+def sim_config(**kw) -> SimulateConfig:
+    """SimulateConfig of `kw`, the cache options among them (PolicyConfig's) nested in its
+    `offload`."""
+    own = set(SimulateConfig.__dataclass_fields__)
+    pol = {
+        k: kw.pop(k) for k in list(kw) if k not in own and k in PolicyConfig.__dataclass_fields__
+    }
+    return SimulateConfig(**kw, offload=PolicyConfig("oracle", **pol))
 
 
 def test_perfect_prediction_with_lead_time_and_bandwidth_stalls_zero(planted, tmp_path):
@@ -231,9 +242,7 @@ def test_config_errors_say_how_to_fix():
     with pytest.raises(TensorbendError, match="--hardware"):
         SimulateConfig(trace="t", hardware="tpu", geometry="kimi-k2.5")
     with pytest.raises(TensorbendError, match="admission predicted"):
-        SimulateConfig(
-            trace="t", hardware="h100-pcie5", geometry="kimi-k2.5", admission="predicted"
-        )
+        sim_config(trace="t", hardware="h100-pcie5", geometry="kimi-k2.5", admission="predicted")
 
 
 def test_imported_csv_of_another_shape_evaluates_and_simulates(tmp_path):
@@ -361,3 +370,28 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
     hz = "horizon(evict only)"  # the label says what ran: no within-token predictor
     assert by_true[hz] <= by[hz] < by["prefetch:none"] < by["lru"]
     assert by["prefetch:none"] == by_true["prefetch:none"]  # runs without forecasts untouched
+
+
+def test_simulate_flags_fill_the_nested_policy_config(monkeypatch):
+    """The cache options `simulate` shares with `run` keep their flags and defaults, nested in
+    one PolicyConfig; --oracle-beyond best and --prefetch-extra stay simulate's own."""
+    import tensorbend.simulate.simulator as simulator
+    from tensorbend.cli import main
+
+    got = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(cfg):
+        got.append(cfg)
+        raise Stop  # (the config is what is tested: no trace to replay)
+
+    monkeypatch.setattr(simulator, "simulate", capture)
+    base = ["simulate", "--trace", "t", "--hardware", "h100-pcie5", "--geometry", "kimi-k2.5"]
+    flags = ["--pool", "per_layer", "--foresight", "2", "--lookahead", "d2", "--quiet"]
+    with pytest.raises(Stop):
+        main([*base, *flags])
+    (cfg,) = got
+    assert cfg.offload == PolicyConfig("oracle", pool="per_layer", foresight=2, lookahead="d2")
+    assert (cfg.oracle_beyond, cfg.prediction.prefetch_extra) == ("best", 0)

@@ -167,7 +167,8 @@ class PolicyConfig:
         _check_policy(self)
 
     def slots(self, spec: RoutingSpec, expert_bytes: int) -> int:
-        """Cache slots for this model; raises when too few to be meaningful."""
+        """Cache slots for this model: where a byte budget becomes slots (sizes stay in bytes
+        until here); raises when too few to be meaningful."""
         n_routed = spec.num_moe_layers * spec.num_experts
         if not POLICIES[self.policy].bounded:
             return n_routed
@@ -177,14 +178,27 @@ class PolicyConfig:
         else:
             slots = round(self.cache_frac * n_routed)
             what = f"--cache-frac {self.cache_frac} of {n_routed} experts"
-        need = max(spec.top_k, spec.num_moe_layers if self.pool == "per_layer" else 1)
-        if slots < need and POLICIES[self.policy].keeps_experts:
-            raise TensorbendError(
-                f"{what} gives {slots} cache slots: expected at least {need} (top_k"
-                f"{' and one per MoE layer for --pool per_layer' if self.pool == 'per_layer' else ''}"
-                f"); raise the cache size"
-            )
-        return slots
+        if not POLICIES[self.policy].keeps_experts:
+            return slots
+        return check_slots(slots, what, spec.top_k, spec.num_moe_layers, self.pool)
+
+
+def min_slots(top_k: int, num_layers: int, pool: str) -> int:
+    """The fewest cache slots a policy that keeps experts runs with: one layer's top-k, and one
+    per MoE layer with a per-layer pool (the runtime, the simulator and --max-memory's minimum)."""
+    return max(top_k, num_layers if pool == "per_layer" else 1)
+
+
+def check_slots(slots: int, what: str, top_k: int, num_layers: int, pool: str) -> int:
+    """`slots`, or TensorbendError naming `what` gave them when fewer than `min_slots`."""
+    need = min_slots(top_k, num_layers, pool)
+    if slots < need:
+        per_layer = " and one per MoE layer for --pool per_layer" if pool == "per_layer" else ""
+        raise TensorbendError(
+            f"{what} gives {slots} cache slots: expected at least {need} (top_k{per_layer}); "
+            f"raise the cache size"
+        )
+    return slots
 
 
 def _check_policy(pc: PolicyConfig) -> None:

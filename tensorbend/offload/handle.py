@@ -22,8 +22,6 @@ forward itself (the session's `Recorder`) passes `drive_clock=False` and its own
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,8 @@ import torch
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
-from tensorbend.errors import StoreError, TensorbendError
+from tensorbend.errors import TensorbendError
+from tensorbend.memory import peak_rss_bytes
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
@@ -85,7 +84,7 @@ class OffloadHandle:
         self.history = history or RoutingHistory(L)
         self.device = _device_of(model)
         self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link)
-        _check_store(self.store, spec, layout, store_path)
+        self.store.check({}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
         self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s)
@@ -117,7 +116,7 @@ class OffloadHandle:
     def counters(self) -> dict:
         """Everything counted since the last `reset`: per phase (tokens, tok/s, bytes and hits
         per token), the cache's totals, prediction seconds, per-layer demand counts, memory."""
-        gen, stats = self.gen, self.cache.stats
+        gen = self.gen
         phases = {}
         for p in ("prefill", "decode"):
             phases[p] = {
@@ -127,19 +126,12 @@ class OffloadHandle:
                 **phase_numbers(gen.stats[p], gen.tokens[p]),
             }
         decode_tokens = gen.tokens["decode"]
+        pred = self.prediction_counters()
         return {
             **phases,
-            "totals": dict(vars(stats)),
-            "predict_s": self.hooks.predict_s,
-            "predict_s_per_token": self.hooks.predict_s / decode_tokens if decode_tokens else None,
-            "decode_predict_s": self.hooks.decode_predict_s,
-            "decode_predict_exposed_s": self.hooks.decode_exposed_s,
-            "predict_queue_s": self.hooks.queue_s,
-            "decode_predict_score_s": self.hooks.decode_score_s,
-            "decode_predict_queue_s": self.hooks.decode_queue_s,
-            "predict_calls": self.hooks.predict_calls,
-            "decode_predict_calls": self.hooks.decode_predict_calls,
-            "expert_compute": self.compute.rows(),
+            "totals": dict(vars(self.cache.stats)),
+            **pred,
+            "predict_s_per_token": pred["predict_s"] / decode_tokens if decode_tokens else None,
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
@@ -147,6 +139,22 @@ class OffloadHandle:
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
+        }
+
+    def prediction_counters(self) -> dict:
+        """The prediction hooks' seconds (keys ending in _s) and calls, and the experts' math,
+        since the last `reset` (what `counters` and `tensorbend run`'s result report)."""
+        h = self.hooks
+        return {
+            "predict_s": h.predict_s,
+            "decode_predict_s": h.decode_predict_s,
+            "decode_predict_exposed_s": h.decode_exposed_s,
+            "predict_queue_s": h.queue_s,
+            "decode_predict_score_s": h.decode_score_s,
+            "decode_predict_queue_s": h.decode_queue_s,
+            "predict_calls": h.predict_calls,
+            "decode_predict_calls": h.decode_predict_calls,
+            "expert_compute": self.compute.rows(),
         }
 
     def reset(self) -> None:
@@ -222,61 +230,8 @@ class OffloadHandle:
         self._phase = None
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (anonymous and mapped file pages), in bytes.
-
-    Linux: VmHWM of /proc/self/status, this address space's own high-water mark. Not
-    getrusage's ru_maxrss, which a process started by fork or vfork and exec inherits from its
-    parent (the kernel carries the parent's peak across exec): a child of a large process
-    reports the parent's peak. Elsewhere ru_maxrss (kilobytes on Linux, bytes on macOS)."""
-    hwm = _proc_status_bytes(b"VmHWM:")
-    if hwm is not None:
-        return hwm
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def rss_bytes() -> int | None:
-    """This process's resident set now (VmRSS of /proc/self/status), or None off Linux."""
-    return _proc_status_bytes(b"VmRSS:")
-
-
-def _proc_status_bytes(field: bytes) -> int | None:
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
-
-
 def _device_of(model) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
-
-
-def _check_store(store: ExpertStore, spec: RoutingSpec, layout: ExpertLayout, path: Path) -> None:
-    want = (spec.num_moe_layers, spec.num_experts, [list(p) for p in layout.parts])
-    import json
-
-    found = (store.num_layers, store.num_experts, json.loads(store.meta.get("layout", "[]")))
-    found = (found[0], found[1], [[n, list(s)] for n, s in found[2]])
-    want = (want[0], want[1], [[n, list(s)] for n, s in want[2]])
-    if found == want and store.expert_nbytes != layout.nbytes:
-        store.close()
-        raise StoreError(
-            f"expert store {path}: expected {layout.nbytes} bytes per expert ({layout.dtype}), "
-            f"found {store.expert_nbytes}: it was built in another dtype; delete it or pass "
-            f"another store directory"
-        )
-    if found != want:
-        store.close()
-        raise StoreError(
-            f"expert store {path}: expected {want[0]} MoE layers x {want[1]} experts of layout "
-            f"{want[2]} (this model), found {found[0]} x {found[1]} of {found[2]}: it was built "
-            f"for another model; delete it or pass another store directory"
-        )

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import check_link
 from tensorbend.errors import TensorbendError
-from tensorbend.models import describe_model
+from tensorbend.memory import check_device
+from tensorbend.models import RoutingSpec, describe_model
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.checkpoint import check_held_out
@@ -81,7 +80,7 @@ class RunConfig:
         check_link(self.link)
         if not self.link_speedup > 0:
             raise TensorbendError(f"--link-speedup {self.link_speedup}: expected a number > 0")
-        _check_device(self.device)
+        check_device(self.device)
 
 
 def run(cfg: RunConfig) -> RunResult:
@@ -104,10 +103,10 @@ def run(cfg: RunConfig) -> RunResult:
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
     la = cfg.offload.lookahead
-    predictor = build_predictor(model, pred.predictor, cfg.baseline, la, cfg.trace)
-    horizon = build_predictor(model, pred.horizon, None, la, None)
+    predictor = build_predictor(model, pred.predictor, cfg.baseline, la, cfg.trace, spec)
+    horizon = build_predictor(model, pred.horizon, None, la, None, spec)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
-    sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model)
+    sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model, spec=spec)
     try:
         link = sess.link(cfg.link, cfg.link_speedup)
         return sess.run_policy(cfg.offload, predictor, link, horizon, pred.prefetch_extra)
@@ -116,10 +115,16 @@ def run(cfg: RunConfig) -> RunResult:
 
 
 def build_predictor(
-    model, path: Path | None, baseline: str | None, lookahead: str, trace: Path | None
+    model,
+    path: Path | None,
+    baseline: str | None,
+    lookahead: str,
+    trace: Path | None,
+    spec: RoutingSpec | None = None,
 ):
-    """A trained checkpoint, a named baseline, or None."""
-    spec = describe_model(model)
+    """A trained checkpoint, a named baseline, or None (spec: the model's description, when the
+    caller has it)."""
+    spec = spec or describe_model(model)
     if path is not None:
         from tensorbend.predictors.checkpoint import load_predictor
 
@@ -151,14 +156,4 @@ def _check_predictor(cfg: RunConfig) -> None:
     if cfg.trace is not None and not (Path(cfg.trace) / "manifest.json").is_file():
         raise TensorbendError(
             f"--trace {cfg.trace}: expected a trace directory with manifest.json, found none"
-        )
-
-
-def _check_device(device: str) -> None:
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        raise TensorbendError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TensorbendError(
-            f"--device {device}: expected a CUDA device, found none (torch {torch.__version__}); "
-            f"use --device cpu"
         )

@@ -97,9 +97,17 @@ class SessionConfig:
 class OffloadSession:
     """One model, one prompt set: a resident reference, then any number of offloaded runs."""
 
-    def __init__(self, model, tokenizer, prompts, cfg: SessionConfig, model_name: str = "model"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        prompts,
+        cfg: SessionConfig,
+        model_name: str = "model",
+        spec: RoutingSpec | None = None,
+    ):
         self.model, self.cfg, self.model_name = model, cfg, model_name
-        self.spec = spec = describe_model(model)
+        self.spec = spec = spec or describe_model(model)  # (the caller's, when it has it)
         check_supported(spec.family)
         cfg.check_prompts(prompts)
         self.inputs = [encode_prompt(tokenizer, p, cfg.decode) for p in prompts]
@@ -173,24 +181,11 @@ class OffloadSession:
             for mod in self.experts:
                 mod.forward = _not_attached
         result = self._result(pc, predictor, link, gen, cache, prefetch_extra)
-        decode = gen.tokens["decode"]
-        result = dataclasses.replace(
-            result,
-            predict_s_per_token=handle.hooks.predict_s / decode if decode else None,
-            decode_predict_s_per_token=handle.hooks.decode_predict_s / decode if decode else None,
-            predict_queue_s_per_token=handle.hooks.queue_s / decode if decode else None,
-            decode_predict_exposed_s_per_token=(
-                handle.hooks.decode_exposed_s / decode if decode else None
-            ),
-            decode_predict_score_s_per_token=(
-                handle.hooks.decode_score_s / decode if decode else None
-            ),
-            decode_predict_queue_s_per_token=(
-                handle.hooks.decode_queue_s / decode if decode else None
-            ),
-            predict_calls=handle.hooks.predict_calls,
-            expert_compute=handle.compute.rows(),
-        )
+        decode, c = gen.tokens["decode"], handle.prediction_counters()
+        per_token = {f"{k}_per_token": v / decode if decode else None
+                     for k, v in c.items() if k.endswith("_s")}  # fmt: skip
+        result = dataclasses.replace(result, **per_token, predict_calls=c["predict_calls"],
+                                     expert_compute=c["expert_compute"])  # fmt: skip
         if horizon is not None:
             result = dataclasses.replace(
                 result,
@@ -217,7 +212,7 @@ class OffloadSession:
     def _write_store(self, directory: Path) -> Path:
         path = directory / "experts.safetensors"
         fingerprint = model_fingerprint(self.model, self.spec)
-        if not _store_matches(path, fingerprint):
+        if not _store_matches(path, fingerprint, self.spec, self.layout):
             meta = {"fingerprint": fingerprint, "family": self.spec.family}
             write_store(self.experts, self.layout, path, meta)
         return path
@@ -278,13 +273,14 @@ def _load_json(load) -> dict | None:
     return None if load is None else load.to_json()
 
 
-def _store_matches(path: Path, fingerprint: str) -> bool:
+def _store_matches(path: Path, fingerprint: str, spec: RoutingSpec, layout: ExpertLayout) -> bool:
     try:
         store = ExpertStore.open(path)
-    except TensorbendError:
+        store.check({"fingerprint": fingerprint}, spec.num_moe_layers, spec.num_experts, layout)
+    except TensorbendError:  # none there, or another model's: (re)written
         return False
     store.close()
-    return store.meta.get("fingerprint") == fingerprint
+    return True
 
 
 def _not_attached(*args, **kwargs):

@@ -231,6 +231,31 @@ class ExpertStore:
         start, end = self._offsets[_name(0, 0)]
         return end - start
 
+    def check(
+        self, identity: dict[str, str], num_layers: int, num_experts: int, layout: ExpertLayout
+    ) -> None:
+        """The one check of a store's identity: StoreError (closing the store) unless it holds
+        `num_layers` x `num_experts` experts of `layout` (parts and dtype) and carries every
+        `identity` item (the model fingerprint, the checkpoint's identity) in its metadata."""
+
+        def parts(p):
+            return [[n, list(shape)] for n, shape in p]
+
+        want = {**identity, "experts": f"{num_layers} x {num_experts}",
+                "layout": parts(layout.parts), "expert bytes": f"{layout.nbytes}"}  # fmt: skip
+        found = {k: self.meta.get(k) for k in identity}
+        found |= {"experts": f"{self.num_layers} x {self.num_experts}",
+                  "layout": parts(json.loads(self.meta.get("layout", "[]"))),
+                  "expert bytes": f"{self.expert_nbytes}"}  # fmt: skip
+        diff = [k for k in want if want[k] != found[k]]
+        if diff:
+            self.close()
+            raise StoreError(
+                f"expert store {self.path}: expected {_items(want, diff)} (this model, "
+                f"{layout.dtype}), found {_items(found, diff)}: it was built for another model, "
+                f"checkpoint or dtype; delete it or pass another --store-dir"
+            )
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -327,6 +352,10 @@ def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(rows * row + _ALIGN // itemsize, dtype=dtype)
     skip = (-raw.data_ptr() % _ALIGN) // itemsize
     return raw[skip : skip + rows * row].view(rows, row)[:, :numel]
+
+
+def _items(d: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k} {d[k]}" for k in keys)
 
 
 def _name(m: int, e: int) -> str:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import math
 
-from tensorbend.cache.config import POLICIES, make_resident_set
+from tensorbend.cache.config import (
+    POLICIES,
+    check_slots,
+    make_resident_set,
+)
 from tensorbend.cache.report import compare, run_label
 from tensorbend.cache.transfers import Link
-from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
 from tensorbend.simulate import plan
 from tensorbend.simulate.events import EventRun, IOThreads, Times
@@ -37,16 +40,17 @@ def run_one(
     preds = None if ranked is None else plan.prediction_lists(ranked, fwds, K, extra)
     work = plan.build_work(fwds, demand, mapping, ranked, preds)
     if forecasts is not None:
-        plan.add_horizon(work, mapping, forecasts, cfg.token_ahead_layers, K)
+        plan.add_horizon(work, mapping, forecasts, cfg.offload.token_ahead_layers, K)
     steps = None
     if POLICIES[policy].recorded_routing:
-        la = get_lookahead(cfg.lookahead)
-        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.foresight)
+        la = get_lookahead(cfg.offload.lookahead)
+        plan.add_oracle(work, la.distance, la.hidden == "gate_input", cfg.offload.foresight)
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
-    rs = make_resident_set(policy, units, L, cfg.pool, cfg.admission, cfg.admission_window,
-                           steps, cfg.foresight, forecasts is not None, beyond)  # fmt: skip
-    backlog = cfg.prefetch_backlog * costs.transfer_s()
+    o = cfg.offload
+    rs = make_resident_set(policy, units, L, o.pool, o.admission, o.admission_window, steps,
+                           o.foresight, forecasts is not None, beyond)  # fmt: skip
+    backlog = cfg.offload.prefetch_backlog * costs.transfer_s()
     predict_s = costs.predict_s if policy == "prefetch" else 0.0
     forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
@@ -58,7 +62,7 @@ def run_one(
     run.run(work)
     row = _result(policy, ranked, frac, units, run, costs, hw, geo, cfg)
     row["horizon"] = str(cfg.prediction.horizon) if forecasts is not None else None
-    row["token_ahead_layers"] = cfg.token_ahead_layers if forecasts is not None else None
+    row["token_ahead_layers"] = cfg.offload.token_ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
     return row
 
@@ -68,14 +72,7 @@ def cache_units(cfg, frac: float, mapping) -> int:
     one per layer with a per-layer pool)."""
     L, E, K = mapping.geometry_layers, mapping.trace_experts, mapping.trace_top_k
     units = round(frac * L * E)
-    need = max(K, L if cfg.pool == "per_layer" else 1)
-    if units < need:
-        raise TensorbendError(
-            f"--cache-frac {frac} gives {units} cache slots: expected at least {need} (top-k"
-            f"{' and one per MoE layer for --pool per_layer' if cfg.pool == 'per_layer' else ''});"
-            f" raise it to {need / (L * E):.4f} or more"
-        )
-    return units
+    return check_slots(units, f"--cache-frac {frac} of {L * E} experts", K, L, cfg.offload.pool)
 
 
 def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> dict:
@@ -99,9 +96,9 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
         "cache_bytes": int(cache_bytes),
         "fits_fast_memory": cfg.calibration is not None
         or cache_bytes + resident_bytes(geo) <= hw.mem_capacity.value,
-        "pool": cfg.pool,
-        "admission": cfg.admission,
-        "foresight": cfg.foresight if POLICIES[policy].recorded_routing else None,
+        "pool": cfg.offload.pool,
+        "admission": cfg.offload.admission,
+        "foresight": cfg.offload.foresight if POLICIES[policy].recorded_routing else None,
         "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
         "prefill": {
             "stall_s_per_token": pre.stall_s / npf,

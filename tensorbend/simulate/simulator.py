@@ -27,11 +27,9 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from tensorbend.cache.admission import AdmissionName
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
 from tensorbend.cache.report import best_rule
-from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out, read_metadata
@@ -53,7 +51,6 @@ from tensorbend.simulate.runs import fitting_frac, relative, run_one
 from tensorbend.trace import Trace
 
 POLICIES: tuple[str, ...] = tuple(POLICY_TABLE)
-_RUN = PolicyConfig()  # the cache options' defaults live in PolicyConfig (cache/config.py)
 
 
 @dataclass(frozen=True)
@@ -80,10 +77,6 @@ class SimulateConfig:
     """--horizon (each prefetch run is also simulated with its forecasts driving eviction and
     next-forward prefetches, batch 1) and --prefetch-extra; its within-token `predictor` stays
     None: the ones compared are `predictors`."""
-    token_ahead_layers: int = _RUN.token_ahead_layers
-    """With --horizon: prefetch the next forward's first N MoE layers' likeliest experts."""
-    lookahead: str = _RUN.lookahead
-    """Lookahead of named peers and of the oracle's prefetches."""
     train_trace: Path | None = None
     """Trace whose train split fits the table peers (frequency, prev_token, transition);
     default: the simulated trace."""
@@ -98,20 +91,16 @@ class SimulateConfig:
     """Replay at most this many prompts of the split (row order)."""
     dtype: ExpertDtype = "native"
     """Storage of the geometry's routed experts (native: as released)."""
-    pool: PoolName = _RUN.pool
-    """Cache slots shared by all layers (global) or split evenly per layer."""
-    admission: AdmissionName = _RUN.admission
-    """Which misses are kept: all, frequency (TinyLFU-style), predicted (prefetch/oracle only)."""
-    admission_window: int = _RUN.admission_window
-    """Forwards of use counts for --admission frequency."""
-    foresight: int | None = _RUN.foresight
-    """Oracle: forwards (tokens at decode) of exact routing it knows, counting the current one
-    (0: nothing, LRU); default: the whole run."""
+    offload: PolicyConfig = field(
+        default_factory=lambda: PolicyConfig("oracle"),
+        metadata={"skip": ("policy", "cache_frac", "cache_bytes", "oracle_beyond")},
+    )  # fmt: skip
+    """The cache options of `tensorbend run` (--pool, --admission, --foresight, --lookahead,
+    ...), each applied to the policies it concerns; its policy is not read (--policy lists the
+    simulated ones; oracle, the default, accepts every option)."""
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
     """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
     no-prediction cache that read the fewest bytes at the same cache size in this run)."""
-    prefetch_backlog: float = _RUN.prefetch_backlog
-    """Start a prefetch only while the link is busy for at most this many transfers (inf: always)."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None
@@ -145,18 +134,10 @@ class SimulateConfig:
                 f"--horizon with --batch {self.batch}: expected --batch 1 (its forecasts are "
                 "per request; batched forecasts are not simulated)"
             )
-        if (
-            self.batch < 1
-            or (self.foresight is not None and self.foresight < 0)
-            or self.admission_window < 1
-            or not self.prefetch_backlog >= 0
-        ):
-            raise TensorbendError(
-                "expected --batch >= 1, --foresight >= 0, "
-                "--admission-window >= 1, --prefetch-backlog >= 0"
-            )
+        if self.batch < 1:
+            raise TensorbendError(f"--batch {self.batch}: expected a count >= 1")
         blind = [p for p in self.policies if not POLICY_TABLE[p].uses_prediction]
-        if self.admission == "predicted" and [p for p in blind if p != "resident"]:
+        if self.offload.admission == "predicted" and [p for p in blind if p != "resident"]:
             raise TensorbendError(
                 "--admission predicted needs a policy that predicts (prefetch, oracle): drop "
                 f"{[p for p in blind if p != 'resident']} from --policies"
@@ -173,7 +154,6 @@ class SimulateConfig:
             )
         if self.calibration is not None:
             Calibration.load(self.calibration)  # a bad file fails before the trace is read
-        get_lookahead(self.lookahead)
         get_hardware(self.hardware)
         if self.ep_degree is not None:
             EPConfig(self.ep_degree, self.ep_placement)
@@ -215,7 +195,7 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     specs = ("none", *specs) if auto else specs  # nothing: always in the comparison
     extra = cfg.prediction.prefetch_extra
     width = max(prefetch_width(tr.spec.top_k, extra), tr.spec.top_k)  # (several tokens: top-K)
-    rankeds = rank_all(specs, tr, rows, cfg.lookahead, width, train)
+    rankeds = rank_all(specs, tr, rows, cfg.offload.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
     fcs = _forecasts(cfg, tr, rows) if cfg.prediction.horizon is not None else None
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
@@ -321,7 +301,7 @@ def _rows(cfg, tr: Trace):
     for p in cfg.predictors:
         if p == "none" or ("prefetch" not in cfg.policies and not cfg.ep_degree):
             continue
-        hidden.add(get_lookahead(cfg.lookahead).hidden)
+        hidden.add(get_lookahead(cfg.offload.lookahead).hidden)
         if Path(p).is_file():
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
     horizon = cfg.prediction.horizon

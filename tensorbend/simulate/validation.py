@@ -33,6 +33,7 @@ from tensorbend.cache.transfers import Link
 from tensorbend.collect import CollectConfig, collect
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
@@ -219,11 +220,12 @@ def _prompts(cfg: ValidateConfig, split: str):
 
 def _session(cfg: ValidateConfig, prompts, scfg: SessionConfig):
     model, tok = load_model(cfg.model)
-    la, train = cfg.lookahead, cfg.train_trace
-    preds = [build_predictor(model, Path(p), None, la, train) for p in cfg.predictors]
-    preds += [build_predictor(model, None, b, la, train) for b in cfg.baselines]
-    horizon = build_predictor(model, cfg.horizon, None, la, None) if cfg.horizon else None
-    return OffloadSession(model, tok, prompts, scfg, model_name=cfg.model), preds, horizon
+    la, train, spec = cfg.lookahead, cfg.train_trace, describe_model(model)
+    preds = [build_predictor(model, Path(p), None, la, train, spec) for p in cfg.predictors]
+    preds += [build_predictor(model, None, b, la, train, spec) for b in cfg.baselines]
+    horizon = build_predictor(model, cfg.horizon, None, la, None, spec) if cfg.horizon else None
+    sess = OffloadSession(model, tok, prompts, scfg, model_name=cfg.model, spec=spec)
+    return sess, preds, horizon
 
 
 def _run(sess, c: Check, preds, horizon, link: Link, cfg: ValidateConfig) -> dict:
@@ -246,11 +248,12 @@ def _simulated(cfg: ValidateConfig, todo: list[Check], trace: Path, cal: Path) -
         sc = SimulateConfig(
             trace=trace, hardware="h100-pcie5", geometry="from-trace", calibration=cal,
             policies=tuple(dict.fromkeys(c.policy for c in group)),
-            predictors=tuple(dict.fromkeys(want)) or ("none",), lookahead=cfg.lookahead,
-            cache_fracs=(cfg.cache_frac,), split="all", train_trace=cfg.train_trace,
+            predictors=tuple(dict.fromkeys(want)) or ("none",), cache_fracs=(cfg.cache_frac,),
+            split="all", train_trace=cfg.train_trace,
             prediction=PredictorSpec(horizon=cfg.horizon if any(c.horizon for c in group)
-                                     else None), pool=pool,
-            admission=adm, progress=False,
+                                     else None),
+            offload=PolicyConfig("oracle", lookahead=cfg.lookahead, pool=pool, admission=adm),
+            progress=False,
         )  # fmt: skip
         rows += simulate(sc).to_json()["results"]
     return rows

@@ -1,0 +1,106 @@
+"""Sizes and memory facts, one home each: byte sizes from the command line, this process's
+resident set, the KV cache's bytes per token, and the device check.
+
+Usage:
+    >>> parse_bytes("8GB"), parse_bytes("512MiB"), parse_bytes(" 1.5kb ")
+    (8000000000, 536870912, 1500)
+    >>> parse_bytes("lots", "--reserve")
+    Traceback (most recent call last):
+    ...
+    tensorbend.errors.TensorbendError: --reserve 'lots': expected a size such as 8GB, 512MB, 4GiB or a byte count
+    >>> check_device("cpu")
+    >>> check_device("gpu")
+    Traceback (most recent call last):
+    ...
+    tensorbend.errors.TensorbendError: --device 'gpu': expected cpu, cuda or cuda:N
+    >>> peak_rss_bytes() >= (rss_bytes() or 0) > 0
+    True
+
+Sizes stay in bytes from the flag to the slot table: `cache.config.PolicyConfig.slots` is the
+one place a byte budget becomes cache slots.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+
+import torch
+
+from tensorbend.errors import TensorbendError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str | int, flag: str = "--max-memory") -> int:
+    """'8GB' / '512MB' / '64KiB' / '1000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB);
+    `flag` names the option in the error."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = float(num) * _UNITS[t[len(num) :].strip()]
+    except (ValueError, KeyError):
+        raise TensorbendError(
+            f"{flag} {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
+        ) from None
+    if not 1 <= value < float("inf"):  # nan fails every comparison
+        raise TensorbendError(
+            f"{flag} {text!r}: expected a finite size of at least one byte, such as 8GB"
+        )
+    return int(value)
+
+
+def check_device(device: str) -> None:
+    """TensorbendError unless `device` is cpu, or cuda[:N] on a torch that has CUDA."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise TensorbendError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TensorbendError(
+            f"--device {device}: expected a CUDA device, found none (torch "
+            f"{torch.__version__}); use --device cpu"
+        )
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (anonymous and mapped file pages), in bytes.
+
+    Linux: VmHWM of /proc/self/status, this address space's own high-water mark. Not
+    getrusage's ru_maxrss, which a process started by fork or vfork and exec inherits from its
+    parent (the kernel carries the parent's peak across exec): a child of a large process
+    reports the parent's peak. Elsewhere ru_maxrss (kilobytes on Linux, bytes on macOS)."""
+    hwm = _proc_status_bytes(b"VmHWM:")
+    if hwm is not None:
+        return hwm
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set now (VmRSS of /proc/self/status), or None off Linux."""
+    return _proc_status_bytes(b"VmRSS:")
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV-cache bytes per token at batch 1: keys and values of every decoder layer."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(c, "num_attention_heads", 1)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head = getattr(c, "head_dim", None) or c.hidden_size // heads
+    k_dim = getattr(c, "qk_nope_head_dim", 0) + getattr(c, "qk_rope_head_dim", 0) or head
+    v_dim = getattr(c, "v_head_dim", None) or head
+    return c.num_hidden_layers * kv_heads * (k_dim + v_dim) * dtype.itemsize
+
+
+def _proc_status_bytes(field: bytes) -> int | None:
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
