@@ -4,7 +4,7 @@ demand replay: experts read per decode token, no timing).
 
 Usage:
     python -m bench.evictor_eval --trace runs/bench/default/trace \\
-        --foresight-json docs/foresight_default.json \\
+        --foresight-json docs/results/foresight_default.json \\
         --json docs/evictor_default.json --doc docs/evictor_default.md
 
 Fits the learner by DAgger (`cache/imitation.py`) on the trace's train split at 25% cache
@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.record import command
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.evictor import Evictor, EvictorModel
 from tensorbend.cache.features import ALL_GROUPS, GROUPS
@@ -37,7 +38,6 @@ from tensorbend.cache.imitation import (
     replay,
     summarize,
 )
-from tensorbend.results import command
 from tensorbend.trace import read_manifest
 
 

@@ -2,7 +2,7 @@
 
 Usage:
     python -m bench.replay_speed [--prompts 60] [--tokens 64] [--before-prompts 6]
-        [--json docs/bench/replay_speed.json] [--doc docs/bench/replay_speed.md]
+        [--json docs/results/bench/replay_speed.json] [--doc docs/results/bench/replay_speed.md]
 
 What is measured and how: `tensorbend/cache/replay_speed.py`.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.record import command, emit
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.replay_speed import SpeedConfig, markdown, measure
-from tensorbend.results import command, emit
 
 
 def main(argv=None) -> int:
