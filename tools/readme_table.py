@@ -30,13 +30,11 @@ BEGIN, END = "<!-- table:begin (python -m tools.readme_table) -->", "<!-- table:
 
 
 def table(root: Path) -> str:
-    res = root / "docs" / "results"
-    load = lambda rel: json.loads((res / rel).read_text())  # noqa: E731
     rows = [
-        _accelerate(load("bench/serve_accelerate.json")),
-        _serving(load("bench/serve_memory.json")),
-        _emulated(load("bench/headline_default.json")),
-        _simulated(load("projections.json")),
+        _accelerate(load(root, "bench/serve_accelerate.json")),
+        _serving(load(root, "bench/serve_memory.json")),
+        _emulated(load(root, "bench/headline_default.json")),
+        _simulated(load(root, "projections.json")),
     ]
     head = [
         "| regime | setup (page in docs/results/) | transformers + accelerate | tensorbend, "
@@ -78,6 +76,11 @@ def ours(runs: list[dict], which: str) -> dict | None:
                 and r["admission"] == want["admission"]):  # fmt: skip
             return r
     return None
+
+
+def load(root: Path, name: str) -> dict:
+    """The committed JSON `docs/results/NAME` under the repository `root`."""
+    return json.loads((root / "docs" / "results" / name).read_text())
 
 
 def _setup(rep: dict) -> str:
