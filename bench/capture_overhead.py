@@ -18,9 +18,9 @@ import sys
 
 import torch
 
+from bench.record import emit
+from bench.timing import build_model, run_once
 from tensorbend.models import describe_model
-from tensorbend.results import emit
-from tensorbend.timing import build_model, run_once
 
 SETTINGS = {
     "none": None,

@@ -28,8 +28,8 @@ import time
 
 import torch
 
+from bench.record import command, emit
 from tensorbend.hf import load_model
-from tensorbend.results import command, emit
 
 CONDITIONS = ("alone", "memoryview", "tensor")
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bench.record import command, emit
 from tensorbend.offload.store import ExpertStore, StoreConfig, aligned_empty
-from tensorbend.results import command, emit
 
 CONDITIONS = ("aligned", "bounce")
 

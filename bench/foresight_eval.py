@@ -3,7 +3,7 @@ and the bounded-foresight oracles, per cache size (a deterministic replay: no ti
 
 Usage:
     python -m bench.foresight_eval --trace runs/bench/default/trace --out runs/bench/default \\
-        --json docs/foresight_default.json --doc docs/foresight_default.md
+        --json docs/results/foresight_default.json --doc docs/results/foresight_default.md
 
 Trains (when missing, seed 0) the horizon predictor with routing + hidden-state inputs and the
 routing-only configuration on the trace's train split (val: early stopping), then scores both
@@ -13,7 +13,7 @@ token) of every no-prediction cache, of the forecast-driven `horizon(evict only)
 of the oracle knowing h = 1, 2, 4, 8 forwards or the whole future (Belady within its sight,
 the best no-prediction cache's rule, pool and admission beyond it). Writes JSON and a markdown doc whose
 numbers all come from that JSON (tests/test_docs_results.py checks the tables).
-The page is rendered from the JSON by `tensorbend.results.foresight_page`.
+The page is rendered from the JSON by `bench.pages.foresight`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from bench.pages.foresight import markdown
+from bench.record import command, emit
 from tensorbend.atomic import atomic_write_text
 from tensorbend.foresight import evaluate_foresight
 from tensorbend.predictors.checkpoint import load_predictor
-from tensorbend.results import command, emit
-from tensorbend.results.foresight_page import markdown
 from tensorbend.trace import Trace
 from tensorbend.train import TrainConfig, train
 

@@ -25,7 +25,7 @@ OUT_foresight.png (bytes/token and decode tok/s against h, one line per cache si
 
 Timing numbers need a quiet machine (the lead runs this); stall, bytes and hit rates are the
 robust columns. `--prepare` collects `--trace` and trains our predictor when missing.
-The page is rendered from the JSON by `tensorbend.results.offload_page`.
+The page is rendered from the JSON by `bench.pages.offload`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from bench.pages.offload import format_table, markdown, summarize
+from bench.record import command
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
 from tensorbend.cache.report import best_rule, host_warning, median_row, run_label, what_ran
@@ -51,8 +53,6 @@ from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out
 from tensorbend.prompts import load_prompts
-from tensorbend.results import command
-from tensorbend.results.offload_page import format_table, markdown, summarize
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ Usage:
     python -m bench.predictor_cost --model zoo:default --predictor OURS_D1.safetensors \\
         --horizon HORIZON.safetensors [--threads 1] [--repeats 3] [--json OUT]
 
-Side by side in one run, all on `--threads` threads (tensorbend/offload/prediction_cost.py):
+Side by side in one run, all on `--threads` threads (bench/prediction_cost.py):
 (a) isolated: one batch-1 decode forward of the resident model with a KV cache, interleaved
 per step with one token's `prefetch.Prefetcher.observe` calls for the within-token predictor
 alone, the horizon alone, and both (`results`, each one's ratio to the forward); (b) in the
@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.hf import DecodeConfig, load_model
-from tensorbend.models import describe_model
-from tensorbend.offload.prediction_cost import (
+from bench.prediction_cost import (
     TARGET_RATIO,
     isolated_cost,
     prediction_stacks,
     runtime_cost,
     whole_stacks,
 )
+from bench.record import command, emit
+from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.models import describe_model
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.prompts import load_prompts
-from tensorbend.results import command, emit
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 
 Usage:
     python -m bench.predictor_eval --model zoo:default --out runs/eval_default \
-        --doc docs/results_default.md [--timing-rows 0]
+        --doc docs/results/results_default.md [--timing-rows 0]
 
 Steps (each skipped when its output exists, so the script resumes):
   1. `collect` every shipped prompt with teacher-forced decode (decode rows are real
@@ -170,7 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="zoo:default")
     ap.add_argument("--out", default="runs/eval_default")
-    ap.add_argument("--doc", default=None, help="markdown page to write (docs/results_default.md)")
+    ap.add_argument(
+        "--doc", default=None, help="markdown page to write (docs/results/results_default.md)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--decode", default="teacher", choices=["teacher", "greedy", "sample"])
     ap.add_argument("--seed-epochs", type=int, default=None, help="override the seed's 200 epochs")

@@ -5,7 +5,7 @@ Usage:
     python -m bench.projections --trace runs/bench/default/trace \\
         --predictor runs/bench/default/ours_d1.safetensors \\
         --horizon runs/bench/default/horizon_routing_hidden.safetensors \\
-        --json docs/projections.json --doc docs/projections.md
+        --json docs/results/projections.json --doc docs/results/projections.md
 
 For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on the test split:
 every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x admission all /
@@ -17,7 +17,7 @@ run's speed over the best no-prediction cache of the same pair (`cache.report.co
 cache that reads no predictor, `prefetch:none` included). Every number is a projection, and
 prediction is charged zero seconds (the hardware profiles carry no predictor cost; a horizon
 predictor's work grows with MoE layers x experts, about 120x zoo:default's on Kimi-K2.5).
-The page is rendered from the JSON by `tensorbend.results.projections_page`.
+The page is rendered from the JSON by `bench.pages.projections`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.pages.projections import markdown
+from bench.record import bench_args, command, emit
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, no_prediction
 from tensorbend.cache.report import compare, run_label, vs_best_cache
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.results import bench_args, command, emit
-from tensorbend.results.projections_page import markdown
 from tensorbend.simulate import SimulateConfig, simulate
 
 NO_PREDICTION = no_prediction()

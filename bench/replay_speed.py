@@ -3,7 +3,7 @@ victim index it is checked against (bench/index_replay.py), same placements.
 
 Usage:
     python -m bench.replay_speed [--prompts 60] [--tokens 64] [--policies lru,lfru]
-        [--json docs/bench/replay_speed.json] [--doc docs/bench/replay_speed.md]
+        [--json docs/results/bench/replay_speed.json] [--doc docs/results/bench/replay_speed.md]
 
 A layer-step is one MoE layer of one forward: its K demands, the policy's predictions for it,
 and the misses' placements. The trace is `cache.replay.planted_trace` at the given geometry
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.index_replay import index_replay
+from bench.record import command, emit
 from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.replay import (
     REPLAY_POLICIES,
@@ -35,7 +36,6 @@ from tensorbend.cache.replay import (
     planted_trace,
     replay,
 )
-from tensorbend.results import command, emit
 
 BAR = 100_000  # layer-steps per second per policy (issue 40)
 
@@ -103,7 +103,7 @@ def measure(cfg: SpeedConfig, command: str = "") -> dict:
 
 
 def markdown(r: dict) -> str:
-    """docs/bench/replay_speed.md from `measure`'s dict."""
+    """docs/results/bench/replay_speed.md from `measure`'s dict."""
     c, m = r["config"], r["machine"]
     slowest = min(r["results"], key=lambda x: x["replay_layer_steps_per_s"])
     lines = [

@@ -1,8 +1,8 @@
-"""The seed's claims re-tested with held-out numbers; writes JSON and docs/seed_study.md.
+"""The seed's claims re-tested with held-out numbers; writes JSON and docs/results/seed_study.md.
 
 Usage:
     python -m bench.seed_study --trace runs/eval_default/trace [--out runs/study] \
-        [--doc docs/seed_study.md] [--max-rows 10000] [--quick]
+        [--doc docs/results/seed_study.md] [--max-rows 10000] [--quick]
 
 Every run trains the seed's MLP with the seed's recipe (BCE weighted 3.0 on picked experts and
 0.5 on the rest, AdamW 1e-3, cosine to 1%, 200 full-batch epochs, clipping per layer, the last
@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--out", default="runs/study")
-    ap.add_argument("--doc", default="docs/seed_study.md")
+    ap.add_argument("--doc", default="docs/results/seed_study.md")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--max-rows", type=int, default=10000, help="train rows per seed run")
     return ap

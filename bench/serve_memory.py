@@ -5,7 +5,7 @@ Usage:
     python -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 \
         --predictor runs/bench/default/ours_d1.safetensors \
         --horizon runs/bench/default/horizon_routing_hidden.safetensors \
-        --json docs/bench/serve_memory.json --doc docs/serve_memory.md
+        --json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md
 
 The model is zoo:default with every expert widened `--factor` times by zero rows
 (`tensorbend.zoo.inflate`: the same routers, routing and text; 184x gives 3.5 GB of routed
@@ -21,10 +21,10 @@ predictions: fewer than the K routed).
 `--accelerate` adds the baseline without tensorbend: `tensorbend generate --engine accelerate`
 (transformers + accelerate's `device_map="auto"` within the same budget, the rest streamed in
 from disk every forward; `tensorbend.hf_offload`). `--memory-cap` runs every row in a memory
-cgroup of import baseline + budget + `--cap-margin` (`tensorbend.memory_cap`: the page cache
+cgroup of import baseline + budget + `--cap-margin` (`bench.memory_cap`: the page cache
 its reads fill counts too), as on a machine with only that much RAM; needs root.
 Nothing else should run on the machine meanwhile.
-The page is rendered from the JSON by `tensorbend.results.serve_memory_page`.
+The page is rendered from the JSON by `bench.pages.serve_memory`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tensorbend import memory_cap
+from bench import memory_cap
+from bench.pages.serve_memory import markdown
 from tensorbend.atomic import write_generated
 from tensorbend.memory import parse_bytes
-from tensorbend.results.serve_memory_page import markdown
 from tensorbend.zoo import resolve_model
 from tensorbend.zoo.inflate import inflate
 
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
-    ap.add_argument("--json", type=Path, default=Path("docs/bench/serve_memory.json"))
-    ap.add_argument("--doc", type=Path, default=Path("docs/serve_memory.md"))
+    ap.add_argument("--json", type=Path, default=Path("docs/results/bench/serve_memory.json"))
+    ap.add_argument("--doc", type=Path, default=Path("docs/results/serve_memory.md"))
     ap.add_argument("--accelerate", action="store_true",
                     help=f"add the row {ACCELERATE!r}: transformers + accelerate offloading "
                          "within the same budget, no tensorbend")  # fmt: skip

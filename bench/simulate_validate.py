@@ -4,8 +4,8 @@ Usage (a timing bench: run it alone on the machine):
     python -m bench.simulate_validate --model zoo:default --max-prompts 5 --max-new-tokens 32 \\
         --predictor runs/bench/default/ours_d1.safetensors --baseline transition \\
         --horizon runs/bench/default/horizon_routing_hidden.safetensors \\
-        --train-trace runs/bench/default/trace --json docs/simulate_validation.json \\
-        --doc docs/simulate_validation.md
+        --train-trace runs/bench/default/trace --json docs/results/simulate_validation.json \\
+        --doc docs/results/simulate_validation.md
 
 What is measured and how: `tensorbend/simulate/validation.py`. Writes JSON (both sides per
 configuration, signed errors, the bias per metric, the calibration, the link) and a markdown
@@ -18,9 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.record import command, emit
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import TensorbendError
-from tensorbend.results import command, emit
 from tensorbend.simulate.validation import ValidateConfig, markdown, validate
 
 _DEFAULT = ValidateConfig()
@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--io-threads", type=int, default=d.io_threads)
     p.add_argument("--threads", type=int, default=d.threads, help="torch compute threads")
     p.add_argument("--json", default=None)
-    p.add_argument("--doc", default=None, help="markdown table (docs/simulate_validation.md)")
+    p.add_argument(
+        "--doc", default=None, help="markdown table (docs/results/simulate_validation.md)"
+    )
     return p
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from bench.record import emit
+from bench.timing import build_model, run_once
 from tensorbend.models import describe_model
-from tensorbend.results import emit
-from tensorbend.timing import build_model, run_once
 from tensorbend.trace import FEATURE_TENSORS
 from tensorbend.trace_writer import TraceWriter
 

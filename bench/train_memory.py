@@ -3,7 +3,7 @@ stay bounded, loading the split at once grows with the trace.
 
 Usage:
     python -m bench.train_memory --trace runs/bench/default/trace [--scales 1 4 16]
-        [--json docs/bench/train_memory.json] [--doc docs/bench/train_memory.md]
+        [--json docs/results/bench/train_memory.json] [--doc docs/results/bench/train_memory.md]
 
 The trace is replicated 1x/4x/16x (every shard copied with its prompts renamed and its
 prompt indices shifted; new sha256s), and each step runs in its own process whose peak
@@ -19,7 +19,7 @@ resident set (its own high-water mark, `memory.peak_rss_bytes`) is read at its e
   eval_streamed   `tensorbend eval` of that checkpoint: shard by shard, merged by tokens
 
 Memory is not time: nothing here depends on what else runs on the machine.
-The page is rendered from the JSON by `tensorbend.results.train_memory_page`.
+The page is rendered from the JSON by `bench.pages.train_memory`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from tensorbend.results import command, emit
-from tensorbend.results.train_memory_page import MODES, markdown
+from bench.pages.train_memory import MODES, markdown
+from bench.record import command, emit
 
 ROOT = Path(__file__).resolve().parent.parent
 FEATS = ("ids", "gate_input")

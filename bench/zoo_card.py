@@ -2,11 +2,11 @@
 
 Usage:
     python -m bench.zoo_card runs/bench/default/trace runs/bench/qwen/trace \
-        --json docs/zoo_card.json --doc docs/zoo_card.md
+        --json docs/results/zoo_card.json --doc docs/results/zoo_card.md
 
 Statistics and their definitions: `tensorbend.zoo.realism` (`tensorbend zoo card` prints the
 same table for any traces). Deterministic: no timing.
-The page is rendered from the JSON by `tensorbend.results.zoo_card_page`.
+The page is rendered from the JSON by `bench.pages.zoo_card`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.pages.zoo_card import TITLE, markdown
 from tensorbend.atomic import write_generated
-from tensorbend.results.zoo_card_page import TITLE, markdown
 from tensorbend.trace import Trace
 from tensorbend.zoo.realism import routing_card
 
@@ -24,8 +24,8 @@ from tensorbend.zoo.realism import routing_card
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", type=Path)
-    ap.add_argument("--json", type=Path, default=Path("docs/zoo_card.json"))
-    ap.add_argument("--doc", type=Path, default=Path("docs/zoo_card.md"))
+    ap.add_argument("--json", type=Path, default=Path("docs/results/zoo_card.json"))
+    ap.add_argument("--doc", type=Path, default=Path("docs/results/zoo_card.md"))
     ap.add_argument("--title", default=TITLE, help="the page's title (its JSON keeps it)")
     args = ap.parse_args(argv)
     cards = {}

@@ -1,21 +1,16 @@
-"""Every number in the generated result pages matches the JSON committed beside them."""
+"""Every number in the generated result pages, docs/results/REPORT.md and the README's table
+matches the JSON committed beside them (`make docs` regenerates them all)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from tensorbend.results import readme_section, report_page
+from tensorbend.cache.report import compare, run_label
+from tools import pages, readme_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-
-
-def _renderer(name: str):
-    """A page's renderer: `markdown(report)` renders its doc from its JSON."""
-    import importlib
-
-    return importlib.import_module(name)
+DOCS = ROOT / "docs" / "results"
 
 
 def _tables(md: str) -> dict[str, list[list[str]]]:
@@ -76,118 +71,74 @@ def test_seed_study_table_matches_its_json():
     assert rep["router_itself"]["test"]["decode"] > 0.999  # measured in the run, not typed in
 
 
-@pytest.mark.parametrize(
-    "renderer, json_path, doc",
-    [
-        (
-            "tensorbend.results.foresight_page",
-            "docs/foresight_default.json",
-            "docs/foresight_default.md",
-        ),
-        ("tensorbend.results.foresight_page", "docs/foresight_qwen.json", "docs/foresight_qwen.md"),
-        ("tensorbend.results.projections_page", "docs/projections.json", "docs/projections.md"),
-        (
-            "tensorbend.results.offload_page",
-            "docs/bench/offload_default.json",
-            "docs/offload_default.md",
-        ),
-        ("tensorbend.results.offload_page", "docs/bench/offload_qwen.json", "docs/offload_qwen.md"),
-        (
-            "tensorbend.results.offload_page",
-            "docs/bench/offload_default_b4.json",
-            "docs/offload_default_b4.md",
-        ),
-        (
-            "tensorbend.results.train_memory_page",
-            "docs/bench/train_memory.json",
-            "docs/bench/train_memory.md",
-        ),
-        (
-            "bench.replay_speed",
-            "docs/bench/replay_speed.json",
-            "docs/bench/replay_speed.md",
-        ),
-        ("tensorbend.results.zoo_card_page", "docs/zoo_card.json", "docs/zoo_card.md"),
-        ("tensorbend.results.zoo_card_page", "docs/zoo_probe.json", "docs/zoo_probe.md"),
-        (
-            "tensorbend.results.offload_page",
-            "docs/bench/headline_default.json",
-            "docs/headline_default.md",
-        ),
-        (
-            "tensorbend.results.offload_page",
-            "docs/bench/headline_qwen.json",
-            "docs/headline_qwen.md",
-        ),
-        (
-            "tensorbend.results.offload_page",
-            "docs/bench/headline_default_b4.json",
-            "docs/headline_default_b4.md",
-        ),
-        *[
-            ("tensorbend.results.offload_page", f"docs/bench/{n}.json", f"docs/{n}.md")
-            for n in (
-                "headline_deep",
-                "headline_deep_x4",
-                "headline_deep_b4",
-                "headline_deep_domain",
-                "headline_default_domain",
-                "headline_group",
-            )
-        ],
-        *[
-            ("tensorbend.results.serve_memory_page", f"docs/bench/{n}.json", f"docs/{n}.md")
-            for n in (
-                "serve_memory",
-                "serve_memory_narrow",
-                "serve_memory_group",
-                "serve_accelerate",
-            )
-        ],
-    ],
-)
-def test_generated_docs_are_their_json_rendered(renderer, json_path, doc):
-    """Each generated doc is exactly its bench's rendering of the committed JSON."""
-    if not (ROOT / json_path).is_file():
-        pytest.skip(f"{json_path} not generated yet (make bench)")
-    report = json.loads((ROOT / json_path).read_text())
-    if renderer.endswith("foresight_page") and readme_section.stale(report):
-        pytest.skip(f"{json_path} predates the oracle ceiling: make bench-accuracy")
-    assert _renderer(renderer).markdown(report) == (ROOT / doc).read_text(), f"regenerate {doc}"
+@pytest.mark.parametrize(("renderer", "json_rel", "page"), pages.PAGES)
+def test_generated_docs_are_their_json_rendered(renderer, json_rel, page):
+    """Each generated page is exactly its bench's rendering of the committed JSON."""
+    assert pages.render(renderer, json_rel) == (DOCS / page).read_text(), (
+        "run `python -m tools.pages`"
+    )
 
 
-def test_readme_results_section_is_what_the_json_says():
-    """README's results tables are tensorbend/results/readme_section.py's rendering of the committed JSON."""
+def test_readme_table_is_what_the_json_says():
+    """README's table is tools/readme_table.py's rendering of the committed JSON."""
     text = (ROOT / "README.md").read_text()
-    assert readme_section.render_readme(text, ROOT) == text, "run `python -m bench.summary`"
+    assert readme_table.render(text, ROOT) == text, "run `python -m tools.readme_table`"
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's collection example, as written (in a scratch directory)."""
+def test_readme_is_a_product_page():
+    """At most 10 KB, and its opening states what the committed JSON says: the speed-up over
+    accelerate (1 / the median of per-repeat ratios, by hand), the bytes each reads per token,
+    prediction's gain on the emulated link, and a tie in real serving (the best prediction
+    row's range holds 1.00)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 10_000
+    opening = text[: text.index("## Quick start")] + text[text.index("The expert cache is") :]
+    acc = json.loads((DOCS / "bench" / "serve_accelerate.json").read_text())
+    best = next(r for r in acc["results"] if r["policy"] == acc["best_no_prediction"])
+    [a] = [r for r in acc["results"] if r["engine"] == "accelerate"]
+    ratios = sorted(b / x for b, x in zip(best["decode_tok_s_repeats"], a["decode_tok_s_repeats"],
+                                          strict=True))  # fmt: skip
+    assert f"{ratios[1]:.0f}x faster than transformers + accelerate" in " ".join(opening.split())
+    assert f"about {best['bytes_read_per_token'] / 1e6:.0f} MB per token" in opening
+    assert f"streams {a['bytes_read_per_token'] / 1e9:.1f} GB" in opening
+    runs = [r for r in _headline_x1() if abs(r["cache_frac"] - 0.25) < 0.01]
+    ((_, c),) = compare(runs).items()
+    mine = c["runs"][run_label(readme_table.ours(runs, "horizon + within-token"))]
+    assert f"{mine['vs_best_cache']:.1f}x over the best cache" in opening
+    serve = json.loads((DOCS / "bench" / "serve_memory.json").read_text())
+    top = max((r for r in serve["results"] if r["policy"].startswith("ours")),
+              key=lambda r: r["vs_best_cache"])  # fmt: skip
+    lo, hi = top["vs_best_cache_range"]
+    assert lo <= 1 <= hi and "a tie with it in real serving" in " ".join(opening.split())
+
+
+def _headline_x1() -> list[dict]:
+    return json.loads((DOCS / "bench" / "headline_default.json").read_text())["links"][0]["runs"]
+
+
+def test_the_collection_example_runs(tmp_path, monkeypatch):
+    """docs/guide/predictors.md's collection example, as written (in a scratch directory)."""
     import re
 
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    doc = (ROOT / "docs" / "guide" / "predictors.md").read_text()
     monkeypatch.chdir(tmp_path)
-    block = next(b for b in blocks if "collect(" in b)
-    exec(compile(block, "README.md", "exec"), {})
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "collect(" in b)
+    exec(compile(block, "predictors.md", "exec"), {})
     assert (tmp_path / "runs" / "readme" / "manifest.json").is_file()
 
 
 def test_report_is_its_json_rendered():
-    """docs/REPORT.md is tensorbend/results/report_page.py's rendering of the committed JSON."""
-    assert report_page.report(ROOT) == (ROOT / "docs" / "REPORT.md").read_text(), (
-        "run `python -m bench.report_doc`"
-    )
+    """docs/results/REPORT.md is tools/report.py's rendering of the committed JSON."""
+    assert report.report(ROOT) == (DOCS / "REPORT.md").read_text(), "run `python -m tools.report`"
 
 
 def test_cli_reference_is_the_clis_own_help():
-    """docs/cli.md and README's command-line block are what `--help` prints today."""
+    """docs/cli.md is what `--help` prints today."""
     from tools import cli_reference
 
     assert cli_reference.reference() == (ROOT / "docs" / "cli.md").read_text(), (
         "run `python tools/cli_reference.py`"
     )
-    assert "```\n" + cli_reference.help_text(()) + "```" in (ROOT / "README.md").read_text()
 
 
 def _no_prediction(r: dict) -> bool:
@@ -205,8 +156,6 @@ def test_the_foresight_oracle_is_a_ceiling_on_the_zoo_models(name):
     oracle reads no more experts per token than the best cache without prediction (16 of them:
     lru, lfu, lfru and prefetch:none x pool x admission), and with h = 0 exactly as many."""
     rep = json.loads((DOCS / f"foresight_{name}.json").read_text())
-    if readme_section.stale(rep):
-        pytest.skip(f"docs/foresight_{name}.json predates the oracle ceiling: make bench-accuracy")
     for r in rep["runs"]:
         rp = r["replay"]
         caches = {k: v["experts_per_token"] for k, v in rp.items() if _no_prediction(v)}
@@ -220,23 +169,25 @@ def test_the_foresight_oracle_is_a_ceiling_on_the_zoo_models(name):
             assert rp[r["oracle_ceiling"][h]]["experts_per_token"] <= best, (r["cache_frac"], h)
 
 
-def test_readme_headline_ratio_is_the_runs_own_by_hand():
-    """The README's 'horizon + within-token' cell of zoo:default at x1 is that run's median tok/s
-    and the median [range] of its per-repeat ratios to the fastest cache without prediction
-    (prefetch:none counted; the fastest by median), computed here from the raw repeats; the
-    run without a within-token predictor is never shown as one."""
-    rep = json.loads((DOCS / "bench" / "headline_default.json").read_text())
-    runs = [r for r in rep["links"][0]["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
+def test_headline_ratio_is_the_runs_own_by_hand():
+    """The 'horizon + within-token' cell of zoo:default at x1, in REPORT.md's end-to-end table
+    and in the README's emulated-link row, is that run's median tok/s and the median [range] of
+    its per-repeat ratios to the fastest cache without prediction (prefetch:none counted; the
+    fastest by median), computed here from the raw repeats; the run without a within-token
+    predictor is never shown as one."""
+    runs = [r for r in _headline_x1() if abs(r["cache_frac"] - 0.25) < 0.01]
     best = max((r for r in runs if _no_prediction(r)), key=lambda r: r["decode_tok_s"])
     [both] = [r for r in runs if r["predictor"] == "tensorbend" and r.get("horizon")
               and r["admission"] == "predicted" and r.get("token_ahead_layers") in (None, 1)]  # fmt: skip
     xs, bs = both["decode_tok_s_repeats"], best["decode_tok_s_repeats"]
     assert len(xs) == len(bs) == 3 and both["decode_tok_s"] == sorted(xs)[1]
-    ratios = sorted(x / b for x, b in zip(xs, bs, strict=True))
-    text = (ROOT / "README.md").read_text()
-    [line] = [ln for ln in text.splitlines()  # the end-to-end table's row
-              if ln.startswith(("| zoo:default | x1 |", "| zoo:default † | x1 |"))
-              and "horizon+d1:" in ln]  # fmt: skip
+    r = sorted(x / b for x, b in zip(xs, bs, strict=True))
+    text = (DOCS / "REPORT.md").read_text()
+    [line] = [ln for ln in text.splitlines() if ln.startswith("| zoo:default | x1 |")]
     assert f"horizon+d1:tensorbend/adm=predicted: {both['decode_tok_s']:.1f} " in line
-    assert f"(**{ratios[1]:.2f}x [{ratios[0]:.2f}, {ratios[2]:.2f}]**" in line
+    assert f"(**{r[1]:.2f}x [{r[0]:.2f}, {r[2]:.2f}]**" in line
     assert "prefetch:none@d1+horizon" not in text and "barely beats" not in text
+    [row] = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+             if ln.startswith("| emulated link |")]  # fmt: skip
+    assert (f"horizon+d1:tensorbend/adm=predicted: {both['decode_tok_s']:.1f} tok/s, "
+            f"{r[1]:.2f}x [{r[0]:.2f}, {r[2]:.2f}]") in row  # fmt: skip

@@ -1,4 +1,4 @@
-"""Memory caps (memory_cap.py): a real cgroup, real processes. Skipped where no writable memory
+"""Memory caps (bench/memory_cap.py): a real cgroup, real processes. Skipped where no writable memory
 cgroup exists (not root, no Linux memory controller)."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorbend import memory_cap
+from bench import memory_cap
 from tensorbend.errors import TensorbendError
 
 needs_cgroup = pytest.mark.skipif(memory_cap.unavailable() is not None,

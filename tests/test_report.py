@@ -154,7 +154,7 @@ def test_repeats_give_a_median_row_and_per_repeat_ratios_by_hand():
 def test_the_report_judges_the_runtime_cost_over_both_steps(resident, lru_tok_s, verdict):
     """The whole stack's decode calls, 800 us a token, over the lru runs' own step, by hand:
     800e-6 s * 50 tok/s = 4.0%, * 75 tok/s = 6.0%; the limit is 5%."""
-    from tensorbend.results.report_page import _runtime_verdict
+    from tools.end_to_end import _runtime_verdict
 
     rt = {"lru_decode_tok_s": lru_tok_s,
           "results": [{"stack": "both", "decode_predict_us_per_token": 800.0,

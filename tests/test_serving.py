@@ -389,18 +389,24 @@ def test_peak_rss_is_the_process_own_not_its_parents():
 
 
 def test_readme_serving_snippet_runs(tmp_path, monkeypatch, capsys):
-    """README's load_offloaded example, as written (its store in a scratch directory)."""
+    """README's load_offloaded example, as written, on a checkpoint directory named as in it (a
+    link to the bundled default, as the README suggests); its store in a scratch directory."""
     import re
     from pathlib import Path
 
-    monkeypatch.setenv("TENSORBEND_STORE_DIR", str(tmp_path))
+    from tensorbend.zoo import resolve_model
+
+    monkeypatch.setenv("TENSORBEND_STORE_DIR", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-moe-checkpoint").symlink_to(resolve_model("zoo:default"))
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = next(
         b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "load_offloaded" in b
     )
     exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "'bytes_read_per_token'" in out and list(tmp_path.glob("*/experts-float32.safetensors"))
+    assert "'bytes_read_per_token'" in out
+    assert list((tmp_path / "store").glob("*/experts-float32.safetensors"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: checks that the device "

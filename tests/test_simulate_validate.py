@@ -92,10 +92,11 @@ def test_runtime_counts_its_expert_math_and_prediction_calls(tmp_path):
 
 
 @pytest.mark.skipif(
-    not (ROOT / "docs/simulate_validation.json").is_file(), reason="make bench-timing writes it"
+    not (ROOT / "docs/results/simulate_validation.json").is_file(),
+    reason="make bench-timing writes it",
 )
 def test_committed_validation_doc_is_its_json_rendered():
-    out = json.loads((ROOT / "docs/simulate_validation.json").read_text())
+    out = json.loads((ROOT / "docs/results/simulate_validation.json").read_text())
     if "bias" not in out:
-        pytest.skip("docs/simulate_validation.json predates the out-of-sample validation")
-    assert markdown(out) == (ROOT / "docs/simulate_validation.md").read_text()
+        pytest.skip("docs/results/simulate_validation.json predates the out-of-sample validation")
+    assert markdown(out) == (ROOT / "docs/results/simulate_validation.md").read_text()
