@@ -8,7 +8,7 @@ Usage:
         --json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md
 
 The model is zoo:default with every expert widened `--factor` times by zero rows
-(`tensorbend.zoo.inflate`: the same routers, routing and text; 184x gives 3.5 GB of routed
+(`bench.inflate`: the same routers, routing and text; 184x gives 3.5 GB of routed
 experts), so the predictors trained on zoo:default load on it (same fingerprint). Each run is
 `tensorbend generate` on the held-out test prompts (greedy), with `--io direct` so every
 expert read comes from the disk, not the page cache; its peak RSS (mapped file pages
@@ -39,11 +39,11 @@ import tempfile
 from pathlib import Path
 
 from bench import memory_cap
+from bench.inflate import inflate
 from bench.pages.serve_memory import markdown
 from tensorbend.atomic import write_generated
 from tensorbend.memory import parse_bytes
 from tensorbend.zoo import resolve_model
-from tensorbend.zoo.inflate import inflate
 
 NO_PREDICTION = {
     "lru": [],
@@ -177,7 +177,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
         r["vs_best_cache"] = statistics.median(ratios)
         r["vs_best_cache_range"] = [min(ratios), max(ratios)]
     return {
-        "model": f"zoo:default with experts x{args.factor} (tensorbend.zoo.inflate)",
+        "model": f"zoo:default with experts x{args.factor} (bench.inflate)",
         "checkpoint_bytes": experts,
         "expert_bytes": first["expert_bytes"],
         "max_memory_bytes": parse_bytes(args.max_memory),

@@ -7,7 +7,7 @@ Usage (a timing bench: run it alone on the machine):
         --train-trace runs/bench/default/trace --json docs/results/simulate_validation.json \\
         --doc docs/results/simulate_validation.md
 
-What is measured and how: `tensorbend/simulate/validation.py`. Writes JSON (both sides per
+What is measured and how: `bench/sim_validation.py`. Writes JSON (both sides per
 configuration, signed errors, the bias per metric, the calibration, the link) and a markdown
 table. The bar: every configuration within 15% on tok/s, stall and bytes per token.
 """
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from bench.record import command, emit
+from bench.sim_validation import ValidateConfig, markdown, validate
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import TensorbendError
-from tensorbend.simulate.validation import ValidateConfig, markdown, validate
 
 _DEFAULT = ValidateConfig()
 

@@ -12,7 +12,7 @@ The data flow: `collect.collect` (model -> trace) -> `train.train` (trace -> pre
 `simulate.simulate` projects a trace onto another model geometry and hardware;
 `importers.import_trace` turns a serving engine's routing dump into a trace.
 Each takes one config dataclass and returns a result dataclass with `to_json()`; the keys are
-documented in docs/formats.md. (The verb functions are not re-exported here because their
+documented in docs/guide/formats.md. (The verb functions are not re-exported here because their
 names are also module names: `tensorbend.collect` must stay the module.)
 """
 

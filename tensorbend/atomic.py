@@ -60,7 +60,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 def write_generated(path: str | Path, text: str, check: bool = False) -> int:
     """Write a generated doc atomically, or with `check` only compare: 0 when equal, else 1.
 
-    The exit status of every `--check` flag of the doc generators (bench/summary.py, ...).
+    The exit status of every `--check` flag of the doc generators (tools/pages.py, tools/report.py, ...).
     """
     path = Path(path)
     if check:

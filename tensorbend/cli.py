@@ -220,7 +220,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     ti = _verb(tsub, "info", _cmd_trace_info, "summary of a trace directory", quiet=False)
     ti.add_argument("trace_dir", help="trace directory (from `collect`)")
-    ti.add_argument("--json", action="store_true", help="print JSON (keys in docs/formats.md)")
+    ti.add_argument(
+        "--json", action="store_true", help="print JSON (keys in docs/guide/formats.md)"
+    )
     tr = _verb(tsub, "resplit", _cmd_trace_resplit,
                "split a trace's prompts by topic (held-out domains)", quiet=False)  # fmt: skip
     tr.add_argument("trace_dir", help="trace directory (from `collect`); not modified")
@@ -229,7 +231,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "the other topics keep train/val, their test prompts are left unused")  # fmt: skip
     tr.add_argument("--out", required=True, help="new trace directory (shards hard-linked)")
     te = _verb(tsub, "export", _cmd_trace_export,
-               "write a trace's routing as the canonical CSV (docs/import.md)", quiet=False)  # fmt: skip
+               "write a trace's routing as the canonical CSV (docs/guide/import.md)", quiet=False)  # fmt: skip
     te.add_argument("trace_dir", help="trace directory; not modified")
     te.add_argument("--out", required=True, help="CSV file to write (routing only)")
     from tensorbend.importers import ImportConfig
@@ -244,24 +246,24 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(_verb(sub, "train", _cmd_train, "train a predictor on a trace"), TrainConfig)
     ev = _verb(sub, "eval", _cmd_eval, "score predictors and peers on held-out prompts")
     add_config_flags(ev, EvalConfig)
-    ev.add_argument("--json", help="write the report as JSON (keys in docs/formats.md)")
+    ev.add_argument("--json", help="write the report as JSON (keys in docs/guide/formats.md)")
     ev.add_argument("--plots", help="directory for PNG plots")
     rn = _verb(sub, "run", _cmd_run, "offloaded generation: expert store + cache + policy")
     add_config_flags(rn, RunConfig)
-    rn.add_argument("--json", help="write the result as JSON (keys in docs/formats.md)")
+    rn.add_argument("--json", help="write the result as JSON (keys in docs/guide/formats.md)")
 
     from tensorbend.generate import GenerateConfig
 
     gn = _verb(sub, "generate", _cmd_generate, "stream text from a model larger than memory")
     add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"))
     gn.add_argument("--sample", action="store_true", help="Sample instead of greedy decoding.")
-    gn.add_argument("--json", help="write the summary as JSON (keys in docs/formats.md)")
+    gn.add_argument("--json", help="write the summary as JSON (keys in docs/guide/formats.md)")
 
     from tensorbend.simulate.simulator import SimulateConfig
 
     sm = _verb(sub, "simulate", _cmd_simulate, "simulate offloaded decode on a geometry + hardware")
     add_config_flags(sm, SimulateConfig, skip=("progress", "predictor"))  # (--predictor: many)
-    sm.add_argument("--json", help="write the results as JSON (keys in docs/formats.md)")
+    sm.add_argument("--json", help="write the results as JSON (keys in docs/guide/formats.md)")
     from tensorbend.demo import DemoConfig
 
     dm = _verb(sub, "demo", _cmd_demo, "the whole chain on the bundled model, with a report")

@@ -32,7 +32,7 @@ arrays this small (bench/cold_call.py). Several tokens (prefill, a batch): the u
 top-K, most voted first (ties by expert id). A cross-token horizon names the next forward's
 likeliest experts per layer (`likeliest`, ties by expert id). The runtime (`offload.hooks.PredictionHooks`) drives a `Prefetcher`; the simulator
 (`simulate.plan`) applies `prefetch_list` and `likeliest` to ranked rows; an engine calls the
-`Prefetcher` directly (documented path: `tensorbend.engines.prefetcher`, docs/prefetch_api.md).
+`Prefetcher` directly (documented path: `tensorbend.engines.prefetcher`, docs/guide/prefetch_api.md).
 
 Shape legend: T tokens of the forward, K top-k, E experts, D hidden size, L MoE layers.
 

@@ -59,11 +59,11 @@ baseline that a memory budget comes on top of (about 400 MB on CPU)."""
 
 RESERVE_FIXED = 64 * 10**6
 """--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
-the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/serve_memory.md)."""
+the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/results/serve_memory.md)."""
 
 MEASURE_GRAIN = 16 * 10**6
 """The measured model part is rounded up to this: it varies by a few MB from run to run
-(the serving bench's range: docs/serve_memory.md), which would otherwise move the cache by an
+(the serving bench's range: docs/results/serve_memory.md), which would otherwise move the cache by an
 expert between runs."""
 
 

@@ -6,7 +6,7 @@ Usage (a runnable example that writes and reads a trace is in `trace_writer.py`)
     rows = tr.load(("ids", "gate_input"), split="test", phase="decode")
     rows["expert_ids_TLK"].shape                          # [T, L, K]
 
-Layout of a trace directory (format_version 2; docs/formats.md has every key):
+Layout of a trace directory (format_version 2; docs/guide/formats.md has every key):
     manifest.json             format_version, model, routing spec, features, collection,
                               prompts done (in row order), shards (file, tokens, bytes, sha256)
     router.safetensors        router weights per MoE layer (spec_gate reruns the routers)
@@ -87,7 +87,7 @@ class Trace:
         return list(self.manifest["features"])
 
     def info(self) -> dict:
-        """Summary with the keys of `trace info --json` (docs/formats.md)."""
+        """Summary with the keys of `trace info --json` (docs/guide/formats.md)."""
         m, spec = self.manifest, self.spec
         return {
             "format_version": m["format_version"],

@@ -1,7 +1,7 @@
 """Routing import: canonical CSV, vLLM routed-experts responses, SGLang per_token dumps.
 
 Each test writes files in the engine's own format (as its source writes them; see
-docs/import.md) from known routing, imports them, and checks the trace holds exactly that
+docs/guide/import.md) from known routing, imports them, and checks the trace holds exactly that
 routing, with the right phases, positions and sizes.
 """
 
@@ -178,7 +178,7 @@ def test_existing_trace_is_kept_unless_overwrite(tmp_path):
 
 def npy_base64(array_RAK: np.ndarray) -> str:
     """`choices[i].routed_experts` as vLLM's server sends it, written byte by byte from the
-    documented format (docs/import.md: base64 of the array's `.npy` bytes; uint8 ids when
+    documented format (docs/guide/import.md: base64 of the array's `.npy` bytes; uint8 ids when
     experts <= 256, else uint16), by neither numpy's writer nor ours. The `.npy` layout (numpy's
     NEP 1, version 1.0): the magic b"\\x93NUMPY", version bytes 1, 0, the header length as a
     little-endian uint16, the header (a Python dict literal of descr, fortran_order, shape,

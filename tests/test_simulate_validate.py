@@ -1,4 +1,4 @@
-"""The out-of-sample simulator validation (tensorbend/simulate/calibration.py) on a tiny model.
+"""The out-of-sample simulator validation (bench/sim_calibration.py) on a tiny model.
 
 Timings are not checked (the bench runs alone on a quiet machine); what is checked has a known
 answer: disjoint prompt splits, both sides of every configuration paired by what ran, bytes
@@ -11,12 +11,12 @@ import pytest
 from tiny_models import save_checkpoint, write_prompts
 
 from bench import simulate_validate
+from bench.sim_validation import METRICS, ValidateConfig, checks, markdown
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.prompts import load_prompts
-from tensorbend.simulate.validation import METRICS, ValidateConfig, checks, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ source.py holds `ImportConfig` (the `trace import` flags); one reader module per
 (csv.py, vllm.py, sglang.py: `source_files`, `read_prompts`) yields reader.py's
 `ImportedPrompt`s; sink.py checks their sizes and writes the trace; importer.py
 (`import_trace`) ties them together. Formats and the engine versions they were read from:
-docs/import.md.
+docs/guide/import.md.
 """
 
 from tensorbend.importers.importer import ImportResult, import_trace

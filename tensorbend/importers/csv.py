@@ -39,7 +39,7 @@ _PHASE_NAMES = ("prefill", "decode")
 
 
 def source_files(path: Path) -> list[Path]:
-    return iter_files(path, (".csv", ".csv.gz"), "a routing CSV (docs/import.md)")
+    return iter_files(path, (".csv", ".csv.gz"), "a routing CSV (docs/guide/import.md)")
 
 
 def read_prompts(

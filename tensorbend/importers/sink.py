@@ -114,7 +114,7 @@ class Sink:
         if self.writer is None:
             raise TraceError(
                 f"{', '.join(map(str, self.files[:3]))}: no routing rows found; check --from and "
-                "the file format (docs/import.md)"
+                "the file format (docs/guide/import.md)"
             )
         E = self.cfg.num_experts or self.max_id + 1
         spec = self._spec(E)

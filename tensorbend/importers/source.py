@@ -26,7 +26,7 @@ SOURCES = get_args(Source)
 class ImportConfig:
     source: Source = field(metadata={"flags": ("--from",)})
     """Format of `path`: csv (prompt_id,layer,position,expert_ids[,phase]), vllm (routed-experts
-    responses), sglang (expert-distribution recorder per_token dumps); see docs/import.md."""
+    responses), sglang (expert-distribution recorder per_token dumps); see docs/guide/import.md."""
     path: Path
     """A file, or a directory whose files of that format are read in name order."""
     out: Path

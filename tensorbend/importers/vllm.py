@@ -43,7 +43,7 @@ SUFFIXES = (".json", ".jsonl", ".npz")
 
 
 def source_files(path: Path) -> list[Path]:
-    return iter_files(path, SUFFIXES, "vLLM responses with routed_experts (docs/import.md)")
+    return iter_files(path, SUFFIXES, "vLLM responses with routed_experts (docs/guide/import.md)")
 
 
 def read_prompts(

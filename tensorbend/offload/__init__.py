@@ -7,7 +7,7 @@ Usage:
     >>> result.to_json()["output_matches_resident"]                                       # doctest: +SKIP
     True
 
-See docs/offload.md. Modules, in the order a run uses them:
+See docs/guide/offload.md. Modules, in the order a run uses them:
   store     on-disk expert store: one contiguous read per expert, booked on the link's wire
   shards, expert_plan  a HF checkpoint read tensor by tensor; the store streamed from it
   cache     ExpertCache: tensor slots, lock and waiting over cache/slots.py's slot table

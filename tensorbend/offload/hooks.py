@@ -18,7 +18,7 @@ Whether prediction overlapped I/O: each MoE layer `settle`s the decode predictio
 since the previous one; those followed by a wait for an expert load in the layer overlapped
 it, the others count as exposed (`decode_exposed_s`: the compute thread had nothing to wait
 for). Overlap is not the same as free here: the I/O threads need the GIL to complete a load,
-so a prediction running in Python while a load lands still delays it (docs/headline_deep.md:
+so a prediction running in Python while a load lands still delays it (docs/results/headline_deep.md:
 d1's prediction is mostly overlapped, yet its runs are slower than `prefetch:none`'s).
 """
 

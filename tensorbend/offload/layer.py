@@ -126,7 +126,7 @@ class OffloadedExperts:
 class ExpertCompute:
     """Seconds inside the expert math (weights ready; waiting excluded), per token count T of
     an experts call: `rows()` gives [T, calls, experts computed, (token, expert) pairs,
-    seconds] (`RunResult.expert_compute`; simulate/calibration.py turns it into per-expert
+    seconds] (`RunResult.expert_compute`; bench/sim_calibration.py turns it into per-expert
     costs). Keyed by T so serving a long stream keeps a bounded table.
 
         >>> c = ExpertCompute(); c.add(1, 4, 4, 0.002); c.add(1, 3, 3, 0.001); c.add(7, 9, 28, 0.01)

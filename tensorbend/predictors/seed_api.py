@@ -16,7 +16,7 @@ As in the seed: `predict` feeds the hidden state plus the multi-hot of the ids l
 `.safetensors`; `load` reads either (the seed's `.pt` with `weights_only=True`). Extensions:
 a [T, D] hidden state gives a list of T id lists (the seed returns row 0's only), and wrong
 shapes raise a one-line error instead of predicting from part of the input. Remember what the
-seed's numbers mean (docs/predictors.md): trained on the router's own input, this predictor has
+seed's numbers mean (docs/guide/predictors.md): trained on the router's own input, this predictor has
 zero lead time; `tensorbend train --predictor seed_mlp --lookahead d1` trains it with some.
 
 Shapes: L layers, T tokens, D hidden_dim, E num_experts.

@@ -9,7 +9,7 @@ geometry), costs.py (seconds per action; calibration), the forwards from trace.f
 predictions.py (predictors run offline), plan.py (work per forward and layer), events.py (the
 discrete-event run: compute and I/O threads in event time over the runtime's own slot table,
 request queue and wire, cache/slots.py and cache/transfers.py, and its policies), ep.py
-(expert-parallel pre-staging), simulator.py (`simulate`), plots.py. See docs/simulate.md.
+(expert-parallel pre-staging), simulator.py (`simulate`), plots.py. See docs/guide/simulate.md.
 """
 
 from tensorbend.simulate.geometry import GEOMETRY_NAMES

@@ -35,7 +35,7 @@ _ASSUME_EFF = (
     "(override with a calibration file)"
 )
 _ASSUME_LAT_PCIE = (
-    "assumption: ~10 us per copy (launch + DMA setup), the figure docs/offload.md uses"
+    "assumption: ~10 us per copy (launch + DMA setup), the figure docs/guide/offload.md uses"
 )
 _ASSUME_LAT_NVME = "assumption: ~60 us per read (NVMe random-read latency order; a multi-MB expert read is bandwidth-bound)"
 

@@ -58,7 +58,7 @@ class SimulateConfig:
     trace: Path
     """Trace directory (collected, or imported with `trace import`)."""
     hardware: HardwareName
-    """Hardware profile (docs/simulate.md lists each number and its source)."""
+    """Hardware profile (docs/guide/simulate.md lists each number and its source)."""
     geometry: GeometryName
     """Model geometry the trace's routing is replayed on; from-trace keeps the trace's own
     sizes (needs --calibration for bytes and compute)."""

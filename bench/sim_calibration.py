@@ -15,7 +15,7 @@ Nothing is patched; every number comes from `OffloadSession.run_policy` results:
 - a within-token prefetch run: prediction seconds per hook call (`predict_s`), measured inside
   the hooks (`RunResult.predict_s_per_token`, `predict_calls`); a horizon-only run: seconds per
   cross-token forecast (`forecast_s`, one per forward, its next-forward prefetches included).
-`simulate/validation.py` calibrates on one prompt split and judges the simulator on another.
+`bench/sim_validation.py` calibrates on one prompt split and judges the simulator on another.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def calibrate(sess: OffloadSession, link: Link, predictor=None, horizon=None, ca
         forecast_s=forecast_s,
         miss_s=miss_s,
         io_slots=sess.cfg.io_threads,
-        source=f"tensorbend.simulate.calibration on {sess.model_name}, "
+        source=f"bench.sim_calibration on {sess.model_name}, "
         f"{torch.get_num_threads()} compute thread(s), {len(sess.inputs)} prompts",
     )
 

@@ -4,7 +4,7 @@ Usage (what `python -m bench.simulate_validate` runs; a timing bench: alone on t
     report = validate(ValidateConfig(model="zoo:default", predictors=(Path("ours_d1.st"),),
                                      horizon=Path("horizon.st"), baselines=("transition",)))
     report["bias"]["decode_tok_s"]        # mean signed error (simulated - run) / run
-    markdown(report)                      # docs/simulate_validation.md
+    markdown(report)                      # docs/results/simulate_validation.md
 
 Out of sample: the costs are calibrated (`simulate.calibration.calibrate`, from the runtime's
 own counters) on `calibrate_split` prompts (val) and the simulator is judged on
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.sim_calibration import calibrate
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.report import run_label, what_ran
 from tensorbend.cache.transfers import Link
@@ -40,7 +41,6 @@ from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors import get_lookahead
 from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.prompts import load_prompts
-from tensorbend.simulate.calibration import calibrate
 from tensorbend.simulate.simulator import SimulateConfig, simulate
 from tensorbend.trace import Trace
 
@@ -164,7 +164,7 @@ def validate(cfg: ValidateConfig, log=None) -> dict:
 
 
 def markdown(out: dict) -> str:
-    """docs/simulate_validation.md: both sides per configuration, signed errors, the bias."""
+    """docs/results/simulate_validation.md: both sides per configuration, signed errors, the bias."""
     c, link, cf = out["calibration"], out["link"], out["config"]
     splits = list(out["prompts"])
     lines = [
