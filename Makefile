@@ -86,7 +86,7 @@ bench-accuracy: bench-traces
 	test -f $(BENCH)/deep_imported/trace/manifest.json || ( \
 		$(PY) -m tensorbend trace export $(BENCH)/deep/trace \
 			--out $(BENCH)/deep_imported/routing.csv && \
-		$(PY) -m tensorbend trace import --from csv $(BENCH)/deep_imported/routing.csv \
+		$(PY) -m tensorbend trace import --source csv $(BENCH)/deep_imported/routing.csv \
 			--out $(BENCH)/deep_imported/trace --num-experts 64 --quiet \
 			--model "zoo:dsv3-deep, imported (routing only)" )
 	$(PY) -m bench.foresight_eval --trace $(BENCH)/deep_imported/trace \

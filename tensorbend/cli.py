@@ -85,7 +85,7 @@ def _cmd_trace_export(args) -> int:
     info = trace.info()
     print(f"{out}: {info['prompts']} prompts, {sum(info['tokens'].values())} tokens x "
           f"{info['num_moe_layers']} MoE layers (routing only; `tensorbend trace import "
-          f"--from csv {out}` reads it back)")  # fmt: skip
+          f"--source csv {out}` reads it back)")  # fmt: skip
     return 0
 
 

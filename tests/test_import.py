@@ -400,3 +400,18 @@ def test_sglang_other_rank_and_non_dump_file(tmp_path):
                 source="sglang", path=tmp_path / "other.pt", out=tmp_path / "t3", progress=False
             )
         )
+
+
+def test_trace_import_verb_writes_the_trace_the_api_writes(tmp_path):
+    """`tensorbend trace import --from csv` (the CLI over import_trace): the same routing per
+    prompt as the planted CSV, and a wrong path is one `error:` line with exit 2."""
+    from tensorbend.cli import main
+
+    routing = planted_routing(prompts=5, L=3, E=16, K=2)
+    src = write_csv(tmp_path / "r.csv", csv_rows(routing))
+    argv = ["trace", "import", "--source", "csv", str(src), "--out", str(tmp_path / "t"), "--quiet"]
+    assert main(argv) == 0
+    tr = Trace.open(tmp_path / "t")
+    assert tr.info()["complete"] and tr.info()["num_moe_layers"] == 3
+    assert main(["trace", "import", "--source", "csv", str(tmp_path / "nope.csv"), "--out",
+                 str(tmp_path / "u"), "--quiet"]) == 2  # fmt: skip

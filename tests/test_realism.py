@@ -1,5 +1,7 @@
 """Routing-realism statistics (zoo/realism.py) on traces whose answers are known by construction."""
 
+import json
+
 import numpy as np
 import torch
 from planted import _phase, _record, _spec, _writer, cycle_trace
@@ -99,3 +101,16 @@ def test_routing_by_the_token_is_read_off_even_rare_tokens(tmp_path):
     assert card["token_table_fit_fraction"][1.0] == card["token_table_recall"] == 1.0
     text = format_fit_detail({"planted": card})
     assert "| held-out token seen 100+ time(s) in fit | 1.000 (100.0% of rows) |" in text
+
+
+def test_zoo_card_verb_prints_the_card_and_writes_its_json(tmp_path, capsys):
+    """`tensorbend zoo card TRACE --json F` (the CLI over routing_card): the printed table and
+    the JSON carry the same token-table recall, 1.0 on a trace routed by the token."""
+    from tensorbend.cli import main
+
+    _token_trace(tmp_path / "t")
+    assert main(["zoo", "card", str(tmp_path / "t"), "--json", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    card = json.loads((tmp_path / "c.json").read_text())
+    (only,) = [v for v in card.values() if isinstance(v, dict) and "token_table_recall" in v]
+    assert only["token_table_recall"] == 1.0 and "| 1.000 |" in out
