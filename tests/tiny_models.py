@@ -152,9 +152,10 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
 
 
-def save_checkpoint(family: str, path, seed: int = 0):
-    """Write an HF checkpoint directory (model + tokenizer) for a tiny model of `family`."""
-    model = build(family, seed)
+def save_checkpoint(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Write an HF checkpoint directory (model + tokenizer) for a tiny model of `family`, its
+    weights (and config.json's `dtype`) in `dtype`."""
+    model = build(family, seed).to(dtype)
     model.config.eos_token_id = 1
     model.config.bos_token_id = None
     model.config.pad_token_id = None
