@@ -51,9 +51,35 @@ def test_bf16_checkpoint_stored_and_served_in_bf16(family, tmp_path):
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
                                           pad_token_id=1), want)  # fmt: skip
     c = h.counters()
-    assert c["expert_dtype"] == "bfloat16" and c["expert_bytes"] == h.layout.nbytes
+    assert c["expert_dtype"] == c["compute_dtype"] == "bfloat16"
+    assert c["expert_bytes"] == h.layout.nbytes
     assert c["totals"]["bytes_read"] == c["totals"]["misses"] * h.layout.nbytes > 0
     h.close()
+
+
+def test_generate_cli_states_the_precision_and_writes_transformers_bf16_text(tmp_path, capsys):
+    """`tensorbend generate` on a bf16 checkpoint: the summary line says the experts are stored
+    and computed in bf16 (what bench/expert_dtype.py measured faster at real sizes), and the
+    text is transformers' own bf16 model's (eager experts)."""
+    from tiny_models import char_tokenizer
+
+    from tensorbend.cli import main
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    tok = char_tokenizer()
+    ids = tok("river stone", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", "river stone", "--max-new-tokens",
+                 "10", "--store-dir", str(tmp_path / "s"), "--quiet"]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    assert (
+        out.out
+        == "river stone" + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    )
+    assert "experts stored in bfloat16, computed in bfloat16" in out.err
 
 
 def test_dtype_accepts_names_and_torch_dtypes_and_refuses_others_in_one_line():

@@ -135,7 +135,8 @@ class OffloadHandle:
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
-            "expert_dtype": str(self.layout.dtype).removeprefix("torch."),
+            "expert_dtype": str(self.layout.dtype).removeprefix("torch."),  # as stored
+            "compute_dtype": str(self.cache.pool_CN.dtype).removeprefix("torch."),  # slots
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None

@@ -11,6 +11,12 @@ Usage:
 `torch_dtype`), else the floating dtype most of its bytes are stored in. The store then keeps
 the experts in that dtype, so a bf16 checkpoint's store is bf16: half the bytes of a float32
 one, and a budget holds twice the cached experts.
+
+The experts are computed in the dtype they are stored in (the cache's slots hold it): on this
+project's CPU (AVX-512 BF16) one expert's forward at Qwen3-30B-A3B's size (D=2048, I=768) is
+1.3x faster in bf16 than upcast to float32 for one token and 2x for eight
+(docs/results/bench/expert_dtype.json, `python -m bench.expert_dtype`), upcasting would halve the
+slots a budget holds, and only bf16 compute equals transformers' own bf16 model.
 """
 
 from __future__ import annotations
