@@ -133,6 +133,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(cfg.dtype, path, ckpt)
     lm, spec, layout = build_without_experts(path, dtype)
+    layout = replace(layout, block=ckpt.block)  # fp8 blocks: dequantized into the slots
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
     load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
@@ -145,7 +146,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
-    store = _store_path(cfg, path, str(dtype).removeprefix("torch."))
+    store = _store_path(cfg, path, "fp8" if ckpt.block else str(dtype).removeprefix("torch."))
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)

@@ -93,3 +93,67 @@ def test_dtype_accepts_names_and_torch_dtypes_and_refuses_others_in_one_line():
             f"--dtype {bad!r}: expected auto, float32 (fp32), float16 (fp16) or bfloat16 (bf16), "
             "as a name or a torch dtype"
         )
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_block_checkpoint_stored_in_fp8_and_served_as_transformers_dequantizes(family,
+                                                                                    tmp_path):  # fmt: skip
+    """An FP8 block checkpoint in the real on-disk format (F8_E4M3 weights, a float32
+    weight_scale_inv per block, quantization_config): the store keeps each expert as fp8 +
+    scales (1 byte a weight), dequantized into a bf16 slot it equals transformers' own
+    dequantized model's expert, greedy text equals that model's (eager experts), and the
+    counters read the fp8 bytes."""
+    from tiny_models import save_fp8_checkpoint
+
+    ckpt = save_fp8_checkpoint(family, tmp_path / "ckpt", block=16)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    spec = describe_model(ref)
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.5,
+                                      progress=False)  # fmt: skip
+    h = model.tensorbend
+    assert (tmp_path / "s" / "experts-fp8.safetensors").is_file()
+    assert h.layout.dtype == ref.dtype == torch.bfloat16 and h.layout.block == (16, 16)
+    scales = sum(s[0] * s[1] // 256 for _, s in h.layout.parts)
+    assert h.store.expert_nbytes == h.layout.stored_nbytes == h.layout.numel + 4 * scales
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
+            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
+            assert h.store.read_into(m, e, got) == h.layout.stored_nbytes
+            assert torch.equal(got, want), (m, e)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    c = h.counters()
+    assert c["expert_dtype"] == "float8_e4m3fn (16x16 blocks)" and c["compute_dtype"] == "bfloat16"
+    assert c["totals"]["bytes_read"] == c["totals"]["misses"] * h.layout.stored_nbytes > 0
+    h.close()
+
+
+@pytest.mark.parametrize(
+    "quant, name",
+    [({"quant_method": "compressed-tensors"}, "compressed-tensors"),
+     ({"quant_method": "gptq", "bits": 4}, "gptq int4"),
+     ({"quant_method": "mxfp4"}, "mxfp4"),
+     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]},
+      "fp8 (e4m3, static activations, weight_block_size [16, 16])")],
+)  # fmt: skip
+def test_other_quantizations_refused_by_name_in_one_line(quant, name, tmp_path, capsys):
+    import json
+
+    from tensorbend.cli import main
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    msg = f"{name} is not supported yet; expected an unquantized or fp8 (block) checkpoint"
+    with pytest.raises(tensorbend.TensorbendError) as e:
+        tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False)
+    assert str(e.value) == msg
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet"]) == 2
+    assert capsys.readouterr().err == f"error: {msg}\n"
+    assert not (tmp_path / "s").exists()  # refused before a store is built
