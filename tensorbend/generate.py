@@ -138,6 +138,7 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
         "predict_s_per_token": c["predict_s_per_token"],
         "cache_slots": c["cache_slots"],
         "expert_bytes": c["expert_bytes"],
+        "expert_stored_bytes": c["expert_stored_bytes"],
         "expert_dtype": c["expert_dtype"],
         "compute_dtype": c["compute_dtype"],
         "peak_rss_bytes": c["peak_rss_bytes"],
