@@ -138,6 +138,9 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
         "predict_s_per_token": c["predict_s_per_token"],
         "cache_slots": c["cache_slots"],
         "expert_bytes": c["expert_bytes"],
+        "expert_stored_bytes": c["expert_stored_bytes"],
+        "expert_dtype": c["expert_dtype"],
+        "compute_dtype": c["compute_dtype"],
         "peak_rss_bytes": c["peak_rss_bytes"],
         "peak_device_bytes": c["peak_device_bytes"],
     }
@@ -154,7 +157,9 @@ def format_summary(s: dict) -> str:
         f"[tensorbend] {s['decode_tokens']} decode tokens at {tok_s} tok/s | "
         f"{s['bytes_read_per_token'] / 1e6:.2f} MB experts read/token | hit rate "
         f"{s['demand_hit_rate']:.2f}{waited} | cache {s['cache_slots']} experts of "
-        f"{s['expert_bytes'] / 1e6:.2f} MB | peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
+        f"{s['expert_bytes'] / 1e6:.2f} MB | experts stored in {s['expert_dtype']}, computed "
+        f"in {s['compute_dtype']} | "
+        f"peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
         f"policy {s['policy']}{_plan_line(s.get('memory_plan'))}"
     )
 

@@ -126,7 +126,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if isinstance(dtype, str):
+    if isinstance(dtype, str) and dtype != "auto":  # (auto: the checkpoint's own)
         dtype = DTYPES[dtype]
     path = resolve_model(spec)
     kw = {"dtype": dtype, "local_files_only": True}

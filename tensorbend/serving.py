@@ -32,9 +32,6 @@ import importlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
-
-import torch
 
 from tensorbend.cache.config import POLICIES, PolicyConfig, min_slots
 from tensorbend.errors import StoreError, TensorbendError
@@ -42,6 +39,7 @@ from tensorbend.memory import check_device, kv_bytes_per_token, parse_bytes, rss
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
+from tensorbend.offload.precision import dtype_name, resolve_dtype
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import build_without_experts, load_non_experts
@@ -80,8 +78,10 @@ class ServeConfig:
     device: str = "cpu"
     """Where the model and the expert cache live: cpu or cuda[:N] (experts are read into pinned
     host staging and copied on their own stream)."""
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    """Compute dtype (the store keeps experts in it)."""
+    dtype: str = "auto"
+    """Precision the model is served in, the store keeping the experts in it: auto (the
+    checkpoint's own: config.json's dtype, else its tensors'), float32 (fp32), float16 (fp16)
+    or bfloat16 (bf16); the Python API takes torch dtypes too."""
     store_dir: Path | None = None
     """Where the expert store is kept (built once, reused); default:
     $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores, one folder per checkpoint and dtype."""
@@ -98,6 +98,7 @@ class ServeConfig:
     """Policy and cache options (--policy, --cache-frac, --pool, --admission, ...)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # (torch.bfloat16 -> name)
         if self.max_memory is not None:
             parse_bytes(self.max_memory)
         if self.reserve != "auto":
@@ -128,11 +129,11 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     from tensorbend.zoo import resolve_model
 
     path = resolve_model(str(model))
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    dtype = dtype[cfg.dtype]
     rss0 = _rss_after_baseline_imports() if cfg.device == "cpu" else None
     ckpt = Checkpoint.open(path)
+    dtype = resolve_dtype(cfg.dtype, path, ckpt)
     lm, spec, layout = build_without_experts(path, dtype)
+    layout = replace(layout, block=ckpt.block)  # fp8 blocks: dequantized into the slots
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
     load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
@@ -145,7 +146,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
-    store = _store_path(cfg, path, cfg.dtype)
+    store = _store_path(cfg, path, "fp8" if ckpt.block else str(dtype).removeprefix("torch."))
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)

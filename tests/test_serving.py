@@ -503,7 +503,7 @@ def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):
                                                experts_implementation="eager")  # fmt: skip
     spec = describe_model(ref)
     lm = tensorbend.load_offloaded(tmp_path / "ckpt", store_dir=tmp_path / "s", cache_frac=0.5,
-                                   progress=False)  # fmt: skip
+                                   dtype=torch.float32, progress=False)  # fmt: skip
     h = lm.tensorbend
     for m in range(spec.num_moe_layers):
         mod = getattr(moe_block(ref, spec, m), spec.experts_attr)

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from tqdm import tqdm
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload.precision import block_grid
 from tensorbend.offload.shards import Checkpoint, TensorRef
 from tensorbend.offload.store import ExpertLayout, expert_offset, store_header, stride
 
@@ -104,25 +105,59 @@ class ExpertPlan:
         return out
 
     def expert_into(self, m: int, e: int, out: torch.Tensor, staging=None) -> None:
-        """`expert` read straight into `out` (no intermediate copies when dtypes match)."""
+        """`expert` read straight into `out` (no intermediate copies when dtypes match); an fp8
+        layout's as stored (`out`: uint8, per part its fp8 weights, then their block scales)."""
+        if self.layout.block is not None:
+            return self._fp8_expert_into(m, e, out)
         at = 0
         for name, shape in self.layout.parts:
-            src = self.parts[m][name]
-            refs = [(src.fused, e)] if src.fused is not None else [
-                (src.pieces[e][i], None) for i in sorted(src.pieces[e])
-            ]  # fmt: skip
-            found = _stacked_shape([r.shape[1:] if row is not None else r.shape
-                                    for r, row in refs])  # fmt: skip
-            if found != shape:
-                raise StoreError(
-                    f"{self.ckpt.directory}: layer {m} expert {e} part {name}: expected shape "
-                    f"{list(shape)} (from config.json), found {list(found)} in the checkpoint"
-                )
-            for ref, row in refs:
+            for ref, row in self._refs(m, e, name, shape):
                 n = _numel(ref.shape[1:] if row is not None else ref.shape)
                 self.ckpt.read_into(ref, out[at : at + n], row, staging)
                 at += n
         assert at == out.numel()
+
+    def _refs(self, m: int, e: int, name: str, shape) -> list[tuple[TensorRef, int | None]]:
+        """(tensor, row or None) whose bytes make part `name` of expert e of layer m, in order;
+        refused unless they stack to `shape`."""
+        src = self.parts[m][name]
+        refs = [(src.fused, e)] if src.fused is not None else [
+            (src.pieces[e][i], None) for i in sorted(src.pieces[e])
+        ]  # fmt: skip
+        found = _stacked_shape([r.shape[1:] if row is not None else r.shape for r, row in refs])
+        if found != shape:
+            raise StoreError(
+                f"{self.ckpt.directory}: layer {m} expert {e} part {name}: expected shape "
+                f"{list(shape)} (from config.json), found {list(found)} in the checkpoint"
+            )
+        return refs
+
+    def _fp8_expert_into(self, m: int, e: int, out: torch.Tensor) -> None:
+        at, block = 0, self.layout.block
+        for name, shape in self.layout.parts:
+            refs = self._refs(m, e, name, shape)
+            for ref, row in refs:
+                n = _numel(ref.shape[1:] if row is not None else ref.shape)
+                self.ckpt.read_into(ref, out[at : at + n].view(torch.float8_e4m3fn), row)
+                at += n
+            for ref, row in refs:
+                scale = self.ckpt.scales.get(ref.key)
+                rows = ref.shape[1:] if row is not None else ref.shape
+                if (
+                    ref.dtype != "F8_E4M3"
+                    or scale is None
+                    or len(rows) != 2
+                    or any(d % b for d, b in zip(rows, block, strict=True))
+                ):
+                    raise UnsupportedModelError(
+                        f"{self.ckpt.directory}: {ref.key} ({ref.dtype}, shape {list(rows)}): "
+                        f"expected fp8 (F8_E4M3) expert weights with a weight_scale_inv per "
+                        f"{block[0]}x{block[1]} block, their dims multiples of it"
+                    )
+                n = 4 * _numel(block_grid(rows, block))
+                self.ckpt.read_into(scale, out[at : at + n].view(torch.float32), row)
+                at += n
+        assert at == out.numel() == self.layout.stored_nbytes
 
     def _check(self) -> None:
         E = self.spec.num_experts
@@ -146,7 +181,7 @@ def build_store(
     """Write every routed expert of `plan` to the store at `path`, resumably (see top)."""
     path = Path(path)
     L, E = plan.spec.num_moe_layers, plan.spec.num_experts
-    layout = ExpertLayout(plan.layout.parts, dtype)
+    layout = replace(plan.layout, dtype=dtype)
     header = store_header(L, E, layout, meta)
     partial, record = (
         path.with_name(path.name + ".partial"),
@@ -167,16 +202,19 @@ def build_store(
         if done == 0:
             os.ftruncate(fd, 0)
             os.pwrite(fd, header, 0)
-            os.ftruncate(fd, len(header) + L * E * stride(layout.nbytes))  # (pads: zeros)
+            os.ftruncate(fd, len(header) + L * E * stride(layout.stored_nbytes))  # (pads: 0)
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
-        flat = torch.empty(layout.numel, dtype=dtype)  # one expert, reused: memory stays flat
+        flat = (  # one expert as stored, reused: memory stays flat
+            torch.empty(layout.numel, dtype=dtype) if layout.block is None
+            else torch.empty(layout.stored_nbytes, dtype=torch.uint8)
+        )  # fmt: skip
         staging = torch.empty(layout.nbytes, dtype=torch.uint8)
         for m in range(done, L):
             for e in range(E):
                 plan.expert_into(m, e, flat, staging)
                 data = memoryview(flat.view(torch.uint8).numpy())
-                at = expert_offset(len(header), m, e, E, layout.nbytes)
+                at = expert_offset(len(header), m, e, E, layout.stored_nbytes)
                 if os.pwrite(fd, data, at) != len(data):
                     raise StoreError(f"{partial}: short write (disk full?); free space and rerun")
                 bar.update(1)

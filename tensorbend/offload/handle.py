@@ -135,6 +135,9 @@ class OffloadHandle:
             "per_layer": self.cache.layer_counters(),
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
+            "expert_stored_bytes": self.layout.stored_nbytes,  # what a load reads
+            "expert_dtype": _stored_dtype(self.layout),
+            "compute_dtype": str(self.cache.pool_CN.dtype).removeprefix("torch."),  # slots
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -235,3 +238,10 @@ def _device_of(model) -> torch.device:
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
+
+
+def _stored_dtype(layout: ExpertLayout) -> str:
+    """How the store keeps the experts: their dtype, or fp8 and its scale blocks."""
+    if layout.block is None:
+        return str(layout.dtype).removeprefix("torch.")
+    return f"float8_e4m3fn ({layout.block[0]}x{layout.block[1]} blocks)"

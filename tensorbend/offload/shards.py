@@ -9,7 +9,9 @@ Usage:
 
 Only the bytes asked for are read (a row of a fused [E, ...] tensor is one contiguous range),
 so reading a 100 GB checkpoint an expert at a time keeps memory at one expert. A truncated
-shard, a header that is not safetensors, or a quantized dtype is refused with the shard named.
+shard, a header that is not safetensors, or a quantized dtype is refused with the shard named;
+an fp8 block checkpoint's `weight_scale_inv` tensors are kept apart (`scales`, by weight key)
+and `read` dequantizes a weight with its scales.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.offload.precision import SERVED, dequantize_into, quant_block
 
 ST_DTYPES = {
     "F32": torch.float32,
@@ -36,6 +39,7 @@ ST_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # (fp8 block checkpoints: with a `weight_scale_inv` each)
 }
 
 
@@ -54,8 +58,11 @@ class TensorRef:
 class Checkpoint:
     """The safetensors shards of a local HF checkpoint directory, indexed by key."""
 
-    def __init__(self, directory: Path, refs: dict[str, TensorRef]):
-        self.directory, self.refs = directory, refs
+    def __init__(self, directory: Path, refs: dict[str, TensorRef], block=None):
+        self.directory, self.block = directory, block  # block: fp8's weight_block_size
+        self.scales = {k.removesuffix("_scale_inv"): refs[k] for k in refs
+                       if k.endswith(".weight_scale_inv")}  # fmt: skip
+        self.refs = {k: r for k, r in refs.items() if not k.endswith(".weight_scale_inv")}
 
     @classmethod
     def open(cls, directory: Path) -> Checkpoint:
@@ -72,9 +79,10 @@ class Checkpoint:
                 f"checkpoints are not read: convert them with save_pretrained)"
             )
         refs: dict[str, TensorRef] = {}
+        block = quant_block(directory)  # (refuses any quantization but fp8 blocks)
         for shard in shards:
             refs.update(_read_header(shard))
-        return cls(directory, refs)
+        return cls(directory, refs, block)
 
     def identity(self) -> str:
         """sha256 (16 hex) of every shard's header and 16 sampled 4 KiB windows of its data:
@@ -95,11 +103,22 @@ class Checkpoint:
         return sum(r.nbytes for r in self.refs.values())
 
     def read(self, ref: TensorRef, row: int | None = None) -> torch.Tensor:
-        """The tensor (a fresh CPU tensor in its own dtype), or only row `row` of its leading dim."""
+        """The tensor (a fresh CPU tensor in its own dtype), or only row `row` of its leading dim;
+        an fp8 weight dequantized by its `weight_scale_inv` (to float32)."""
         shape = ref.shape if row is None else ref.shape[1:]
         out = torch.empty(shape, dtype=_dtype(ref))
         self.read_into(ref, out.reshape(-1), row)
-        return out
+        if out.dtype != torch.float8_e4m3fn:
+            return out
+        scale = self.scales.get(ref.key)
+        if scale is None or self.block is None or row is not None or out.dim() != 2:
+            raise UnsupportedModelError(
+                f"{ref.shard.name}: tensor {ref.key} is float8 without a 2-D weight_scale_inv "
+                f"and the quantization_config's weight_block_size; expected {SERVED}"
+            )
+        full = torch.empty(shape, dtype=torch.float32)
+        dequantize_into(out, self.read(scale), self.block, full)
+        return full
 
     def read_into(
         self, ref: TensorRef, out: torch.Tensor, row: int | None = None, staging=None
@@ -114,6 +133,7 @@ class Checkpoint:
         assert out.is_contiguous() and out.numel() * dtype.itemsize == nbytes, (ref.key, out.shape)
         if nbytes == 0:
             return
+        assert dtype != torch.float8_e4m3fn or out.dtype == dtype, f"{ref.key}: fp8 without scales"
         if dtype == out.dtype:
             dst = out.view(torch.uint8)
         else:
@@ -165,6 +185,6 @@ def _dtype(ref: TensorRef) -> torch.dtype:
     if dtype is None:
         raise UnsupportedModelError(
             f"{ref.shard.name}: tensor {ref.key} has dtype {ref.dtype}: expected one of "
-            f"{', '.join(ST_DTYPES)} (quantized checkpoints are not supported)"
+            f"{', '.join(ST_DTYPES)}; quantized: expected {SERVED}"
         )
     return dtype

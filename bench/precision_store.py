@@ -1,0 +1,144 @@
+"""One checkpoint served in float32, bf16 and fp8 blocks: store bytes, cache slots and decode
+tok/s at the same --max-memory.
+
+Usage:
+    python -m bench.precision_store [--hidden 512] [--moe-intermediate 256] [--experts 32] \\
+        [--layers 4] [--max-memory 250MB] [--tokens 32] [--repeats 3] [--json OUT]
+
+A Qwen3-MoE checkpoint (transformers' own config class, random weights, zoo:default's
+tokenizer) is written in bf16, and a copy in DeepSeek-V3's FP8 format (every 2-D `*proj.weight`
+whose dims are multiples of 128 as float8_e4m3fn + a float32 `weight_scale_inv` per 128x128
+block, `quantization_config` fp8). Three ways to serve them: the bf16 checkpoint with
+`--dtype float32` (what tensorbend did before dtype="auto"), the bf16 one with the default
+auto (bf16 store), the fp8 one (fp8 store, bf16 slots). Each is `tensorbend generate` in a
+fresh process (greedy, --tokens new tokens, the same prompt), interleaved `--repeats` times;
+per way: the store file's bytes, the slots the budget holds, an expert's bytes in the store
+and in its slot, the median decode tok/s with its range, and the text (equal for the two bf16
+ways' slots only if the weights are; fp8's are the dequantized weights). Timings need a quiet
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.record import command, emit
+
+WAYS = {"float32": ("bf16", "float32"), "bfloat16": ("bf16", "auto"), "fp8": ("fp8", "auto")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--moe-intermediate", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--max-memory", default="250MB")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="precision-store-") as tmp:
+        tmp = Path(tmp)
+        ckpts = {"bf16": _checkpoint(tmp / "bf16", args)}
+        ckpts["fp8"] = _fp8_copy(ckpts["bf16"], tmp / "fp8", 128)
+        runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+        for rep in range(args.repeats):
+            for way, (ck, dtype) in WAYS.items():
+                s = _generate(ckpts[ck], dtype, tmp / f"store-{way}", tmp / "s.json", args)
+                runs[way].append(s)
+                print(f"repeat {rep} {way}: {s['decode_tok_s']:.1f} tok/s, "
+                      f"{s['cache_slots']} slots", file=sys.stderr)  # fmt: skip
+        rows = []
+        for way, got in runs.items():
+            tok_s = [s["decode_tok_s"] for s in got]
+            store = next((tmp / f"store-{way}").glob("experts-*.safetensors"))
+            rows.append({"way": way, "checkpoint": WAYS[way][0], "dtype": WAYS[way][1],
+                         "store_file": store.name, "store_bytes": store.stat().st_size,
+                         "cache_slots": got[0]["cache_slots"],
+                         "expert_slot_bytes": got[0]["expert_bytes"],
+                         "expert_stored_bytes": got[0]["expert_stored_bytes"],
+                         "bytes_read_per_token": got[0]["bytes_read_per_token"],
+                         "decode_tok_s": statistics.median(tok_s),
+                         "decode_tok_s_range": [min(tok_s), max(tok_s)],
+                         "text": got[0]["text"]})  # fmt: skip
+        ckpt_bytes = {k: sum(f.stat().st_size for f in p.glob("*.safetensors"))
+                      for k, p in ckpts.items()}  # fmt: skip
+    res = {"bench": "precision_store", "command": command("precision_store", argv),
+           "max_memory": args.max_memory, "tokens": args.tokens, "repeats": args.repeats,
+           "checkpoint_bytes": ckpt_bytes, "results": rows}  # fmt: skip
+    return emit(res, args.json)
+
+
+def _checkpoint(path: Path, args) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tensorbend.zoo import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("zoo:default"))
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=args.hidden, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=args.hidden // 4, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
+        num_experts=args.experts, num_experts_per_tok=2, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)  # decisive routers, as tests/tiny_models.py does
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _fp8_copy(src: Path, dst: Path, block: int) -> Path:
+    """`src` in DeepSeek-V3's FP8 block format (see top)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        out = {}
+        for key, w in load_file(shard).items():
+            R, C = w.shape if w.dim() == 2 else (1, 1)
+            if key.endswith("proj.weight") and w.dim() == 2 and not R % block and not C % block:
+                blocks = w.float().reshape(R // block, block, C // block, block)
+                scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+                q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(R, C)
+                out[key], out[key + "_scale_inv"] = q, scale.contiguous()
+            else:
+                out[key] = w
+        save_file(out, shard, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _generate(ckpt: Path, dtype: str, store: Path, out: Path, args) -> dict:
+    cmd = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompt",
+           "The river", "--max-new-tokens", str(args.tokens), "--dtype", dtype,
+           "--max-memory", args.max_memory, "--store-dir", str(store), "--quiet",
+           "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    return {**json.loads(out.read_text()), "text": done.stdout}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

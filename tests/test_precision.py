@@ -1,0 +1,159 @@
+"""Serving a checkpoint in its own precision: dtype="auto" keeps a bf16 checkpoint's experts in
+bf16 (half the store, twice the slots of a budget) with the text of transformers' bf16 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import save_checkpoint
+from transformers import AutoModelForCausalLM
+
+import tensorbend
+from tensorbend.models import describe_model, moe_block
+from tensorbend.serving import ServeConfig
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_bf16_checkpoint_stored_and_served_in_bf16(family, tmp_path):
+    """dtype="auto" (the default): the store holds the checkpoint's bf16 bytes (each expert
+    equals the bf16 resident model's row, 2 bytes a weight), the same cache budget holds twice
+    float32's slots, greedy generate() equals transformers' own bf16 model with eager experts,
+    and the counters read bf16 bytes."""
+    ckpt = save_checkpoint(family, tmp_path / "ckpt", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    assert ref.dtype == torch.bfloat16  # (transformers' own default is the checkpoint's dtype)
+    spec = describe_model(ref)
+    f32 = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s32", dtype="fp32",
+                                    progress=False, cache_frac=0.5)  # fmt: skip
+    f32_bytes = f32.tensorbend.layout.nbytes
+    f32.tensorbend.close()
+    budget = 8 * f32_bytes
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s16", cache_bytes=budget,
+                                      progress=False)  # fmt: skip
+    h = model.tensorbend
+    assert h.layout.dtype == torch.bfloat16 and h.layout.nbytes * 2 == f32_bytes
+    assert h.layout.nbytes == h.layout.numel * 2 == h.store.expert_nbytes
+    assert h.cache.capacity == 16  # float32: budget // f32_bytes = 8
+    stores = {d: next((tmp_path / d).glob("experts-*.safetensors")) for d in ("s32", "s16")}
+    assert stores["s16"].name == "experts-bfloat16.safetensors"
+    assert stores["s16"].stat().st_size < stores["s32"].stat().st_size  # (each expert padded
+    # to 4096 bytes: exactly half only where both sizes are whole blocks)
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
+            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
+            h.store.read_into(m, e, got)
+            assert torch.equal(got, want), (m, e)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    c = h.counters()
+    assert c["expert_dtype"] == c["compute_dtype"] == "bfloat16"
+    assert c["expert_bytes"] == h.layout.nbytes
+    assert c["totals"]["bytes_read"] == c["totals"]["misses"] * h.layout.nbytes > 0
+    h.close()
+
+
+def test_generate_cli_states_the_precision_and_writes_transformers_bf16_text(tmp_path, capsys):
+    """`tensorbend generate` on a bf16 checkpoint: the summary line says the experts are stored
+    and computed in bf16 (what bench/expert_dtype.py measured faster at real sizes), and the
+    text is transformers' own bf16 model's (eager experts)."""
+    from tiny_models import char_tokenizer
+
+    from tensorbend.cli import main
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    tok = char_tokenizer()
+    ids = tok("river stone", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", "river stone", "--max-new-tokens",
+                 "10", "--store-dir", str(tmp_path / "s"), "--quiet"]) == 0  # fmt: skip
+    out = capsys.readouterr()
+    assert (
+        out.out
+        == "river stone" + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    )
+    assert "experts stored in bfloat16, computed in bfloat16" in out.err
+
+
+def test_dtype_accepts_names_and_torch_dtypes_and_refuses_others_in_one_line():
+    for value, name in [("auto", "auto"), ("bf16", "bfloat16"), (torch.bfloat16, "bfloat16"),
+                        ("torch.float16", "float16"), ("FP32", "float32")]:  # fmt: skip
+        assert ServeConfig(dtype=value).dtype == name
+    for bad in ("int8", torch.int8, 16):
+        with pytest.raises(tensorbend.TensorbendError) as e:
+            ServeConfig(dtype=bad)
+        assert str(e.value) == (
+            f"--dtype {bad!r}: expected auto, float32 (fp32), float16 (fp16) or bfloat16 (bf16), "
+            "as a name or a torch dtype"
+        )
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_block_checkpoint_stored_in_fp8_and_served_as_transformers_dequantizes(family,
+                                                                                    tmp_path):  # fmt: skip
+    """An FP8 block checkpoint in the real on-disk format (F8_E4M3 weights, a float32
+    weight_scale_inv per block, quantization_config): the store keeps each expert as fp8 +
+    scales (1 byte a weight), dequantized into a bf16 slot it equals transformers' own
+    dequantized model's expert, greedy text equals that model's (eager experts), and the
+    counters read the fp8 bytes."""
+    from tiny_models import save_fp8_checkpoint
+
+    ckpt = save_fp8_checkpoint(family, tmp_path / "ckpt", block=16)
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    spec = describe_model(ref)
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.5,
+                                      progress=False)  # fmt: skip
+    h = model.tensorbend
+    assert (tmp_path / "s" / "experts-fp8.safetensors").is_file()
+    assert h.layout.dtype == ref.dtype == torch.bfloat16 and h.layout.block == (16, 16)
+    scales = sum(s[0] * s[1] // 256 for _, s in h.layout.parts)
+    assert h.store.expert_nbytes == h.layout.stored_nbytes == h.layout.numel + 4 * scales
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
+            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
+            assert h.store.read_into(m, e, got) == h.layout.stored_nbytes
+            assert torch.equal(got, want), (m, e)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    c = h.counters()
+    assert c["expert_dtype"] == "float8_e4m3fn (16x16 blocks)" and c["compute_dtype"] == "bfloat16"
+    assert c["totals"]["bytes_read"] == c["totals"]["misses"] * h.layout.stored_nbytes > 0
+    h.close()
+
+
+@pytest.mark.parametrize(
+    "quant, name",
+    [({"quant_method": "compressed-tensors"}, "compressed-tensors"),
+     ({"quant_method": "gptq", "bits": 4}, "gptq int4"),
+     ({"quant_method": "mxfp4"}, "mxfp4"),
+     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]},
+      "fp8 (e4m3, static activations, weight_block_size [16, 16])")],
+)  # fmt: skip
+def test_other_quantizations_refused_by_name_in_one_line(quant, name, tmp_path, capsys):
+    import json
+
+    from tensorbend.cli import main
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    msg = f"{name} is not supported yet; expected an unquantized or fp8 (block) checkpoint"
+    with pytest.raises(tensorbend.TensorbendError) as e:
+        tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False)
+    assert str(e.value) == msg
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet"]) == 2
+    assert capsys.readouterr().err == f"error: {msg}\n"
+    assert not (tmp_path / "s").exists()  # refused before a store is built
