@@ -46,6 +46,7 @@ from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
+from tensorbend.stores import store_lock
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -235,7 +236,13 @@ def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     """Build the store unless a finished one of this very checkpoint is there; refuse one of
     another checkpoint (`ExpertStore.check`: its model fingerprint or the checkpoint's own
-    identity differ)."""
+    identity differ). One process at a time (`stores.store_lock`)."""
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with store_lock(store, progress):  # (a second process waits here, then reuses the store)
+        _check_or_build(plan, store, fingerprint, layout, progress)
+
+
+def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
     if store.is_file():
         try:
