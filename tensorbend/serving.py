@@ -14,7 +14,8 @@ What happens, in order, and what lives in memory at each step:
    mapped by transformers' own conversion table). Peak: the non-expert weights.
 2. The expert store is built from the checkpoint by streaming one expert at a time
    (`offload/expert_plan.py`: resumable, fsync'd per layer) unless a finished store for this
-   checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
+   checkpoint exists, as its experts are now (`stores.py`: one builder at a time; a store of
+   other bytes, fingerprint or headers is built again).
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
    modeling code, Python objects, the predictors' weights) - the top-k staging slots -
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -46,7 +48,7 @@ from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.stores import store_lock
+from tensorbend.stores import stale_sources, store_lock
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -234,9 +236,10 @@ def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
 
 
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
-    """Build the store unless a finished one of this very checkpoint is there; refuse one of
-    another checkpoint (`ExpertStore.check`: its model fingerprint or the checkpoint's own
-    identity differ). One process at a time (`stores.store_lock`)."""
+    """Reuse the store when it holds this checkpoint's experts as they are now (its model
+    fingerprint, the checkpoint's headers, layout, and the expert bytes: `ExpertStore.check`,
+    `stores.stale_sources`); otherwise build it (again). One process at a time
+    (`stores.store_lock`)."""
     store.parent.mkdir(parents=True, exist_ok=True)
     with store_lock(store, progress):  # (a second process waits here, then reuses the store)
         _check_or_build(plan, store, fingerprint, layout, progress)
@@ -244,15 +247,20 @@ def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, pro
 
 def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
+    why = None
     if store.is_file():
         try:
             found = ExpertStore.open(store)
-        except StoreError:  # unfinished or of an older format: built again
-            found = None
-        if found is not None:
-            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)
+            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)  # (closes it)
+        except StoreError:
+            why = "it is unfinished, of an older format or of another model or checkpoint"
+        else:
             found.close()
-            return
+            why = stale_sources(plan, store)
+            if why is None:
+                return
+        if progress:
+            print(f"expert store {store}: building it again ({why})", file=sys.stderr)
     meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
     build_store(plan, store, meta, layout.dtype, progress)
 

@@ -8,7 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 from tiny_models import save_checkpoint
+from transformers import AutoModelForCausalLM
+
+import tensorbend
+from tensorbend.models import describe_model, moe_block
+from tensorbend.offload.shards import Checkpoint
 
 _SERVE = textwrap.dedent("""
     import sys, time, torch, tensorbend, tensorbend.serving as serving
@@ -43,3 +49,52 @@ def test_two_processes_building_one_store_both_serve_and_one_builds(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     assert outs[0][0] == outs[1][0] and outs[0][0].startswith("[[5, 17, 33, 2, 40, 8, ")
     assert builds.read_text() == "build\n"
+
+
+def _experts_of(model, spec, layout):
+    return {(m, e): torch.cat([getattr(mod, n)[e].detach().reshape(-1) for n, _ in layout.parts])
+            for m in range(spec.num_moe_layers)
+            for mod in [getattr(moe_block(model, spec, m), spec.experts_attr)]
+            for e in range(spec.num_experts)}  # fmt: skip
+
+
+def _store_experts(handle, spec):
+    out = {}
+    for m in range(spec.num_moe_layers):
+        for e in range(spec.num_experts):
+            out[m, e] = torch.empty(handle.layout.numel, dtype=handle.layout.dtype)
+            handle.store.read_into(m, e, out[m, e])
+    return out
+
+
+def test_expert_edited_in_place_is_never_served_stale(tmp_path):
+    """One expert weight changed in place (same header, same size): the next load serves the
+    new bytes (store rebuilt; its experts and greedy tokens follow the edited checkpoint); a
+    touched but unchanged shard is re-hashed, not rebuilt."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    kw = dict(store_dir=tmp_path / "stores", cache_frac=0.3, progress=False)
+    model = tensorbend.load_offloaded(ckpt, **kw)
+    store = model.tensorbend.store.path
+    model.tensorbend.close()
+    ref = next(r for k, r in Checkpoint.open(ckpt).refs.items() if ".experts." in k)
+    with open(ref.shard, "r+b") as f:  # (flip the sign of the tensor's first 8 values)
+        f.seek(ref.start)
+        vals = torch.frombuffer(bytearray(f.read(32)), dtype=torch.float32)
+        f.seek(ref.start)
+        f.write((-vals - 1).numpy().tobytes())
+    resident = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    spec = describe_model(resident)
+    model = tensorbend.load_offloaded(ckpt, **kw)
+    got = _store_experts(model.tensorbend, spec)
+    want = _experts_of(resident, spec, model.tensorbend.layout)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1),
+                           resident.generate(ids, max_new_tokens=6, do_sample=False,
+                                             pad_token_id=1))  # fmt: skip
+    model.tensorbend.close()
+    built = store.stat().st_ino
+    os.utime(ref.shard)  # (a new mtime, the same bytes)
+    tensorbend.load_offloaded(ckpt, **kw).tensorbend.close()
+    assert store.stat().st_ino == built
