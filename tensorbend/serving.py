@@ -28,6 +28,7 @@ only what is read when.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import os
@@ -45,10 +46,17 @@ from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    IOMode,
+    StoreConfig,
+    store_header,
+    stride,
+)
 from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.stores import stale_sources, store_lock
+from tensorbend.stores import check_room, stale_sources, store_lock, unwritable
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -148,9 +156,9 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
+    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
     store = _store_path(cfg, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
-    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
                                   prefetch_extra=cfg.prediction.prefetch_extra)  # fmt: skip
@@ -238,9 +246,9 @@ def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     """Reuse the store when it holds this checkpoint's experts as they are now (its model
     fingerprint, the checkpoint's headers, layout, and the expert bytes: `ExpertStore.check`,
-    `stores.stale_sources`); otherwise build it (again). One process at a time
-    (`stores.store_lock`)."""
-    store.parent.mkdir(parents=True, exist_ok=True)
+    `stores.stale_sources`); otherwise build it (again), once its folder is writable and its
+    disk has room (`stores.check_room`). One process at a time (`stores.store_lock`)."""
+    check_room(store, None)
     with store_lock(store, progress):  # (a second process waits here, then reuses the store)
         _check_or_build(plan, store, fingerprint, layout, progress)
 
@@ -262,7 +270,14 @@ def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, p
         if progress:
             print(f"expert store {store}: building it again ({why})", file=sys.stderr)
     meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
-    build_store(plan, store, meta, layout.dtype, progress)
+    L, E = spec.num_moe_layers, spec.num_experts
+    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.nbytes))
+    try:
+        build_store(plan, store, meta, layout.dtype, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise StoreError(f"expert store {store}: {unwritable(e)}") from e
 
 
 def _size_cache(

@@ -4,6 +4,7 @@ Usage:
     with store_lock(Path("stores/my-moe-1a2b3c4d/experts-float32.safetensors")):
         ...  # check the store, build it if needed: a second process waits here, then reuses it
     stale_sources(plan, store)      # None, or why the store no longer holds the checkpoint's bytes
+    check_room(store, nbytes)       # StoreError (one line) unless its folder is writable, with room
 
 The lock is `fcntl.flock` on `NAME.lock` beside the store (never deleted: removing a lock file
 another process may hold would let a third one in). The kernel releases it when its holder
@@ -18,14 +19,17 @@ and a changed digest makes the store stale (rebuilt by `serving`).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tensorbend.errors import StoreError
 from tensorbend.offload.expert_plan import (
     ExpertPlan,
     combine_digests,
@@ -86,3 +90,36 @@ def stale_sources(plan: ExpertPlan, store: Path) -> str | None:
     except OSError:
         pass
     return None
+
+
+def check_room(store: Path, nbytes: int | None) -> None:
+    """Create the store's folder; with `nbytes` (the whole store), refuse unless its disk has
+    that much free (less what an interrupted build of it already wrote). StoreError: one line
+    with the size, the place and how to choose another."""
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"expert store folder {store.parent}: {unwritable(e)}") from e
+    if nbytes is None:
+        return
+    if not os.access(store.parent, os.W_OK):
+        raise StoreError(f"expert store folder {store.parent}: "
+                         f"{unwritable(PermissionError(errno.EACCES, 'not writable'))}")  # fmt: skip
+    partial = store.with_name(store.name + ".partial")
+    done = partial.stat().st_blocks * 512 if partial.is_file() else 0
+    free = shutil.disk_usage(store.parent).free
+    if free < nbytes - done:
+        raise StoreError(
+            f"expert store {store}: needs {nbytes / 1e6:.1f} MB, its disk has "
+            f"{free / 1e6:.1f} MB free; free space there, or pass --store-dir DIR (or set "
+            f"TENSORBEND_STORE_DIR) to a folder on a disk with room"
+        )
+
+
+def unwritable(e: OSError) -> str:
+    """The one-line reason a store cannot be written, with the fix."""
+    what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or e
+    return (
+        f"cannot write it ({what}); pass --store-dir DIR (or set TENSORBEND_STORE_DIR) to a "
+        f"writable folder with room"
+    )

@@ -4,6 +4,7 @@ disks, one location setting, `tensorbend store list / rm`."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,11 @@ from tiny_models import save_checkpoint
 from transformers import AutoModelForCausalLM
 
 import tensorbend
+from tensorbend.cli import main
 from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.shards import Checkpoint
+from tensorbend.offload.store import stride
+from tensorbend.placement import build_without_experts
 
 _SERVE = textwrap.dedent("""
     import sys, time, torch, tensorbend, tensorbend.serving as serving
@@ -98,3 +102,35 @@ def test_expert_edited_in_place_is_never_served_stale(tmp_path):
     os.utime(ref.shard)  # (a new mtime, the same bytes)
     tensorbend.load_offloaded(ckpt, **kw).tensorbend.close()
     assert store.stat().st_ino == built
+
+
+def test_budget_disk_space_and_unwritable_root_refused_before_a_byte(tmp_path, monkeypatch, capsys):
+    """A budget too small, a disk too full and a store root that cannot be a folder are each
+    one line, before anything is written; the disk message gives the size and the place."""
+    import shutil
+
+    import tensorbend.stores as stores
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    root = tmp_path / "stores"
+    capsys.readouterr()
+
+    def err(*argv):
+        assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet", *argv]) == 2
+        out = capsys.readouterr().err.strip()
+        assert out.startswith("error: ") and "\n" not in out and "Traceback" not in out
+        return out
+
+    assert "expected at least" in err("--store-dir", str(root), "--max-memory", "10KB")
+    assert not root.exists()  # (the budget is checked before the store's folder is made)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(stores.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    msg = err("--store-dir", str(root))
+    lm, spec, layout = build_without_experts(ckpt, torch.float32)
+    nbytes = spec.num_moe_layers * spec.num_experts * stride(layout.nbytes)  # (+ its header)
+    mb = float(re.search(r"needs ([\d.]+) MB, its disk has 0.0 MB free", msg).group(1))
+    assert nbytes / 1e6 < mb < nbytes / 1e6 + 1 and str(root) in msg and "--store-dir" in msg
+    assert not [p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")
+    assert "pass --store-dir DIR" in err("--store-dir", str(tmp_path / "file" / "stores"))
