@@ -29,9 +29,7 @@ only what is read when.
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib
-import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,7 +54,7 @@ from tensorbend.offload.store import (
 )
 from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.stores import check_room, stale_sources, store_lock, unwritable
+from tensorbend.stores import check_room, stale_sources, store_lock, store_path, unwritable
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -94,8 +92,8 @@ class ServeConfig:
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Compute dtype (the store keeps experts in it)."""
     store_dir: Path | None = None
-    """Where the expert store is kept (built once, reused); default:
-    $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores, one folder per checkpoint and dtype."""
+    """Root folder of the expert stores (each built once, reused), one folder per checkpoint
+    inside; default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores."""
     io: IOMode = "buffered"
     """How expert reads treat the page cache: buffered, fadvise (drop pages after each read)
     or direct (O_DIRECT: every read comes from the disk)."""
@@ -157,7 +155,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
-    store = _store_path(cfg, path, cfg.dtype)
+    store = store_path(cfg.store_dir, path, cfg.dtype)
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
@@ -232,15 +230,6 @@ def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
         if fields:
             top[name] = replace(top.get(name, getattr(cfg, name)), **fields)
     return replace(cfg, **top)
-
-
-def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
-    root = cfg.store_dir or Path(
-        os.environ.get("TENSORBEND_STORE_DIR", Path.home() / ".cache" / "tensorbend" / "stores")
-    )
-    tag = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
-    sub = "" if cfg.store_dir else f"{Path(path).name}-{tag}"
-    return Path(root) / sub / f"experts-{dtype}.safetensors"
 
 
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:

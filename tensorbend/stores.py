@@ -1,12 +1,15 @@
 """Expert stores on disk: one process builds a store at a time, the others wait and reuse it.
 
 Usage:
+    path = store_path(None, Path("my-moe"), "float32")  # <root>/my-moe-<hash8>/experts-float32.safetensors
     with store_lock(Path("stores/my-moe-1a2b3c4d/experts-float32.safetensors")):
         ...  # check the store, build it if needed: a second process waits here, then reuses it
     stale_sources(plan, store)      # None, or why the store no longer holds the checkpoint's bytes
     check_room(store, nbytes)       # StoreError (one line) unless its folder is writable, with room
 
-The lock is `fcntl.flock` on `NAME.lock` beside the store (never deleted: removing a lock file
+Every store lives in a root (`--store-dir`, else $TENSORBEND_STORE_DIR, else
+~/.cache/tensorbend/stores), one folder per checkpoint inside (its name and a hash of its
+resolved path), one store per dtype in it. The lock is `fcntl.flock` on `NAME.lock` beside the store (never deleted: removing a lock file
 another process may hold would let a third one in). The kernel releases it when its holder
 exits, so a killed build never leaves a stale lock. On a folder where no lock file can be
 created (read-only), no lock is taken: nothing can be built there anyway.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -37,6 +41,20 @@ from tensorbend.offload.expert_plan import (
     record_sources,
     sources_file,
 )
+
+
+def store_root(root: str | Path | None = None) -> Path:
+    """The folder holding the stores: `root` (--store-dir), else $TENSORBEND_STORE_DIR, else
+    ~/.cache/tensorbend/stores."""
+    default = Path.home() / ".cache" / "tensorbend" / "stores"
+    return Path(root or os.environ.get("TENSORBEND_STORE_DIR") or default)
+
+
+def store_path(root: str | Path | None, checkpoint: Path, dtype: str) -> Path:
+    """The store of `checkpoint` in `dtype`: ROOT/<name>-<hash of its path>/experts-<dtype>."""
+    tag = hashlib.sha256(str(Path(checkpoint).resolve()).encode()).hexdigest()[:8]
+    folder = store_root(root) / f"{Path(checkpoint).name}-{tag}"
+    return folder / f"experts-{dtype}.safetensors"
 
 
 @contextmanager

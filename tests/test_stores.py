@@ -134,3 +134,20 @@ def test_budget_disk_space_and_unwritable_root_refused_before_a_byte(tmp_path, m
     monkeypatch.undo()
     (tmp_path / "file").write_text("")
     assert "pass --store-dir DIR" in err("--store-dir", str(tmp_path / "file" / "stores"))
+
+
+def test_store_dir_flag_and_env_var_are_one_root(tmp_path, monkeypatch, capsys):
+    """--store-dir and $TENSORBEND_STORE_DIR both name a root with one folder per checkpoint:
+    two checkpoints under one --store-dir get two stores, and the env var finds the same one
+    (reused, not built again)."""
+    a, b = (save_checkpoint("qwen3_moe", tmp_path / n, seed=s) for n, s in (("a", 0), ("b", 1)))
+    root = tmp_path / "stores"
+    gen = ["generate", "--prompt", "ab", "--quiet", "--max-new-tokens", "2"]
+    for ckpt in (a, b):
+        assert main([*gen, "--model", str(ckpt), "--store-dir", str(root)]) == 0
+    stores = sorted(root.glob("*/experts-float32.safetensors"))
+    assert [p.parent.name.split("-")[0] for p in stores] == ["a", "b"]
+    built = {p: p.stat().st_ino for p in stores}
+    monkeypatch.setenv("TENSORBEND_STORE_DIR", str(root))
+    assert main([*gen, "--model", str(a)]) == 0
+    assert {p: p.stat().st_ino for p in root.glob("*/experts-float32.safetensors")} == built
