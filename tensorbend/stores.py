@@ -6,6 +6,8 @@ Usage:
         ...  # check the store, build it if needed: a second process waits here, then reuses it
     stale_sources(plan, store)      # None, or why the store no longer holds the checkpoint's bytes
     check_room(store, nbytes)       # StoreError (one line) unless its folder is writable, with room
+    list_stores()                   # [{store, checkpoint, dtype, bytes, built, partial}]: `store list`
+    remove_store("my-moe"); remove_partial()                          # `store rm`
 
 Every store lives in a root (`--store-dir`, else $TENSORBEND_STORE_DIR, else
 ~/.cache/tensorbend/stores), one folder per checkpoint inside (its name and a hash of its
@@ -28,7 +30,9 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,3 +145,102 @@ def unwritable(e: OSError) -> str:
         f"cannot write it ({what}); pass --store-dir DIR (or set TENSORBEND_STORE_DIR) to a "
         f"writable folder with room"
     )
+
+
+def list_stores(root: str | Path | None = None) -> list[dict]:
+    """Every store under the root, finished or interrupted: {store (its file), checkpoint (the
+    source it was built from), dtype, bytes (on disk), built (finished: when; else None),
+    partial (an interrupted build: layers done of all, else None)}."""
+    root = store_root(root)
+    files = [*root.glob("*/experts-*.safetensors*"), *root.glob("experts-*.safetensors*")]
+    out = []
+    for f in sorted(files):
+        partial = f.name.endswith(".safetensors.partial")
+        if not (partial or f.name.endswith(".safetensors")):
+            continue
+        meta = _metadata(f)
+        st = f.stat()
+        done = None
+        if partial:
+            try:
+                rec = json.loads(f.with_name(f.name.replace(".partial", ".progress")).read_text())
+                done = int(rec["layers_done"])
+            except (OSError, ValueError, KeyError, TypeError):
+                done = 0
+        out.append({
+            "store": str(f),
+            "checkpoint": meta.get("source", "?"),
+            "dtype": f.name.removeprefix("experts-").split(".safetensors")[0],
+            "bytes": st.st_blocks * 512 if partial else st.st_size,
+            "built": None if partial else time.strftime("%Y-%m-%d %H:%M", time.localtime(st.st_mtime)),
+            "partial": None if not partial else f"{done} of {meta.get('num_layers', '?')} layers",
+        })  # fmt: skip
+    return out
+
+
+def format_stores(stores: list[dict], root: Path) -> str:
+    """`tensorbend store list`'s table."""
+    if not stores:
+        return f"no expert stores under {root}"
+    lines = [f"{len(stores)} expert store(s) under {root}:"]
+    for s in stores:
+        when = s["built"] or f"interrupted ({s['partial']})"
+        lines.append(f"{s['store']}  {s['dtype']}  {s['bytes'] / 1e6:.1f} MB  {when}  "
+                     f"checkpoint {s['checkpoint']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def remove_store(target: str | Path, root: str | Path | None = None) -> Path:
+    """Remove the folder of a checkpoint's stores: `target` is the checkpoint's path or the
+    store folder (a path, or its name under the root). Returns the folder removed."""
+    root, target = store_root(root), Path(target)
+    folders = [target, root / target.name, store_path(root, target, "x").parent]
+    folder = next((f for f in folders if f.is_dir() and f.resolve().parent == root.resolve()
+                   and any(f.glob("experts-*.safetensors*"))), None)  # (only a root's folder)  # fmt: skip
+    if folder is None:
+        raise StoreError(
+            f"store rm {target}: expected a checkpoint path or a store folder under {root}, "
+            f"found no store of it; `tensorbend store list` shows them"
+        )
+    for lock in folder.glob("*.lock"):
+        _refuse_if_busy(lock)
+    shutil.rmtree(folder)
+    return folder
+
+
+def remove_partial(root: str | Path | None = None) -> list[Path]:
+    """Remove every interrupted build under the root (`NAME.partial` and its progress file)
+    that no process is building now. Returns the partial files removed."""
+    removed = []
+    for s in list_stores(root):
+        if s["partial"] is None:
+            continue
+        f = Path(s["store"])
+        lock = f.with_name(f.name.replace(".partial", ".lock"))
+        if lock.is_file():
+            _refuse_if_busy(lock)
+        f.unlink()
+        f.with_name(f.name.replace(".partial", ".progress")).unlink(missing_ok=True)
+        removed.append(f)
+    return removed
+
+
+def _refuse_if_busy(lock: Path) -> None:
+    with open(lock, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreError(
+                f"{lock.parent}: a store there is being built by another process; wait for "
+                f"it to finish (or stop it), then rerun"
+            ) from None
+
+
+def _metadata(store: Path) -> dict:
+    """The safetensors header's metadata of a store file ({} when unreadable)."""
+    try:
+        with open(store, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            return json.loads(f.read(min(hlen, 1 << 28))).get("__metadata__", {})
+    except (OSError, ValueError, struct.error):
+        return {}

@@ -3,11 +3,14 @@ disks, one location setting, `tensorbend store list / rm`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import torch
 from tiny_models import save_checkpoint
@@ -151,3 +154,52 @@ def test_store_dir_flag_and_env_var_are_one_root(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TENSORBEND_STORE_DIR", str(root))
     assert main([*gen, "--model", str(a)]) == 0
     assert {p: p.stat().st_ino for p in root.glob("*/experts-float32.safetensors")} == built
+
+
+def test_store_list_and_rm(tmp_path, monkeypatch, capsys):
+    """`store list` shows each store's checkpoint, dtype, size and build time, and an
+    interrupted build with its layers done; `store rm CHECKPOINT` removes that checkpoint's
+    folder only; `store rm --partial` removes interrupted builds; bad targets are one line."""
+    import pytest
+
+    from tensorbend.offload.expert_plan import ExpertPlan
+
+    a, b, c = (save_checkpoint("qwen3_moe", tmp_path / n, seed=i) for i, n in enumerate("abc"))
+    root = tmp_path / "stores"
+    kw = dict(store_dir=root, cache_frac=0.3, progress=False)
+    for ckpt in (a, b):
+        tensorbend.load_offloaded(ckpt, **kw).tensorbend.close()
+    real = ExpertPlan.expert_into
+
+    def killed(self, m, e, out, staging=None):
+        if m == 1:
+            raise KeyboardInterrupt  # (killed while layer 1 was being written)
+        return real(self, m, e, out, staging)
+
+    monkeypatch.setattr(ExpertPlan, "expert_into", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tensorbend.load_offloaded(c, **kw)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["store", "list", "--store-dir", str(root), "--json"]) == 0
+    listed = {Path(s["checkpoint"]).name: s for s in json.loads(capsys.readouterr().out)}
+    assert sorted(listed) == ["a", "b", "c"]
+    for name in "ab":
+        s = listed[name]
+        assert s["checkpoint"] == str(tmp_path / name) and s["dtype"] == "float32"
+        assert s["bytes"] == Path(s["store"]).stat().st_size and s["partial"] is None
+        assert s["built"].startswith(time.strftime("%Y-"))
+    assert listed["c"]["built"] is None and listed["c"]["partial"].startswith("1 of ")
+    assert main(["store", "list", "--store-dir", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert "3 expert store(s)" in table and "interrupted (1 of " in table
+    assert main(["store", "rm", str(a), "--store-dir", str(root)]) == 0
+    assert not Path(listed["a"]["store"]).parent.exists() and Path(listed["b"]["store"]).exists()
+    assert main(["store", "rm", "--partial", "--store-dir", str(root)]) == 0
+    assert f"removed {listed['c']['store']}" in capsys.readouterr().out
+    assert not Path(listed["c"]["store"]).exists() and Path(listed["b"]["store"]).exists()
+    for argv in (["store", "rm", str(a)], ["store", "rm"], ["store", "rm", str(b), "--partial"]):
+        assert main([*argv, "--store-dir", str(root)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err
+    assert Path(listed["b"]["store"]).exists()
