@@ -30,6 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         parser = _build_parser()
         args = parser.parse_args(argv)
@@ -41,11 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            "error: interrupted (finished work on disk is kept; rerun with --resume)",
-            file=sys.stderr,
-        )
+        print(f"error: interrupted{_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _kept(args) -> str:
+    """What an interrupted verb kept on disk and how to continue, in the verb's own flags."""
+    if hasattr(args, "resume"):  # (collect, zoo train)
+        return " (finished work on disk is kept; rerun with --resume to continue)"
+    if getattr(args, "verb", None) == "generate":
+        return " (an expert store being built keeps its finished layers; rerun to continue it)"
+    return ""
 
 
 # ---------------------------------------------------------------- verbs

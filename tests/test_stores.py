@@ -203,3 +203,21 @@ def test_store_list_and_rm(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err
     assert Path(listed["b"]["store"]).exists()
+
+
+def test_interrupt_message_names_real_flags(monkeypatch, capsys):
+    """Ctrl-C: generate's message says a rerun continues its store (generate has no --resume);
+    collect's names its --resume; exit code 130 for both."""
+    import tensorbend.collect
+    import tensorbend.generate
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tensorbend.generate, "generate", interrupted)
+    monkeypatch.setattr(tensorbend.collect, "collect", interrupted)
+    assert main(["generate", "--model", "x", "--prompt", "ab", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "--resume" not in err and "rerun to continue it" in err
+    assert main(["collect", "--model", "x", "--out", "y", "--quiet"]) == 130
+    assert "rerun with --resume" in capsys.readouterr().err
