@@ -30,6 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         parser = _build_parser()
         args = parser.parse_args(argv)
@@ -41,11 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            "error: interrupted (finished work on disk is kept; rerun with --resume)",
-            file=sys.stderr,
-        )
+        print(f"error: interrupted{_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _kept(args) -> str:
+    """What an interrupted verb kept on disk and how to continue, in the verb's own flags."""
+    if hasattr(args, "resume"):  # (collect, zoo train)
+        return " (finished work on disk is kept; rerun with --resume to continue)"
+    if getattr(args, "verb", None) == "generate":
+        return " (an expert store being built keeps its finished layers; rerun to continue it)"
+    return ""
 
 
 # ---------------------------------------------------------------- verbs
@@ -200,6 +207,33 @@ def _cmd_zoo_corpus(args) -> int:
     return 0
 
 
+def _cmd_store_list(args) -> int:
+    from tensorbend.stores import format_stores, list_stores, store_root
+
+    stores = list_stores(args.store_dir)
+    print(
+        json.dumps(stores, indent=2)
+        if args.json
+        else format_stores(stores, store_root(args.store_dir))
+    )
+    return 0
+
+
+def _cmd_store_rm(args) -> int:
+    from tensorbend.stores import remove_partial, remove_store
+
+    if (args.target is None) == (not args.partial):
+        raise _UsageError(
+            "tensorbend store rm: expected a checkpoint or store folder, or --partial"
+        )
+    if args.partial:
+        removed = remove_partial(args.store_dir)
+        print("\n".join(f"removed {p}" for p in removed) or "no interrupted builds")
+    else:
+        print(f"removed {remove_store(args.target, args.store_dir)}")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -269,7 +303,25 @@ def _build_parser() -> argparse.ArgumentParser:
     dm = _verb(sub, "demo", _cmd_demo, "the whole chain on the bundled model, with a report")
     add_config_flags(dm, DemoConfig)
     _zoo_parser(sub)
+    _store_parser(sub)
     return p
+
+
+def _store_parser(sub) -> None:
+    ssub = sub.add_parser("store", help="expert stores on disk: list, remove").add_subparsers(
+        dest="store_verb", metavar="SUBVERB", parser_class=_Parser
+    )
+    root = "root of the stores (default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores)"
+    sl = _verb(ssub, "list", _cmd_store_list,
+               "each store's checkpoint, dtype, size and build time; interrupted builds", quiet=False)  # fmt: skip
+    sl.add_argument("--store-dir", help=root)
+    sl.add_argument("--json", action="store_true", help="print JSON")
+    sr = _verb(ssub, "rm", _cmd_store_rm, "remove a checkpoint's stores, or interrupted builds",
+               quiet=False)  # fmt: skip
+    sr.add_argument("target", nargs="?", help="the checkpoint's path, or its store folder")
+    sr.add_argument("--partial", action="store_true",
+                    help="remove every interrupted build instead (none being built now)")  # fmt: skip
+    sr.add_argument("--store-dir", help=root)
 
 
 def _collect_flags(c: argparse.ArgumentParser) -> None:

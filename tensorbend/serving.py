@@ -14,7 +14,8 @@ What happens, in order, and what lives in memory at each step:
    mapped by transformers' own conversion table). Peak: the non-expert weights.
 2. The expert store is built from the checkpoint by streaming one expert at a time
    (`offload/expert_plan.py`: resumable, fsync'd per layer) unless a finished store for this
-   checkpoint exists; a store built from another checkpoint (fingerprint) is refused.
+   checkpoint exists, as its experts are now (`stores.py`: one builder at a time; a store of
+   other bytes, fingerprint or headers is built again).
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
    modeling code, Python objects, the predictors' weights) - the top-k staging slots -
@@ -27,9 +28,9 @@ only what is read when.
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import importlib
-import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,9 +42,17 @@ from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.precision import dtype_name, resolve_dtype
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+from tensorbend.offload.store import (
+    ExpertLayout,
+    ExpertStore,
+    IOMode,
+    StoreConfig,
+    store_header,
+    stride,
+)
 from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import PredictorSpec
+from tensorbend.stores import check_room, stale_sources, store_lock, store_path, unwritable
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
                     "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
@@ -83,8 +92,8 @@ class ServeConfig:
     checkpoint's own: config.json's dtype, else its tensors'), float32 (fp32), float16 (fp16)
     or bfloat16 (bf16); the Python API takes torch dtypes too."""
     store_dir: Path | None = None
-    """Where the expert store is kept (built once, reused); default:
-    $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores, one folder per checkpoint and dtype."""
+    """Root folder of the expert stores (each built once, reused), one folder per checkpoint
+    inside; default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores."""
     io: IOMode = "buffered"
     """How expert reads treat the page cache: buffered, fadvise (drop pages after each read)
     or direct (O_DIRECT: every read comes from the disk)."""
@@ -146,9 +155,11 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
-    store = _store_path(cfg, path, "fp8" if ckpt.block else str(dtype).removeprefix("torch."))
+    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
+    store = store_path(
+        cfg.store_dir, path, "fp8" if ckpt.block else str(dtype).removeprefix("torch.")
+    )
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
-    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
                                   prefetch_extra=cfg.prediction.prefetch_extra)  # fmt: skip
@@ -224,31 +235,41 @@ def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
     return replace(cfg, **top)
 
 
-def _store_path(cfg: ServeConfig, path: Path, dtype: str) -> Path:
-    root = cfg.store_dir or Path(
-        os.environ.get("TENSORBEND_STORE_DIR", Path.home() / ".cache" / "tensorbend" / "stores")
-    )
-    tag = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:8]
-    sub = "" if cfg.store_dir else f"{Path(path).name}-{tag}"
-    return Path(root) / sub / f"experts-{dtype}.safetensors"
-
-
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
-    """Build the store unless a finished one of this very checkpoint is there; refuse one of
-    another checkpoint (`ExpertStore.check`: its model fingerprint or the checkpoint's own
-    identity differ)."""
+    """Reuse the store when it holds this checkpoint's experts as they are now (its model
+    fingerprint, the checkpoint's headers, layout, and the expert bytes: `ExpertStore.check`,
+    `stores.stale_sources`); otherwise build it (again), once its folder is writable and its
+    disk has room (`stores.check_room`). One process at a time (`stores.store_lock`)."""
+    check_room(store, None)
+    with store_lock(store, progress):  # (a second process waits here, then reuses the store)
+        _check_or_build(plan, store, fingerprint, layout, progress)
+
+
+def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
     spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
+    why = None
     if store.is_file():
         try:
             found = ExpertStore.open(store)
-        except StoreError:  # unfinished or of an older format: built again
-            found = None
-        if found is not None:
-            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)
+            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)  # (closes it)
+        except StoreError:
+            why = "it is unfinished, of an older format or of another model or checkpoint"
+        else:
             found.close()
-            return
+            why = stale_sources(plan, store)
+            if why is None:
+                return
+        if progress:
+            print(f"expert store {store}: building it again ({why})", file=sys.stderr)
     meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
-    build_store(plan, store, meta, layout.dtype, progress)
+    L, E = spec.num_moe_layers, spec.num_experts
+    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.nbytes))
+    try:
+        build_store(plan, store, meta, layout.dtype, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise StoreError(f"expert store {store}: {unwritable(e)}") from e
 
 
 def _size_cache(

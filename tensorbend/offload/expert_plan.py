@@ -24,7 +24,10 @@ buffer (`shards.Checkpoint.read_into`), so building the store keeps one expert i
 whatever the model's size. The store is written
 in place into `NAME.partial` (header first, then layer by layer, fsync'd) with a progress
 file; an interrupted build resumes at the first unfinished layer and the finished file is
-renamed into place, so nothing already written is lost and no half store is ever read.
+renamed into place, so nothing already written is lost and no half store is ever read. While
+copying, each source shard's copied byte ranges are hashed per layer (blake2b, no extra read;
+kept in the progress file, so a resumed build reads no finished layer again) into
+`NAME.sources.json` with the shard's size and mtime: `stores.stale_sources` checks them.
 """
 
 from __future__ import annotations
@@ -188,15 +191,19 @@ def build_store(
         path.with_name(path.name + ".progress"),
     )
     want = {"header_sha": _digest(header), "layers_done": 0}
-    done = 0
+    done, layers = 0, []  # layers: per finished layer, {shard name: digest of its ranges}
     if partial.is_file() and record.is_file():
         try:
             rec = json.loads(record.read_text())
             if rec.get("header_sha") == want["header_sha"]:
                 done = int(rec["layers_done"])
+                layers = list(rec["digests"])[:done]
+                done = len(layers)
         except (ValueError, KeyError, TypeError):
-            done = 0
+            done, layers = 0, []
     path.parent.mkdir(parents=True, exist_ok=True)
+    sources = sources_file(path)
+    sources.unlink(missing_ok=True)  # (no record until the new store is in place)
     fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if done == 0:
@@ -210,22 +217,57 @@ def build_store(
             else torch.empty(layout.stored_nbytes, dtype=torch.uint8)
         )  # fmt: skip
         staging = torch.empty(layout.nbytes, dtype=torch.uint8)
+        shards = {r.shard for r in plan.ckpt.refs.values()}
+        stats = plan.ckpt.stats(shards)  # (before reading: a later edit shows in the mtime)
         for m in range(done, L):
-            for e in range(E):
-                plan.expert_into(m, e, flat, staging)
-                data = memoryview(flat.view(torch.uint8).numpy())
-                at = expert_offset(len(header), m, e, E, layout.stored_nbytes)
-                if os.pwrite(fd, data, at) != len(data):
-                    raise StoreError(f"{partial}: short write (disk full?); free space and rerun")
-                bar.update(1)
+            with plan.ckpt.hashing() as digests:
+                for e in range(E):
+                    plan.expert_into(m, e, flat, staging)
+                    data = memoryview(flat.view(torch.uint8).numpy())
+                    at = expert_offset(len(header), m, e, E, layout.stored_nbytes)
+                    if os.pwrite(fd, data, at) != len(data):
+                        raise StoreError(
+                            f"{partial}: short write (disk full?); free space and rerun"
+                        )
+                    bar.update(1)
+            layers.append({s.name: h.hexdigest() for s, h in digests.items()})
             os.fsync(fd)
-            atomic_write_text(record, json.dumps({**want, "layers_done": m + 1}))
+            rec = {**want, "layers_done": m + 1, "digests": layers}
+            atomic_write_text(record, json.dumps(rec))
         bar.close()
     finally:
         os.close(fd)
     os.replace(partial, path)
     record.unlink(missing_ok=True)
+    record_sources(sources, {n: {**stats[n], "blake2b": combine_digests(layers, n)}
+                             for n in stats if any(n in d for d in layers)})  # fmt: skip
     return path
+
+
+def sources_file(store: Path) -> Path:
+    """`NAME.sources.json` beside the store `NAME.safetensors`: per source shard its size,
+    mtime_ns and the blake2b of the byte ranges the store copied from it, in copy order."""
+    return store.with_name(store.name.removesuffix(".safetensors") + ".sources.json")
+
+
+def layer_digests(plan: ExpertPlan, m: int, shards: set[Path] | None = None) -> dict[str, str]:
+    """{shard name: blake2b of the ranges MoE layer m's experts read from it} (only `shards`,
+    reading nothing else, when given): what `build_store` records per layer, hashed again."""
+    flat = torch.empty(plan.layout.numel, dtype=plan.layout.dtype)
+    with plan.ckpt.hashing(shards) as digests:
+        for e in range(plan.spec.num_experts):
+            plan.expert_into(m, e, flat)
+    return {s.name: h.hexdigest() for s, h in digests.items()}
+
+
+def combine_digests(layers: list[dict[str, str]], shard: str) -> str:
+    """One shard's digest over the store: blake2b of its per-layer digests, in layer order."""
+    return hashlib.blake2b("".join(d[shard] for d in layers if shard in d).encode(),
+                           digest_size=16).hexdigest()  # fmt: skip
+
+
+def record_sources(path: Path, shards: dict[str, dict]) -> None:
+    atomic_write_text(path, json.dumps({"shards": shards}, indent=1))
 
 
 # ------------------------------------------------------------ helpers

@@ -5,7 +5,8 @@ Usage:
     ref = ckpt.refs["model.layers.3.mlp.experts.7.up_proj.weight"]
     t = ckpt.read(ref)                                   # a fresh tensor in its own dtype
     ckpt.read_into(ref, out_flat, row=None, staging=buf)  # into a buffer, converting dtype
-    ckpt.identity()                                      # headers + sampled bytes, 16 hex
+    ckpt.identity()                                      # the shards' headers, 16 hex
+    with ckpt.hashing() as digests: ...                  # blake2b of every range read, per shard
 
 Only the bytes asked for are read (a row of a fused [E, ...] tensor is one contiguous range),
 so reading a 100 GB checkpoint an expert at a time keeps memory at one expert. A truncated
@@ -20,6 +21,8 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +66,8 @@ class Checkpoint:
         self.scales = {k.removesuffix("_scale_inv"): refs[k] for k in refs
                        if k.endswith(".weight_scale_inv")}  # fmt: skip
         self.refs = {k: r for k, r in refs.items() if not k.endswith(".weight_scale_inv")}
+        self._digests: dict[Path, hashlib.blake2b] | None = None  # while `hashing`
+        self._only: set[Path] | None = None  # hashing only these: reads of others are skipped
 
     @classmethod
     def open(cls, directory: Path) -> Checkpoint:
@@ -85,18 +90,35 @@ class Checkpoint:
         return cls(directory, refs, block)
 
     def identity(self) -> str:
-        """sha256 (16 hex) of every shard's header and 16 sampled 4 KiB windows of its data:
-        changes when any tensor's name, shape, dtype or (almost surely) its bytes change."""
+        """sha256 (16 hex) of every shard's name and header: changes when any tensor's name,
+        shape, dtype or place changes (the bytes of an expert store's sources are covered by
+        the digests `hashing` takes while the store is built: `stores.stale_sources`)."""
         h = hashlib.sha256()
         for shard in sorted({r.shard for r in self.refs.values()}):
-            size = shard.stat().st_size
             with open(shard, "rb", buffering=0) as f:
                 (hlen,) = struct.unpack("<Q", f.read(8))
-                h.update(f.read(hlen))
-                for i in range(16):
-                    f.seek(8 + hlen + (size - 8 - hlen) * i // 16)
-                    h.update(f.read(4096))
+                h.update(shard.name.encode() + f.read(hlen))
         return h.hexdigest()[:16]
+
+    @contextmanager
+    def hashing(self, shards: set[Path] | None = None) -> Iterator[dict[Path, hashlib.blake2b]]:
+        """While inside, every `read_into` feeds the bytes it reads to its shard's blake2b (in
+        the dict yielded: shards read from). With `shards`, only those are hashed and reads of
+        others are skipped (re-hashing one shard's ranges without reading the rest)."""
+        assert self._digests is None, "hashing is not reentrant"
+        self._digests, self._only = {}, shards
+        try:
+            yield self._digests
+        finally:
+            self._digests, self._only = None, None
+
+    def stats(self, shards) -> dict[str, dict[str, int]]:
+        """{shard name: {size, mtime_ns}} of `shards` (paths of this checkpoint)."""
+        out = {}
+        for shard in sorted(shards):
+            st = shard.stat()
+            out[shard.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return out
 
     @property
     def total_bytes(self) -> int:
@@ -124,7 +146,15 @@ class Checkpoint:
         self, ref: TensorRef, out: torch.Tensor, row: int | None = None, staging=None
     ) -> None:
         """Read the tensor (or row `row`) into the contiguous 1-D CPU tensor `out`, converting
-        to out's dtype through `staging` (a uint8 buffer, grown as needed) when they differ."""
+        to out's dtype through `staging` (a uint8 buffer, grown as needed) when they differ.
+        While `hashing`, the bytes read go into their shard's digest."""
+        digest = None
+        if self._digests is not None:
+            if self._only is not None and ref.shard not in self._only:
+                return
+            digest = self._digests.get(ref.shard)
+            if digest is None:
+                digest = self._digests[ref.shard] = hashlib.blake2b(digest_size=16)
         start, nbytes = ref.start, ref.nbytes
         if row is not None:
             nbytes //= ref.shape[0]
@@ -147,6 +177,8 @@ class Checkpoint:
                 f"{ref.shard}: short read of {ref.key} (expected {nbytes} bytes, got {got}): "
                 f"the shard is truncated; download or save the checkpoint again"
             )
+        if digest is not None:
+            digest.update(dst.numpy())
         if dst.data_ptr() != out.data_ptr():
             out.copy_(dst.view(dtype))
 
