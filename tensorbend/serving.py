@@ -79,8 +79,9 @@ class ServeConfig:
     """How `load_offloaded` (and `tensorbend generate`) places a model."""
 
     max_memory: str | None = None
-    """Memory budget for the model on --device (e.g. 8GB, 512MiB): non-expert weights + expert
-    cache + staging + --reserve. The natural way to size the cache; overrides --cache-frac."""
+    """Memory budget for the model on --device, with a unit (8GB, 512MiB; 100B for bytes):
+    non-expert weights + expert cache + staging + --reserve. The natural way to size the cache;
+    overrides --cache-frac. (Python: also an int of bytes, or accelerate's {device: size})"""
     reserve: str = "auto"
     """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
     cache of 2048 tokens at batch 1 from config.json, + 64 MB)."""
