@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from tensorbend.errors import TensorbendError
+from tensorbend.errors import TensorbendError, TensorbendWarning
 from tensorbend.flags import add_config_flags, config_from_args
 
 
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return args.func(args) or 0
+        with warnings.catch_warnings():  # (restores showwarning on the way out)
+            warnings.showwarning = _warning_line(warnings.showwarning)
+            return args.func(args) or 0
     except (TensorbendError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,6 +56,18 @@ def _kept(args) -> str:
     if getattr(args, "verb", None) == "generate":
         return " (an expert store being built keeps its finished layers; rerun to continue it)"
     return ""
+
+
+def _warning_line(show):
+    """warnings.showwarning printing a TensorbendWarning as one `warning: ...` line."""
+
+    def showwarning(message, category, *args, **kwargs):
+        if issubclass(category, TensorbendWarning):
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *args, **kwargs)
+
+    return showwarning
 
 
 # ---------------------------------------------------------------- verbs

@@ -39,3 +39,7 @@ class PredictorInputError(TensorbendError):
 
 class StoreError(TensorbendError):
     """The on-disk expert store is missing, truncated or unreadable."""
+
+
+class TensorbendWarning(UserWarning):
+    """Input that runs but likely not as meant; the CLI prints it as one `warning: ...` line."""

@@ -26,6 +26,7 @@ from transformers import TextStreamer
 
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig
+from tensorbend.prompts import load_prompts
 from tensorbend.serving import ServeConfig, load_offloaded
 
 
@@ -77,26 +78,31 @@ class GenerateConfig:
 
 
 def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
-    """Stream every prompt's continuation to `out` (stdout); returns the summary (also to err)."""
-    from transformers import AutoTokenizer
-
+    """Stream every prompt's continuation to `out` (stdout); returns the summary (also to err).
+    The tokenizer loads and every prompt is tokenized first: a checkpoint without a tokenizer
+    or a prompt of no tokens is refused before any store is built."""
+    from tensorbend.hf import load_tokenizer
     from tensorbend.zoo import resolve_model
 
     out, err = out or sys.stdout, err or sys.stderr
-    texts = [cfg.prompt] if cfg.prompt is not None else _prompt_texts(cfg.prompts)
+    tok = load_tokenizer(resolve_model(cfg.model))
+    if cfg.prompt is not None:
+        inputs = [_encode(tok, cfg.prompt, f"--prompt {cfg.prompt!r}")]
+    else:
+        inputs = [_encode(tok, p.text, f"prompt {p.id!r} of {cfg.prompts}")
+                  for p in load_prompts(cfg.prompts, "all")]  # fmt: skip
     if cfg.engine == "accelerate":
         from tensorbend import hf_offload
 
         with hf_offload.AccelerateRun(cfg.model, cfg.serve) as run:
-            _continue(run.model, run.tok, texts, cfg, out, on_prompt=run.new_prompt)
+            _continue(run.model, run.tok, inputs, cfg, out, on_prompt=run.new_prompt)
             summary = run.summary()
         err.write(hf_offload.format_summary(summary) + "\n")
         return summary
     model = load_offloaded(cfg.model, cfg.serve)
     handle = model.tensorbend
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model), local_files_only=True)
-        _continue(model, tok, texts, cfg, out)
+        _continue(model, tok, inputs, cfg, out)
         summary = summarize(handle.counters(), cfg.serve)
         summary["memory_plan"] = handle.memory_plan
     finally:
@@ -105,15 +111,26 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     return summary
 
 
-def _continue(model, tok, texts: list[str], cfg: GenerateConfig, out, on_prompt=None) -> None:
-    """Each text, then its continuation streamed, through transformers' own generate()."""
+def _encode(tok, text: str, what: str) -> tuple[str, torch.Tensor]:
+    """(text, its input ids); TensorbendError naming `what` when it tokenizes to nothing."""
+    ids = tok(text, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise TensorbendError(
+            f"{what}: expected text of at least one token, found {ids.shape[1]} tokens "
+            f"(the tokenizer adds no BOS token); give the prompt some text"
+        )
+    return text, ids
+
+
+def _continue(model, tok, inputs: list, cfg: GenerateConfig, out, on_prompt=None) -> None:
+    """Each (text, ids), then its continuation streamed, through transformers' generate()."""
     streamer = _Streamer(tok, out)
     dc, sample = cfg.decode, cfg.decode.decode == "sample"
     kw = {"max_new_tokens": dc.max_new_tokens, "do_sample": sample}
     kw.update({"temperature": dc.temperature, "top_p": cfg.top_p} if sample else {})
-    for i, text in enumerate(texts):
+    for i, (text, ids) in enumerate(inputs):
         torch.manual_seed(dc.seed + i)  # (as hf.decode_prompt seeds prompt i)
-        ids = tok(text, return_tensors="pt").input_ids.to(cfg.serve.device)
+        ids = ids.to(cfg.serve.device)
         out.write(text)
         if on_prompt is not None:
             on_prompt()
@@ -187,9 +204,3 @@ class _Streamer(TextStreamer):
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         self.stream.write(text)
         self.stream.flush()
-
-
-def _prompt_texts(path: Path) -> list[str]:
-    from tensorbend.prompts import load_prompts
-
-    return [p.text for p in load_prompts(path, "all")]

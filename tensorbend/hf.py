@@ -31,6 +31,7 @@ import torch
 
 from tensorbend.errors import TensorbendError
 from tensorbend.memory import check_device
+from tensorbend.models import check_model_type
 from tensorbend.placement import align_offloaded, placement_kwargs
 from tensorbend.zoo import resolve_model
 
@@ -123,12 +124,13 @@ def load_model(
     `placement.align_offloaded` copies those to aligned memory per forward: the offloaded model computes bit for bit what
     the resident one does (tested).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if isinstance(dtype, str) and dtype != "auto":  # (auto: the checkpoint's own)
         dtype = DTYPES[dtype]
     path = resolve_model(spec)
+    tok = load_tokenizer(path)  # (cheap checks before the weights load)
     kw = {"dtype": dtype, "local_files_only": True}
     if max_memory is not None:
         kw.update(placement_kwargs(device, max_memory, offload_dir))
@@ -140,7 +142,6 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
         except (TypeError, ValueError):  # families / versions without pluggable experts
             model = AutoModelForCausalLM.from_pretrained(path, **kw)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TensorbendError(f"cannot load model from {path}: {e}") from e
     finally:
@@ -153,6 +154,25 @@ def load_model(
         model = model.to(device)
     model.eval()
     return model, tok
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's own tokenizer (offline); one-line TensorbendError if it has none, or
+    if config.json's model_type is unknown (the tokenizer class may come from it)."""
+    from transformers import AutoTokenizer
+
+    check_model_type(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        found = sorted(p.name for p in Path(path).glob("*token*"))
+        what = f"found only {found}" if found else "found no tokenizer files"
+        why = str(e).strip().splitlines()[0] if found else ""
+        raise TensorbendError(
+            f"{path}: expected a tokenizer (tokenizer.json or tokenizer_config.json), {what}"
+            f"{f' ({why})' if why else ''}; save the base model's tokenizer into it with "
+            f"AutoTokenizer.from_pretrained(BASE).save_pretrained('{path}')"
+        ) from None
 
 
 def encode_prompt(tok, prompt, cfg: DecodeConfig) -> PromptInput:

@@ -1,13 +1,19 @@
 """Sizes and memory facts, one home each: byte sizes from the command line, this process's
-resident set, the KV cache's bytes per token, and the device check.
+resident set, the machine's physical memory, the KV cache's bytes per token, and the device check.
 
 Usage:
-    >>> parse_bytes("8GB"), parse_bytes("512MiB"), parse_bytes(" 1.5kb ")
-    (8000000000, 536870912, 1500)
+    >>> parse_bytes("8GB"), parse_bytes("512MiB"), parse_bytes(" 1.5kb "), parse_bytes("100B")
+    (8000000000, 536870912, 1500, 100)
+    >>> parse_bytes(1.5e9), parse_bytes(4096)   # Python numbers are bytes
+    (1500000000, 4096)
     >>> parse_bytes("lots", "--reserve")
     Traceback (most recent call last):
     ...
-    tensorbend.errors.TensorbendError: --reserve 'lots': expected a size such as 8GB, 512MB, 4GiB or a byte count
+    tensorbend.errors.TensorbendError: --reserve 'lots': expected a size such as 8GB, 512MB, 4GiB or 1000B
+    >>> parse_bytes("100")
+    Traceback (most recent call last):
+    ...
+    tensorbend.errors.TensorbendError: --max-memory '100': expected a size with a unit, found a bare number; write 100GB, 100MiB, or 100B for bytes
     >>> check_device("cpu")
     >>> check_device("gpu")
     Traceback (most recent call last):
@@ -22,6 +28,7 @@ one place a byte budget becomes cache slots.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import sys
@@ -34,24 +41,52 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
-def parse_bytes(text: str | int, flag: str = "--max-memory") -> int:
-    """'8GB' / '512MB' / '64KiB' / '1000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB);
-    `flag` names the option in the error."""
-    if isinstance(text, int):
+def parse_bytes(text: str | int | float, flag: str = "--max-memory") -> int:
+    """'8GB' / '512MB' / '64KiB' / '1000B' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB); a
+    string needs its unit (a bare '100' is refused: bytes or megabytes?), a Python int or
+    integral float is bytes. `flag` names the option in the error."""
+    if isinstance(text, float) and text.is_integer():
+        text = int(text)
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 1:
+            raise TensorbendError(f"{flag} {text}: expected a size of at least one byte")
         return text
+    if not isinstance(text, str):
+        raise TensorbendError(
+            f"{flag} {text!r}: expected a size such as '8GB' or a whole number of bytes, "
+            f"found {type(text).__name__}"
+        )
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
+    unit = t[len(num) :].strip()
     try:
-        value = float(num) * _UNITS[t[len(num) :].strip()]
+        value = float(num) * _UNITS[unit]
     except (ValueError, KeyError):
         raise TensorbendError(
-            f"{flag} {text!r}: expected a size such as 8GB, 512MB, 4GiB or a byte count"
+            f"{flag} {text!r}: expected a size such as 8GB, 512MB, 4GiB or 1000B"
         ) from None
     if not 1 <= value < float("inf"):  # nan fails every comparison
         raise TensorbendError(
             f"{flag} {text!r}: expected a finite size of at least one byte, such as 8GB"
         )
+    if not unit:
+        n = num.strip()
+        raise TensorbendError(
+            f"{flag} {text!r}: expected a size with a unit, found a bare number; "
+            f"write {n}GB, {n}MiB, or {n}B for bytes"
+        )
     return int(value)
+
+
+def physical_bytes(device: str) -> int | None:
+    """The physical memory of `device` (cpu: the machine's RAM; cuda[:N]: the GPU's), or None
+    where it cannot be read."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_device(device: str) -> None:

@@ -27,8 +27,10 @@ layer's feed-forward block), and the tests check that against those config field
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -127,6 +129,25 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         f"cannot find decoder layers in {type(model).__name__}: expected `model.layers` "
         f"(a transformers CausalLM of one of: {', '.join(SUPPORTED_FAMILIES)})"
     )
+
+
+def check_model_type(path) -> None:
+    """One-line UnsupportedModelError when config.json's model_type is unknown to transformers
+    (instead of transformers' paragraph); a known non-MoE type is describe_model's to refuse."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    file = Path(path) / "config.json"
+    try:
+        mt = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # (missing or unreadable: AutoConfig's own error names it)
+    if isinstance(mt, str) and mt not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"{file}: model_type {mt!r} is unknown to transformers {transformers.__version__}: "
+            f"expected one of the supported MoE families {', '.join(SUPPORTED_FAMILIES)}; fix "
+            f"model_type or upgrade transformers"
+        )
 
 
 def describe_model(model: torch.nn.Module) -> RoutingSpec:

@@ -34,7 +34,7 @@ import torch
 
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.memory import check_device, parse_bytes
-from tensorbend.models import RoutingSpec, describe_model, moe_block
+from tensorbend.models import RoutingSpec, check_model_type, describe_model, moe_block
 
 if TYPE_CHECKING:
     from tensorbend.offload.expert_plan import ExpertPlan
@@ -135,6 +135,7 @@ def build_without_experts(path: Path, dtype: torch.dtype):
     from tensorbend.offload.layer import check_supported
     from tensorbend.offload.store import ExpertLayout
 
+    check_model_type(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

@@ -56,8 +56,16 @@ def load_prompts(path: Path | None = None, split: str = "all") -> list[Prompt]:
         raise PromptFileError(f"split {split!r}: expected one of train, val, test, all")
     if not path.is_file():
         raise PromptFileError(f"prompts file {path}: not found (expected a JSONL file)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise PromptFileError(
+            f"{path}, line {line}: not UTF-8 text (byte {e.object[e.start]:#04x}); expected "
+            f"UTF-8 JSONL: re-save the file as UTF-8"
+        ) from None
     prompts, seen = [], set()
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}, line {lineno}"

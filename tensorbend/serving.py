@@ -31,12 +31,21 @@ from __future__ import annotations
 import errno
 import importlib
 import sys
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from tensorbend.cache.config import POLICIES, PolicyConfig, min_slots
-from tensorbend.errors import StoreError, TensorbendError
-from tensorbend.memory import check_device, kv_bytes_per_token, parse_bytes, rss_bytes
+from tensorbend.errors import StoreError, TensorbendError, TensorbendWarning
+from tensorbend.memory import (
+    check_device,
+    kv_bytes_per_token,
+    parse_bytes,
+    physical_bytes,
+    rss_bytes,
+)
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
@@ -79,8 +88,9 @@ class ServeConfig:
     """How `load_offloaded` (and `tensorbend generate`) places a model."""
 
     max_memory: str | None = None
-    """Memory budget for the model on --device (e.g. 8GB, 512MiB): non-expert weights + expert
-    cache + staging + --reserve. The natural way to size the cache; overrides --cache-frac."""
+    """Memory budget for the model on --device, with a unit (8GB, 512MiB; 100B for bytes):
+    non-expert weights + expert cache + staging + --reserve. The natural way to size the cache;
+    overrides --cache-frac. (Python: also an int of bytes, or accelerate's {device: size})"""
     reserve: str = "auto"
     """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
     cache of 2048 tokens at batch 1 from config.json, + 64 MB)."""
@@ -108,6 +118,11 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # (torch.bfloat16 -> name)
+        if isinstance(self.device, torch.device):  # (the Python API's own device type)
+            object.__setattr__(self, "device", str(self.device))
+        check_device(self.device)
+        if isinstance(self.max_memory, dict):  # accelerate's {device: size}: this device's
+            object.__setattr__(self, "max_memory", _budget_of(self.max_memory, self.device))
         if self.max_memory is not None:
             parse_bytes(self.max_memory)
         if self.reserve != "auto":
@@ -115,7 +130,6 @@ class ServeConfig:
         if self.io_threads < 1:
             raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
         StoreConfig(self.io)
-        check_device(self.device)
         pol = self.offload.policy
         if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
@@ -135,6 +149,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     `load_offloaded(path, max_memory="8GB", policy="prefetch", predictor="d1.safetensors")`.
     """
     cfg = _with_overrides(cfg or ServeConfig(), overrides)
+    _warn_above_physical(cfg)
     from tensorbend.zoo import resolve_model
 
     path = resolve_model(str(model))
@@ -233,6 +248,35 @@ def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
         if fields:
             top[name] = replace(top.get(name, getattr(cfg, name)), **fields)
     return replace(cfg, **top)
+
+
+def _budget_of(max_memory: dict, device: str):
+    """The entry of an accelerate-style max_memory dict for `device` (cpu: "cpu"; cuda:N: N,
+    "cuda:N", or "cuda" for N = 0)."""
+    index = torch.device(device).index or 0
+    keys = ("cpu",) if device == "cpu" else (index, f"cuda:{index}") + ("cuda",) * (index == 0)
+    for k in keys:
+        if k in max_memory:
+            return max_memory[k]
+    raise TensorbendError(
+        f"max_memory {max_memory!r}: expected a size, or a dict with an entry for the serving "
+        f"device {device} (key {' or '.join(map(repr, keys))}); found keys "
+        f'{list(max_memory)}; pass max_memory="8GB" or add the device\'s entry'
+    )
+
+
+def _warn_above_physical(cfg: ServeConfig) -> None:
+    """A warning (not an error: the machine may swap, or report less than it has) when
+    --max-memory is more than the device's physical memory."""
+    have = None if cfg.max_memory is None else physical_bytes(cfg.device)
+    if have is not None and parse_bytes(cfg.max_memory) > have:
+        warnings.warn(
+            f"--max-memory {cfg.max_memory}: expected at most the {have / 1e9:.1f} GB of "
+            f"physical memory on {cfg.device}, found more; the cache is sized for memory that "
+            f"is not there (expect swapping or an out-of-memory kill): lower it",
+            TensorbendWarning,
+            stacklevel=3,
+        )
 
 
 def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:

@@ -194,3 +194,133 @@ def test_a_teacher_batch_with_an_empty_continuation_is_refused_before_any_forwar
     inps = [PromptInput("a", ids, [4, 5]), PromptInput("b", ids, [])]  # "b": tokenized to nothing
     with pytest.raises(TensorbendError, match=r"prompts \['b'\] whose continuation is empty"):
         decode_batch(None, inps, DecodeConfig(decode="teacher"))  # no model: refused first
+
+
+# ------------------------------------------- serving: refused before a store is built
+
+
+@pytest.fixture(scope="module")
+def serving_env(tmp_path_factory):
+    """A tiny checkpoint, and copies of it that are each wrong in one way."""
+    import shutil
+
+    from tiny_models import build, char_tokenizer
+
+    d = tmp_path_factory.mktemp("serve_bad")
+    save_checkpoint("mixtral", d / "model")
+    shutil.copytree(d / "model", d / "notok")
+    for f in (d / "notok").glob("token*"):
+        f.unlink()
+    shutil.copytree(d / "model", d / "alien")
+    config = json.loads((d / "alien" / "config.json").read_text())
+    (d / "alien" / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+    build("mixtral").save_pretrained(d / "sharded", max_shard_size="20KB")
+    char_tokenizer().save_pretrained(d / "sharded")
+    (d / "sharded" / "model-00002-of-00013.safetensors").unlink()
+    (d / "latin1.jsonl").write_bytes('{"id": "a", "text": "caf\xe9"}\n'.encode("latin-1"))
+    return d
+
+
+SERVE_CASES = [
+    ("empty-prompt", ["--model", "{d}/model", "--prompt", ""],
+     "--prompt '': expected text of at least one token, found 0 tokens (the tokenizer adds no "
+     "BOS token); give the prompt some text"),
+    ("no-tokenizer", ["--model", "{d}/notok", "--prompt", "hi"],
+     "{d}/notok: expected a tokenizer (tokenizer.json or tokenizer_config.json), found no "
+     "tokenizer files; save the base model's tokenizer into it with "
+     "AutoTokenizer.from_pretrained(BASE).save_pretrained('{d}/notok')"),
+    ("prompts-not-utf8", ["--model", "{d}/model", "--prompts", "{d}/latin1.jsonl"],
+     "{d}/latin1.jsonl, line 1: not UTF-8 text (byte 0xe9); expected UTF-8 JSONL: re-save the "
+     "file as UTF-8"),
+    ("size-without-unit", ["--model", "{d}/model", "--prompt", "hi", "--max-memory", "100"],
+     "--max-memory '100': expected a size with a unit, found a bare number; write 100GB, "
+     "100MiB, or 100B for bytes"),
+    ("reserve-not-a-size", ["--model", "{d}/model", "--prompt", "hi", "--max-memory", "1GB",
+                            "--reserve", "abc"],
+     "--reserve 'abc': expected a size such as 8GB, 512MB, 4GiB or 1000B"),
+    ("unknown-model-type", ["--model", "{d}/alien", "--prompt", "hi"],
+     "{d}/alien/config.json: model_type 'frobnicator' is unknown to transformers "
+     f"{transformers.__version__}: expected one of the supported MoE families deepseek_v3, "
+     "qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, phimoe, granitemoe, llama4_text; fix "
+     "model_type or upgrade transformers"),
+    ("missing-shard", ["--model", "{d}/sharded", "--prompt", "hi"],
+     "{d}/sharded: expected shard model-00002-of-00013.safetensors, named in "
+     "model.safetensors.index.json for 6 tensors (e.g. "
+     "model.layers.0.block_sparse_moe.experts.0.w2.weight), found no such file; download or "
+     "copy the missing shard"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SERVE_CASES, ids=[c[0] for c in SERVE_CASES])
+def test_bad_serving_input_is_refused_in_one_line_before_a_store_is_built(
+    case, serving_env, capsys
+):
+    name, argv, expected = case
+    store = serving_env / f"store-{name}"
+    argv = ["generate", *(a.format(d=serving_env) for a in argv), "--store-dir", str(store)]
+    err = assert_one_error_line(main([*argv, "--quiet"]), capsys, "")
+    assert err == "error: " + expected.format(d=serving_env)
+    assert not store.exists()  # nothing written, nothing to clean up
+
+
+def test_a_budget_above_physical_memory_is_a_warning_line(serving_env, capsys, monkeypatch):
+    monkeypatch.setattr("tensorbend.serving.physical_bytes", lambda device: 10**9)
+    argv = f"generate --model {serving_env}/model --prompt hi --max-new-tokens 1 --quiet"
+    argv += f" --max-memory 2GB --store-dir {serving_env}/store-big"
+    assert main(argv.split()) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "warning: --max-memory 2GB: expected at most the 1.0 GB of physical memory on cpu, "
+        "found more; the cache is sized for memory that is not there (expect swapping or an "
+        "out-of-memory kill): lower it"
+    )
+    assert [line.startswith("[tensorbend]") for line in err[1:]] == [True, True]
+
+
+def test_load_offloaded_takes_python_types_as_their_users_write_them(serving_env):
+    """accelerate's max_memory dict, a float byte count, a torch.device and an upper-case
+    policy serve the same greedy text as their string forms."""
+    import torch
+
+    from tensorbend.serving import load_offloaded
+
+    ids = torch.tensor([[40, 41, 42]])
+    texts = []
+    for kw in ({"max_memory": "1GB", "device": "cpu", "policy": "lru"},
+               {"max_memory": {"cpu": "1GB"}, "device": torch.device("cpu"), "policy": "LRU"},
+               {"max_memory": 1e9, "policy": "Lru"}):  # fmt: skip
+        model = load_offloaded(serving_env / "model", store_dir=serving_env / "store-py",
+                               progress=False, **kw)  # fmt: skip
+        try:
+            assert model.tensorbend.memory_plan["budget"] == 10**9
+            texts.append(model.generate(ids, max_new_tokens=6, do_sample=False).tolist())
+        finally:
+            model.tensorbend.close()
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_load_offloaded_refuses_python_values_it_cannot_read_in_one_line():
+    import torch
+
+    from tensorbend.cache.config import POLICIES
+    from tensorbend.errors import TensorbendError
+    from tensorbend.serving import ServeConfig
+
+    cases = [
+        ({"max_memory": {"disk": "8GB"}},
+         "max_memory {'disk': '8GB'}: expected a size, or a dict with an entry for the serving "
+         "device cpu (key 'cpu'); found keys ['disk']; pass max_memory=\"8GB\" or add the "
+         "device's entry"),
+        ({"max_memory": 1.5}, "--max-memory 1.5: expected a size such as '8GB' or a whole "
+         "number of bytes, found float"),
+        ({"device": torch.device("meta")}, "--device 'meta': expected cpu, cuda or cuda:N"),
+    ]  # fmt: skip
+    for kw, expected in cases:
+        with pytest.raises(TensorbendError) as e:
+            ServeConfig(**kw)
+        assert str(e.value) == expected
+    from tensorbend.cache.config import PolicyConfig
+
+    with pytest.raises(TensorbendError) as e:
+        PolicyConfig(policy="fastest")
+    assert str(e.value) == f"--policy 'fastest': expected one of {', '.join(POLICIES)}"

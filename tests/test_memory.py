@@ -14,11 +14,21 @@ from tensorbend.offload.store import ExpertLayout, ExpertStore, write_store
 
 def test_sizes_parse_and_bad_ones_name_their_flag():
     assert parse_bytes("8GB") == 8 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
-    assert parse_bytes("1000") == 1000 and parse_bytes(" 1.5kb ") == 1500 and parse_bytes(7) == 7
+    assert parse_bytes("1000B") == 1000 and parse_bytes(" 1.5kb ") == 1500 and parse_bytes(7) == 7
+    assert parse_bytes(1.5e9) == 1_500_000_000  # a Python number is bytes, if whole
     with pytest.raises(TensorbendError) as e:
         parse_bytes("8XB", "--reserve")
-    assert (
-        str(e.value) == "--reserve '8XB': expected a size such as 8GB, 512MB, 4GiB or a byte count"
+    assert str(e.value) == "--reserve '8XB': expected a size such as 8GB, 512MB, 4GiB or 1000B"
+    with pytest.raises(TensorbendError) as e:  # bytes or megabytes? the user says which
+        parse_bytes("100")
+    assert str(e.value) == (
+        "--max-memory '100': expected a size with a unit, found a bare number; write 100GB, "
+        "100MiB, or 100B for bytes"
+    )
+    with pytest.raises(TensorbendError) as e:
+        parse_bytes(1.5)
+    assert str(e.value) == (
+        "--max-memory 1.5: expected a size such as '8GB' or a whole number of bytes, found float"
     )
     for bad in ("0", "-1GB", "nan"):
         with pytest.raises(TensorbendError) as e:

@@ -44,7 +44,7 @@ def test_a_model_spilled_to_disk_gives_the_resident_trace(tmp_path, monkeypatch)
 
     monkeypatch.setattr(collect_mod, "load_model", spying)
     runs = {}
-    for name, mem in (("resident", None), ("spilled", str(budget))):
+    for name, mem in (("resident", None), ("spilled", f"{budget}B")):
         cfg = CollectConfig(model="zoo:default", out=tmp_path / name, max_prompts=3,
                             features=FEATURES, dtype="float32", max_memory=mem,
                             decode=DecodeConfig(max_new_tokens=5))  # fmt: skip

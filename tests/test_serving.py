@@ -249,7 +249,7 @@ def test_generate_cli_streams_and_stays_within_budget(tmp_path):
     base = _import_baseline()
     out = subprocess.run(
         [sys.executable, "-m", "tensorbend", "generate", "--model", str(tmp_path / "ckpt"),
-         "--prompt", "alpha beta", "--max-new-tokens", "12", "--max-memory", str(budget),
+         "--prompt", "alpha beta", "--max-new-tokens", "12", "--max-memory", f"{budget}B",
          "--store-dir", str(tmp_path / "store"), "--quiet", "--json", str(tmp_path / "s.json")],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -331,7 +331,7 @@ def test_budget_holds_with_a_predictor_and_serving_imports_no_numba(tmp_path):
         flags = ["--predictor", str(pred)] if policy == "prefetch" else []
         out = subprocess.run(
             [sys.executable, "-c", cli, "generate", "--model", str(tmp_path / "ckpt"),
-             "--prompt", "alpha beta", "--max-new-tokens", "8", "--max-memory", str(budget),
+             "--prompt", "alpha beta", "--max-new-tokens", "8", "--max-memory", f"{budget}B",
              "--store-dir", str(tmp_path / "store"), "--quiet", "--policy", policy, *flags,
              "--json", str(tmp_path / f"{policy}.json")],
             capture_output=True, text=True,

@@ -164,6 +164,8 @@ class PolicyConfig:
     next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.policy, str) and self.policy.lower() in POLICIES:  # "LRU" from Python
+            object.__setattr__(self, "policy", self.policy.lower())
         _check_policy(self)
 
     def slots(self, spec: RoutingSpec, expert_bytes: int) -> int:
@@ -203,6 +205,8 @@ def check_slots(slots: int, what: str, top_k: int, num_layers: int, pool: str) -
 
 def _check_policy(pc: PolicyConfig) -> None:
     """PolicyConfig validation: one-line errors naming the flag, before any model loads."""
+    if pc.policy not in POLICIES:
+        raise TensorbendError(f"--policy {pc.policy!r}: expected one of {', '.join(POLICIES)}")
     if not 0 < pc.cache_frac <= 1:
         raise TensorbendError(f"--cache-frac {pc.cache_frac}: expected a fraction in (0, 1]")
     if pc.cache_bytes is not None and pc.cache_bytes < 1:

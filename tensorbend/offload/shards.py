@@ -77,6 +77,7 @@ class Checkpoint:
                 f"{directory}: expected a transformers checkpoint directory (config.json and "
                 f"*.safetensors), found no config.json"
             )
+        _check_index(directory)
         shards = sorted(directory.glob("*.safetensors"))
         if not shards:
             raise StoreError(
@@ -184,6 +185,28 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------ helpers
+
+
+def _check_index(directory: Path) -> None:
+    """StoreError naming the first shard that an index (*.safetensors.index.json) lists but
+    the directory lacks."""
+    for index in sorted(directory.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise StoreError(
+                f"{index}: expected a safetensors index (JSON), cannot read it ({e})"
+            ) from e
+        by_file: dict[str, list[str]] = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(name, []).append(key)
+        for name, keys in sorted(by_file.items()):
+            if not (directory / name).is_file():
+                raise StoreError(
+                    f"{directory}: expected shard {name}, named in {index.name} for "
+                    f"{len(keys)} tensors (e.g. {keys[0]}), found no such file; download or "
+                    f"copy the missing shard"
+                )
 
 
 def _read_header(shard: Path) -> dict[str, TensorRef]:
