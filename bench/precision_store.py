@@ -106,10 +106,18 @@ def _fp8_copy(src: Path, dst: Path, block: int) -> Path:
     """`src` in DeepSeek-V3's FP8 block format (see top)."""
     import shutil
 
+    shutil.copytree(src, dst)
+    return quantize_fp8_blocks(dst, block)
+
+
+def quantize_fp8_blocks(path: Path, block: int) -> Path:
+    """Checkpoint `path` rewritten in place as DeepSeek-V3's FP8 checkpoints are: every 2-D
+    `*proj.weight` whose dims are multiples of `block` becomes float8_e4m3fn (safetensors
+    F8_E4M3) with a float32 `weight_scale_inv` per block x block (the block's max |w| / 448),
+    and config.json gains the `quantization_config` real checkpoints carry."""
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(src, dst)
-    for shard in dst.glob("*.safetensors"):
+    for shard in Path(path).glob("*.safetensors"):
         out = {}
         for key, w in load_file(shard).items():
             R, C = w.shape if w.dim() == 2 else (1, 1)
@@ -121,12 +129,12 @@ def _fp8_copy(src: Path, dst: Path, block: int) -> Path:
             else:
                 out[key] = w
         save_file(out, shard, metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
+    config = json.loads((Path(path) / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
                                      "weight_block_size": [block, block]}  # fmt: skip
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    return Path(path)
 
 
 def _generate(ckpt: Path, dtype: str, store: Path, out: Path, args) -> dict:

@@ -38,18 +38,7 @@ def test_bf16_checkpoint_stored_and_served_in_bf16(family, tmp_path):
     assert stores["s16"].name == "experts-bfloat16.safetensors"
     assert stores["s16"].stat().st_size < stores["s32"].stat().st_size  # (each expert padded
     # to 4096 bytes: exactly half only where both sizes are whole blocks)
-    for m in range(spec.num_moe_layers):
-        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
-        for e in range(spec.num_experts):
-            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
-            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
-            h.store.read_into(m, e, got)
-            assert torch.equal(got, want), (m, e)
-    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
-    with torch.inference_mode():
-        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
-        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
-                                          pad_token_id=1), want)  # fmt: skip
+    _served_like(ref, model, spec)
     c = h.counters()
     assert c["expert_dtype"] == c["compute_dtype"] == "bfloat16"
     assert c["expert_bytes"] == h.layout.nbytes
@@ -115,18 +104,7 @@ def test_fp8_block_checkpoint_stored_in_fp8_and_served_as_transformers_dequantiz
     assert h.layout.dtype == ref.dtype == torch.bfloat16 and h.layout.block == (16, 16)
     scales = sum(s[0] * s[1] // 256 for _, s in h.layout.parts)
     assert h.store.expert_nbytes == h.layout.stored_nbytes == h.layout.numel + 4 * scales
-    for m in range(spec.num_moe_layers):
-        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
-        for e in range(spec.num_experts):
-            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
-            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
-            assert h.store.read_into(m, e, got) == h.layout.stored_nbytes
-            assert torch.equal(got, want), (m, e)
-    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
-    with torch.inference_mode():
-        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
-        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
-                                          pad_token_id=1), want)  # fmt: skip
+    assert set(_served_like(ref, model, spec)) == {h.layout.stored_nbytes}
     c = h.counters()
     assert c["expert_dtype"] == "float8_e4m3fn (16x16 blocks)" and c["compute_dtype"] == "bfloat16"
     assert c["totals"]["bytes_read"] == c["totals"]["misses"] * h.layout.stored_nbytes > 0
@@ -157,3 +135,23 @@ def test_other_quantizations_refused_by_name_in_one_line(quant, name, tmp_path, 
     assert main(["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet"]) == 2
     assert capsys.readouterr().err == f"error: {msg}\n"
     assert not (tmp_path / "s").exists()  # refused before a store is built
+
+
+def _served_like(ref, model, spec) -> list[int]:
+    """Assert every stored expert, read into a bf16 slot, equals the reference model's and
+    greedy generate() equals the reference's; return each read's stored bytes."""
+    h = model.tensorbend
+    read = []
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            want = torch.cat([getattr(mod, n)[e].reshape(-1) for n, _ in h.layout.parts])
+            got = torch.empty(h.layout.numel, dtype=torch.bfloat16)
+            read.append(h.store.read_into(m, e, got))
+            assert torch.equal(got, want), (m, e)
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    return read

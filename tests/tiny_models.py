@@ -180,34 +180,13 @@ def write_prompts(path, n: int = 12, continuation_every: int = 2):
 
 
 def save_fp8_checkpoint(family: str, path, block: int = 16, seed: int = 0):
-    """`save_checkpoint` in bf16, then every 2-D `*proj.weight` whose dims are multiples of
-    `block` (routed experts, attention, dense MLPs; not the routers, embeddings or lm_head)
-    quantized as DeepSeek-V3's FP8 checkpoints are: float8_e4m3fn (safetensors F8_E4M3) with a
-    float32 `weight_scale_inv` per block x block (the block's max |w| / 448), and the
-    `quantization_config` real checkpoints carry in config.json."""
-    import json
+    """`save_checkpoint` in bf16, then quantized in place as DeepSeek-V3's FP8 checkpoints are
+    (`bench.precision_store.quantize_fp8_blocks`: routed experts, attention and dense MLPs of
+    whole blocks; not the routers, embeddings or lm_head)."""
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
+    from bench.precision_store import quantize_fp8_blocks
 
-    path = Path(save_checkpoint(family, path, seed, dtype=torch.bfloat16))
-    for shard in path.glob("*.safetensors"):
-        out = {}
-        for key, w in load_file(shard).items():
-            if key.endswith("proj.weight") and w.dim() == 2 and not w.shape[0] % block and (
-                not w.shape[1] % block
-            ):  # fmt: skip
-                R, C = w.shape
-                blocks = w.float().reshape(R // block, block, C // block, block)
-                scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-                q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(R, C)
-                out[key], out[key + "_scale_inv"] = q, scale.contiguous()
-            else:
-                out[key] = w
-        save_file(out, shard, metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [block, block]}  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return quantize_fp8_blocks(
+        Path(save_checkpoint(family, path, seed, dtype=torch.bfloat16)), block
+    )

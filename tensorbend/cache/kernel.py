@@ -7,7 +7,7 @@ It decides what `cache.victim_heap.IndexedResidentSet` decides online, event for
 test oracle: tests/test_replay.py replays planted and random traces through both): per
 layer-step, the feed's exact hints and prefetches for the next layer (`Rules.hints`), then each
 demand in turn, placed on a miss with the step's demands used before it pinned; after forward
-f, the forecast made after f comes into force (`Trace.ahead_FK`, `after_FK`). The state is
+f, the forecast made after f comes into force (`ReplayInput.ahead_FK`, `after_FK`). The state is
 that of the Python policies, per key k = m * E + e: recency sequence numbers, counts and last
 uses (LFU, LFRU), Predicted's log counts and hints, each key's next recorded use (Belady) and
 its recent uses (frequency admission). A victim is the evictable entry of its pool with the
@@ -53,7 +53,7 @@ class Rules(NamedTuple):
     decay: float  # Predicted's decay per forward
 
 
-class Trace(NamedTuple):
+class ReplayInput(NamedTuple):
     ids_FLK: np.ndarray  # int64, -1 padded where a layer-step routes fewer
     n_FL: np.ndarray  # experts routed per layer-step
     num_experts: int

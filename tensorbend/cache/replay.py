@@ -145,7 +145,7 @@ def replay(
     belady, judge = cfg.eviction == "next_use", cfg.judge
     seen_ptr, seen_steps = _uses_by_key(seen, n_seen, E) if belady else _no_uses(L * E)
     used_ptr, used_steps = _uses_by_key(ids, n_FL, E) if judge else _no_uses(L * E)
-    tr = kn.Trace(ids, n_FL, E, seen_ptr, seen_steps, used_ptr, used_steps,
+    tr = kn.ReplayInput(ids, n_FL, E, seen_ptr, seen_steps, used_ptr, used_steps,
                   *(forecasts if forecasts is not None else (none, none)))  # fmt: skip
     beyond = cfg.beyond if cfg.foresight is not None else "lru"  # (NextUse: full sight, LRU)
     rules = kn.Rules(
