@@ -137,6 +137,43 @@ def quantize_fp8_blocks(path: Path, block: int) -> Path:
     return Path(path)
 
 
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of a nibble's low 3 bits
+
+
+def quantize_mxfp4_experts(path: Path) -> Path:
+    """gpt_oss checkpoint `path` rewritten in place as gpt-oss's MXFP4 checkpoints are: each
+    `mlp.experts.{gate_up_proj,down_proj}` ([E, A, B] as the model holds it) becomes U8
+    `{proj}_blocks` [E, B, A / 32, 16] (two fp4 e2m1 values a byte, the even one in the low
+    nibble) and `{proj}_scales` [E, B, A / 32] (e8m0: 2 ** (s - 127) per block of 32, the
+    smallest that fits the block's max |w| in 6), what transformers' `Mxfp4Dequantize` reads
+    back; the biases stay, and config.json gains quantization_config {"quant_method": "mxfp4"}."""
+    from safetensors.torch import load_file, save_file
+
+    mags = torch.tensor(FP4_E2M1)
+    for shard in Path(path).glob("*.safetensors"):
+        out = {}
+        for key, w in load_file(shard).items():
+            if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[key] = w
+                continue
+            E, A, B = w.shape
+            g = w.float().transpose(1, 2).reshape(E, B, A // 32, 32)
+            amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+            s = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+            q = g / torch.pow(2.0, s)
+            idx = (q.abs()[..., None] - mags).abs().argmin(-1) | ((q < 0).long() << 3)
+            out[key + "_blocks"] = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)
+            out[key + "_scales"] = (s[..., 0] + 127).to(torch.uint8)
+        save_file(out, shard, metadata={"format": "pt"})
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    return Path(path)
+
+
 def _generate(ckpt: Path, dtype: str, store: Path, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompt",
            "The river", "--max-new-tokens", str(args.tokens), "--dtype", dtype,

@@ -157,7 +157,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(cfg.dtype, path, ckpt)
     lm, spec, layout = build_without_experts(path, dtype)
-    layout = replace(layout, block=ckpt.block)  # fp8 blocks: dequantized into the slots
+    layout = replace(layout, block=ckpt.block)  # fp8 blocks, mxfp4: dequantized into the slots
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
     load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
@@ -171,9 +171,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
-    store = store_path(
-        cfg.store_dir, path, "fp8" if ckpt.block else str(dtype).removeprefix("torch.")
-    )
+    store = store_path(cfg.store_dir, path, _store_tag(ckpt.block, dtype))
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
@@ -226,6 +224,14 @@ def memory_plan(
 
 
 # ------------------------------------------------------------ helpers
+
+
+def _store_tag(block, dtype: torch.dtype) -> str:
+    """What a store's file is named for: fp8, mxfp4 (its biases bf16; else -DTYPE), a dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if block == "mxfp4":
+        return "mxfp4" if dtype == torch.bfloat16 else f"mxfp4-{name}"
+    return "fp8" if block else name
 
 
 def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:

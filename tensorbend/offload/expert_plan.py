@@ -45,6 +45,7 @@ from tqdm import tqdm
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
+from tensorbend.offload import mxfp4
 from tensorbend.offload.precision import block_grid
 from tensorbend.offload.shards import Checkpoint, TensorRef
 from tensorbend.offload.store import ExpertLayout, expert_offset, store_header, stride
@@ -109,7 +110,10 @@ class ExpertPlan:
 
     def expert_into(self, m: int, e: int, out: torch.Tensor, staging=None) -> None:
         """`expert` read straight into `out` (no intermediate copies when dtypes match); an fp8
-        layout's as stored (`out`: uint8, per part its fp8 weights, then their block scales)."""
+        layout's as stored (`out`: uint8, per part its fp8 weights, then their block scales), an
+        mxfp4 one's too (`mxfp4.read_expert`)."""
+        if self.layout.block == mxfp4.MXFP4:
+            return mxfp4.read_expert(self, m, e, out, staging)
         if self.layout.block is not None:
             return self._fp8_expert_into(m, e, out)
         at = 0
@@ -212,10 +216,7 @@ def build_store(
             os.ftruncate(fd, len(header) + L * E * stride(layout.stored_nbytes))  # (pads: 0)
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
-        flat = (  # one expert as stored, reused: memory stays flat
-            torch.empty(layout.numel, dtype=dtype) if layout.block is None
-            else torch.empty(layout.stored_nbytes, dtype=torch.uint8)
-        )  # fmt: skip
+        flat = _stored_buffer(layout)  # one expert as stored, reused: memory stays flat
         staging = torch.empty(layout.nbytes, dtype=torch.uint8)
         shards = {r.shard for r in plan.ckpt.refs.values()}
         stats = plan.ckpt.stats(shards)  # (before reading: a later edit shows in the mtime)
@@ -253,7 +254,7 @@ def sources_file(store: Path) -> Path:
 def layer_digests(plan: ExpertPlan, m: int, shards: set[Path] | None = None) -> dict[str, str]:
     """{shard name: blake2b of the ranges MoE layer m's experts read from it} (only `shards`,
     reading nothing else, when given): what `build_store` records per layer, hashed again."""
-    flat = torch.empty(plan.layout.numel, dtype=plan.layout.dtype)
+    flat = _stored_buffer(plan.layout)
     with plan.ckpt.hashing(shards) as digests:
         for e in range(plan.spec.num_experts):
             plan.expert_into(m, e, flat)
@@ -302,6 +303,13 @@ def _piece(key: str, src: str, converters) -> tuple[int, int]:
     match = re.search(r"experts\.(\d+)\.", key)
     assert match is not None, f"converter {src} matched {key} without an expert index"
     return conv.source_patterns.index(src), int(match.group(1))
+
+
+def _stored_buffer(layout: ExpertLayout) -> torch.Tensor:
+    """A buffer for one expert as the store keeps it: its values, or a quantized one's bytes."""
+    if layout.block is None:
+        return torch.empty(layout.numel, dtype=layout.dtype)
+    return torch.empty(layout.stored_nbytes, dtype=torch.uint8)
 
 
 def _numel(shape) -> int:

@@ -241,7 +241,9 @@ def _device_of(model) -> torch.device:
 
 
 def _stored_dtype(layout: ExpertLayout) -> str:
-    """How the store keeps the experts: their dtype, or fp8 and its scale blocks."""
+    """How the store keeps the experts: their dtype, or fp8 and its scale blocks, or mxfp4."""
     if layout.block is None:
         return str(layout.dtype).removeprefix("torch.")
+    if isinstance(layout.block, str):  # (biases in the slots' dtype)
+        return "mxfp4 (fp4 e2m1, an e8m0 scale per 32)"
     return f"float8_e4m3fn ({layout.block[0]}x{layout.block[1]} blocks)"

@@ -22,8 +22,9 @@ FP8 block checkpoints (DeepSeek-V3's format: float8_e4m3fn weights, a float32
 `weight_scale_inv` per `weight_block_size` block, `quantization_config.quant_method` "fp8")
 keep their experts in the store as fp8 + scales (1 byte a weight, `fp8_nbytes`), dequantized
 into the compute dtype on the way into the slot (`dequantize_expert`: what transformers'
-`Fp8Dequantize` computes); their other fp8 weights are dequantized at load. Any other
-quantization is refused by name (`quant_block`).
+`Fp8Dequantize` computes); their other fp8 weights are dequantized at load. MXFP4 checkpoints
+(gpt-oss: `quant_method` "mxfp4") keep their experts as fp4 blocks + e8m0 scales (offload/mxfp4.py),
+likewise dequantized into the slot. Any other quantization is refused by name (`quant_block`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TensorbendError, UnsupportedModelError
+from tensorbend.offload import mxfp4
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "half": "float16",
            "f16": "float16", "bf16": "bfloat16"}  # fmt: skip
-SERVED = "an unquantized or fp8 (block) checkpoint"
+SERVED = "an unquantized, fp8 (block) or mxfp4 checkpoint"
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every value
 ACCEPTED = "auto, float32 (fp32), float16 (fp16) or bfloat16 (bf16), as a name or a torch dtype"
 
@@ -76,10 +78,11 @@ def resolve_dtype(name: str, path: Path, ckpt) -> torch.dtype:
     return DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
 
-def quant_block(path: Path) -> tuple[int, int] | None:
+def quant_block(path: Path) -> tuple[int, int] | str | None:
     """The FP8 weight block of a checkpoint's `quantization_config` (DeepSeek-V3's: fp8, e4m3,
-    dynamic activations, `weight_block_size` [128, 128]); None when it has none. Any other
-    quantization is refused by name (its experts' bytes are not what the store can serve)."""
+    dynamic activations, `weight_block_size` [128, 128]), `mxfp4.MXFP4` for gpt-oss's mxfp4;
+    None when it has none. Any other quantization is refused by name (its experts' bytes are not
+    what the store can serve)."""
     config = json.loads((Path(path) / "config.json").read_text())
     q = config.get("quantization_config")
     if not q:
@@ -87,6 +90,8 @@ def quant_block(path: Path) -> tuple[int, int] | None:
     method = str(q.get("quant_method", "unknown"))
     block = q.get("weight_block_size")
     fmt, act = q.get("fmt", "e4m3"), q.get("activation_scheme", "dynamic")
+    if method == mxfp4.MXFP4:
+        return mxfp4.MXFP4
     if method == "fp8" and block and len(block) == 2 and fmt == "e4m3" and act == "dynamic":
         return int(block[0]), int(block[1])
     if method == "fp8":
@@ -123,14 +128,37 @@ def block_grid(shape, block) -> tuple[int, int]:
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
-def fp8_nbytes(parts, block) -> int:
-    """Bytes of one stored fp8 expert: per part its weights (1 byte each), then its scales."""
+def stored_nbytes(parts, block, dtype: torch.dtype) -> int:
+    """Bytes of one stored expert: fp8 (`block` a pair): per part its weights (1 byte each),
+    then its scales; mxfp4: `mxfp4.mxfp4_nbytes`; unquantized: its values in `dtype`."""
+    if block == mxfp4.MXFP4:
+        return mxfp4.mxfp4_nbytes(parts, dtype)
+    if block is None:
+        return sum(_numel(s) for _, s in parts) * dtype.itemsize
     return sum(_numel(s) + 4 * _numel(block_grid(s, block)) for _, s in parts)
+
+
+def block_meta(block) -> dict[str, str]:
+    """The store metadata naming a quantized store's format (`block_of_meta` reads it)."""
+    if block is None:
+        return {}
+    return {"mxfp4": "32"} if block == mxfp4.MXFP4 else {"fp8_block": json.dumps(block)}
+
+
+def block_of_meta(meta: dict):
+    """The layout's `block` of a store from its metadata (`block_meta`'s): None unquantized."""
+    if "mxfp4" in meta:
+        return mxfp4.MXFP4
+    block = json.loads(meta.get("fp8_block", "null"))
+    return tuple(block) if block else None
 
 
 def dequantize_expert(layout, raw: torch.Tensor, out_flat: torch.Tensor) -> None:
     """A stored fp8 expert (`raw`, uint8: per part of `layout`, its fp8 weights, then their
-    float32 block scales) dequantized into the slot `out_flat` (its dtype)."""
+    float32 block scales) dequantized into the slot `out_flat` (its dtype); an mxfp4 one by
+    `mxfp4.dequantize_expert`."""
+    if layout.block == mxfp4.MXFP4:
+        return mxfp4.dequantize_expert(layout, raw, out_flat)
     at, out = 0, layout.views(out_flat)
     for name, shape in layout.parts:
         n, grid = _numel(shape), block_grid(shape, layout.block)

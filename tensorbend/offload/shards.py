@@ -12,7 +12,9 @@ Only the bytes asked for are read (a row of a fused [E, ...] tensor is one conti
 so reading a 100 GB checkpoint an expert at a time keeps memory at one expert. A truncated
 shard, a header that is not safetensors, or a quantized dtype is refused with the shard named;
 an fp8 block checkpoint's `weight_scale_inv` tensors are kept apart (`scales`, by weight key)
-and `read` dequantizes a weight with its scales.
+and `read` dequantizes a weight with its scales; an mxfp4 checkpoint's `{proj}_blocks` are
+indexed as `{proj}` (the model's key; the ref keeps its own) and their `{proj}_scales` kept
+apart the same way (offload/mxfp4.py reads them).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.offload.mxfp4 import MXFP4
 from tensorbend.offload.precision import SERVED, dequantize_into, quant_block
 
 ST_DTYPES = {
@@ -62,10 +65,18 @@ class Checkpoint:
     """The safetensors shards of a local HF checkpoint directory, indexed by key."""
 
     def __init__(self, directory: Path, refs: dict[str, TensorRef], block=None):
-        self.directory, self.block = directory, block  # block: fp8's weight_block_size
-        self.scales = {k.removesuffix("_scale_inv"): refs[k] for k in refs
-                       if k.endswith(".weight_scale_inv")}  # fmt: skip
-        self.refs = {k: r for k, r in refs.items() if not k.endswith(".weight_scale_inv")}
+        self.directory, self.block = directory, block  # fp8's weight_block_size, or MXFP4
+        if block == MXFP4:  # `{proj}_blocks` indexed as `{proj}`, their `{proj}_scales` apart
+            self.scales = {k.removesuffix("_scales"): r for k, r in refs.items()
+                           if k.endswith("_scales") and k[:-7] + "_blocks" in refs}  # fmt: skip
+            refs = {k[:-7] if k.endswith("_blocks") and k[:-7] in self.scales else k: r
+                    for k, r in refs.items()
+                    if not (k.endswith("_scales") and k[:-7] in self.scales)}  # fmt: skip
+        else:
+            self.scales = {k.removesuffix("_scale_inv"): r for k, r in refs.items()
+                           if k.endswith(".weight_scale_inv")}  # fmt: skip
+            refs = {k: r for k, r in refs.items() if not k.endswith(".weight_scale_inv")}
+        self.refs = refs
         self._digests: dict[Path, hashlib.blake2b] | None = None  # while `hashing`
         self._only: set[Path] | None = None  # hashing only these: reads of others are skipped
 
@@ -85,7 +96,7 @@ class Checkpoint:
                 f"checkpoints are not read: convert them with save_pretrained)"
             )
         refs: dict[str, TensorRef] = {}
-        block = quant_block(directory)  # (refuses any quantization but fp8 blocks)
+        block = quant_block(directory)  # (refuses any quantization but fp8 blocks, mxfp4)
         for shard in shards:
             refs.update(_read_header(shard))
         return cls(directory, refs, block)

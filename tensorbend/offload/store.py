@@ -13,7 +13,8 @@ safetensors file (`safe_open` reads it); its metadata carries `format_version`, 
 fingerprint and the part layout. Every expert starts on a 4096-byte boundary of the file (the
 header is padded, and a `pad.{m:03d}.{e:04d}` tensor of zeros fills an expert out to
 `stride(nbytes)` bytes), so an O_DIRECT read needs no bounce buffer for the expert's body.
-An fp8 store (`ExpertLayout.block`) keeps each expert as fp8 weights + block scales (U8).
+A quantized store (`ExpertLayout.block`) keeps each expert as fp8 weights + block scales, or
+mxfp4 blocks + scales (U8).
 Reads release the GIL, so I/O threads overlap compute.
 
 A `cache.transfers.Link` caps the transfer: every read is booked on one `Wire` (the one the
@@ -44,7 +45,7 @@ import torch
 from tensorbend.atomic import atomic_write
 from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
-from tensorbend.offload.precision import dequantize_expert, fp8_nbytes
+from tensorbend.offload.precision import block_meta, block_of_meta, dequantize_expert, stored_nbytes
 
 FORMAT_VERSION = "2"  # 2: experts on 4096-byte boundaries (1 had no padding)
 IOMode = Literal["buffered", "fadvise", "direct"]
@@ -67,12 +68,12 @@ class StoreConfig:
 @dataclass(frozen=True)
 class ExpertLayout:
     """Parts of one packed expert: (attribute name on the experts module, per-expert shape),
-    the dtype of its cache slot; `block`: stored as fp8 (e4m3) + a float32 scale per block
-    (`stored_nbytes`), dequantized to `dtype` on the way into the slot."""
+    the dtype of its cache slot; `block`: stored as fp8 (e4m3) + a float32 scale per block,
+    or "mxfp4" (offload/mxfp4.py), dequantized to `dtype` on the way into the slot."""
 
     parts: tuple[tuple[str, tuple[int, ...]], ...]
     dtype: torch.dtype
-    block: tuple[int, int] | None = None
+    block: tuple[int, int] | str | None = None
 
     @classmethod
     def of(cls, experts_module: torch.nn.Module) -> ExpertLayout:
@@ -103,7 +104,7 @@ class ExpertLayout:
     @property
     def stored_nbytes(self) -> int:
         """Bytes of one expert in the store (what a load reads)."""
-        return self.nbytes if self.block is None else fp8_nbytes(self.parts, self.block)
+        return stored_nbytes(self.parts, self.block, self.dtype)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a flat expert buffer into its parts (views, no copy)."""
@@ -154,7 +155,7 @@ def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: 
         "num_layers": str(num_layers),
         "num_experts": str(num_experts),
         "layout": json.dumps(layout.parts),
-        **({"fp8_block": json.dumps(layout.block)} if quant else {}),
+        **block_meta(layout.block),
     }
     blob = json.dumps(header).encode()
     blob += b" " * (-(8 + len(blob)) % _ALIGN)  # (spaces: safetensors' own header padding)
@@ -192,12 +193,12 @@ class ExpertStore:
         }
         self.num_layers = int(self.meta["num_layers"])
         self.num_experts = int(self.meta["num_experts"])
-        block = json.loads(self.meta.get("fp8_block", "null"))
+        block = block_of_meta(self.meta)
         self.layout = block and ExpertLayout(
             tuple((n, tuple(s)) for n, s in json.loads(self.meta["layout"])),
-            torch.float32,
-            tuple(block),
-        )  # (fp8: read_into dequantizes into the buffer's dtype)
+            torch.bfloat16,  # (mxfp4's biases; read_into dequantizes into the buffer's dtype)
+            block,
+        )
         self._data_start = data_start
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if cfg.io == "direct" else 0)
         try:
@@ -282,7 +283,7 @@ class ExpertStore:
 
     def read_into(self, m: int, e: int, out_flat: torch.Tensor) -> int:
         """Read expert e of MoE layer m into the contiguous CPU tensor `out_flat`; returns bytes.
-        With io=direct, into a 4096-aligned `out_flat` (`aligned_empty`) it is no copy. An fp8
+        With io=direct, into a 4096-aligned `out_flat` (`aligned_empty`) it is no copy. A quantized
         store's expert is read into a staging buffer and dequantized into `out_flat`."""
         if self.layout and out_flat.dtype != torch.uint8:
             raw = getattr(self._local, "raw", None)
