@@ -127,12 +127,15 @@ EXPECTED_MOE_LAYERS = {
 }
 
 
-def build(family: str, seed: int = 0):
-    """A randomly initialised CausalLM of `family` in eval mode, fp32."""
+def build(family: str, seed: int = 0, **config_overrides):
+    """A randomly initialised CausalLM of `family` in eval mode, fp32 (its config's fields
+    `config_overrides`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = CONFIGS[family]()
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random-init routers are near-uniform; scale them so selections are decisive and varied.
     with torch.no_grad():
@@ -152,10 +155,12 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>")
 
 
-def save_checkpoint(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32):
+def save_checkpoint(
+    family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides
+):
     """Write an HF checkpoint directory (model + tokenizer) for a tiny model of `family`, its
     weights (and config.json's `dtype`) in `dtype`."""
-    model = build(family, seed).to(dtype)
+    model = build(family, seed, **config_overrides).to(dtype)
     model.config.eos_token_id = 1
     model.config.bos_token_id = None
     model.config.pad_token_id = None
@@ -190,3 +195,16 @@ def save_fp8_checkpoint(family: str, path, block: int = 16, seed: int = 0):
     return quantize_fp8_blocks(
         Path(save_checkpoint(family, path, seed, dtype=torch.bfloat16)), block
     )
+
+
+def save_mxfp4_checkpoint(path, seed: int = 0, quantize: bool = True):
+    """A tiny gpt_oss checkpoint in bf16 whose expert dims are whole 32-value blocks (hidden 64,
+    intermediate 32), its experts then quantized in place as gpt-oss's MXFP4 checkpoints are
+    (`bench.precision_store.quantize_mxfp4_experts`; `quantize=False`: left bf16)."""
+    from pathlib import Path
+
+    from bench.precision_store import quantize_mxfp4_experts
+
+    path = Path(save_checkpoint("gpt_oss", path, seed, dtype=torch.bfloat16, hidden_size=64,
+                                intermediate_size=32))  # fmt: skip
+    return quantize_mxfp4_experts(path) if quantize else path
