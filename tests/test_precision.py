@@ -233,6 +233,40 @@ def test_generate_cli_serves_an_mxfp4_checkpoint_as_transformers_dequantizes(tmp
     assert read > 0 and abs(read / 3520 - round(read / 3520)) < 1e-6
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quantized_store_reused_after_a_touch_and_rebuilt_after_an_edit(fmt, tmp_path):
+    """A quantized checkpoint's shard with a new mtime is re-hashed over the stored bytes of
+    its experts (fp8 + scales, mxfp4 blocks + scales): same bytes, the store is reused; an
+    expert's bytes edited, it is rebuilt."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import save_fp8_checkpoint, save_mxfp4_checkpoint
+
+    ckpt = (save_fp8_checkpoint("qwen3_moe", tmp_path / "ckpt", block=16) if fmt == "fp8"
+            else save_mxfp4_checkpoint(tmp_path / "ckpt"))  # fmt: skip
+    shard = ckpt / "model.safetensors"
+
+    def store_mtime():
+        model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False)
+        model.tensorbend.close()
+        return next((tmp_path / "s").glob(f"*/experts-{fmt}.safetensors")).stat().st_mtime_ns
+
+    built = store_mtime()
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert store_mtime() == built
+    tensors = load_file(shard)
+    key = next(
+        k
+        for k in sorted(tensors)
+        if ".experts." in k and k.endswith(("proj.weight_scale_inv", "_scales"))
+    )
+    tensors[key][0].add_(1)  # (the same shapes and header: only the digests see it)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert store_mtime() != built
+
+
 def _served_like(ref, model, spec) -> list[int]:
     """Assert every stored expert, read into a bf16 slot, equals the reference model's and
     greedy generate() equals the reference's; return each read's stored bytes."""
