@@ -1,9 +1,9 @@
-"""One checkpoint served in float32, bf16 and fp8 blocks: store bytes, cache slots and decode
-tok/s at the same --max-memory.
+"""One checkpoint served in float32, bf16 and fp8 blocks, and a gpt_oss one in bf16 and
+MXFP4: store bytes, cache slots and decode tok/s at the same --max-memory.
 
 Usage:
     python -m bench.precision_store [--hidden 512] [--moe-intermediate 256] [--experts 32] \\
-        [--layers 4] [--max-memory 250MB] [--tokens 32] [--repeats 3] [--json OUT]
+        [--layers 4] [--max-memory 250MB] [--tokens 32] [--repeats 3] [--ways W,..] [--json OUT]
 
 A Qwen3-MoE checkpoint (transformers' own config class, random weights, zoo:default's
 tokenizer) is written in bf16, and a copy in DeepSeek-V3's FP8 format (every 2-D `*proj.weight`
@@ -14,8 +14,11 @@ auto (bf16 store), the fp8 one (fp8 store, bf16 slots). Each is `tensorbend gene
 fresh process (greedy, --tokens new tokens, the same prompt), interleaved `--repeats` times;
 per way: the store file's bytes, the slots the budget holds, an expert's bytes in the store
 and in its slot, the median decode tok/s with its range, and the text (equal for the two bf16
-ways' slots only if the weights are; fp8's are the dequantized weights). Timings need a quiet
-machine.
+ways' slots only if the weights are; fp8's are the dequantized weights). The gpt_oss ways: a
+GPT-OSS checkpoint of the same sizes written in bf16, and a copy in gpt-oss's MXFP4 format
+(`quantize_mxfp4_experts`: expert blocks + e8m0 scales, the rest bf16), each served with
+auto (bf16 store; mxfp4 store, bf16 slots). --ways picks some (default: all). Timings need a
+quiet machine.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ import torch
 
 from bench.record import command, emit
 
-WAYS = {"float32": ("bf16", "float32"), "bfloat16": ("bf16", "auto"), "fp8": ("fp8", "auto")}
+WAYS = {
+    "float32": ("bf16", "float32"),
+    "bfloat16": ("bf16", "auto"),
+    "fp8": ("fp8", "auto"),
+    "gpt_oss-bfloat16": ("gpt_oss-bf16", "auto"),
+    "gpt_oss-mxfp4": ("gpt_oss-mxfp4", "auto"),
+}
 
 
 def main(argv=None) -> int:
@@ -44,15 +53,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-memory", default="250MB")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"some of {', '.join(WAYS)}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not set(args.ways.split(",")) <= set(WAYS):
+        ap.error(f"--ways {args.ways}: expected some of {', '.join(WAYS)}")
+    ways = {w: WAYS[w] for w in args.ways.split(",")}
     with tempfile.TemporaryDirectory(prefix="precision-store-") as tmp:
         tmp = Path(tmp)
-        ckpts = {"bf16": _checkpoint(tmp / "bf16", args)}
-        ckpts["fp8"] = _fp8_copy(ckpts["bf16"], tmp / "fp8", 128)
-        runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+        ckpts = _checkpoints(tmp, {ck for ck, _ in ways.values()}, args)
+        runs: dict[str, list[dict]] = {w: [] for w in ways}
         for rep in range(args.repeats):
-            for way, (ck, dtype) in WAYS.items():
+            for way, (ck, dtype) in ways.items():
                 s = _generate(ckpts[ck], dtype, tmp / f"store-{way}", tmp / "s.json", args)
                 runs[way].append(s)
                 print(f"repeat {rep} {way}: {s['decode_tok_s']:.1f} tok/s, "
@@ -60,7 +72,9 @@ def main(argv=None) -> int:
         rows = []
         for way, got in runs.items():
             tok_s = [s["decode_tok_s"] for s in got]
-            store = next((tmp / f"store-{way}").glob("experts-*.safetensors"))
+            store = next(
+                (tmp / f"store-{way}").glob("*/experts-*.safetensors")
+            )  # (root/checkpoint/)
             rows.append({"way": way, "checkpoint": WAYS[way][0], "dtype": WAYS[way][1],
                          "store_file": store.name, "store_bytes": store.stat().st_size,
                          "cache_slots": got[0]["cache_slots"],
@@ -78,36 +92,48 @@ def main(argv=None) -> int:
     return emit(res, args.json)
 
 
-def _checkpoint(path: Path, args) -> Path:
+def _checkpoints(tmp: Path, names: set[str], args) -> dict[str, Path]:
+    """The checkpoints `names` need: bf16 (Qwen3-MoE), its fp8 copy, gpt_oss-bf16, its mxfp4 copy."""
+    import shutil
+
+    out = {}
+    for family, bf16, quantized in (("qwen3_moe", "bf16", "fp8"),
+                                    ("gpt_oss", "gpt_oss-bf16", "gpt_oss-mxfp4")):  # fmt: skip
+        if names & {bf16, quantized}:
+            out[bf16] = _checkpoint(tmp / bf16, args, family)
+        if quantized in names:
+            shutil.copytree(out[bf16], tmp / quantized)
+            out[quantized] = (quantize_fp8_blocks(tmp / quantized, 128) if quantized == "fp8"
+                              else quantize_mxfp4_experts(tmp / quantized))  # fmt: skip
+    return out
+
+
+def _checkpoint(path: Path, args, family: str) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tensorbend.zoo import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("zoo:default"))
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=args.hidden, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=args.hidden // 4, intermediate_size=2 * args.hidden,
-        moe_intermediate_size=args.moe_intermediate, num_hidden_layers=args.layers,
-        num_experts=args.experts, num_experts_per_tok=2, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+    sizes = dict(vocab_size=len(tok), hidden_size=args.hidden, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=args.hidden // 4, num_hidden_layers=args.layers,
+                 num_experts_per_tok=2, eos_token_id=tok.eos_token_id)  # fmt: skip
+    if family == "gpt_oss":  # (its intermediate_size is the experts')
+        config = transformers.GptOssConfig(**sizes, intermediate_size=args.moe_intermediate,
+                                           num_local_experts=args.experts)  # fmt: skip
+    else:
+        config = transformers.Qwen3MoeConfig(**sizes, intermediate_size=2 * args.hidden,
+                                             moe_intermediate_size=args.moe_intermediate,
+                                             num_experts=args.experts)  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
+            if name.endswith(("gate.weight", "router.weight")):
                 p.normal_(0, 0.5)  # decisive routers, as tests/tiny_models.py does
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-
-
-def _fp8_copy(src: Path, dst: Path, block: int) -> Path:
-    """`src` in DeepSeek-V3's FP8 block format (see top)."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    return quantize_fp8_blocks(dst, block)
 
 
 def quantize_fp8_blocks(path: Path, block: int) -> Path:
