@@ -199,6 +199,38 @@ def test_mxfp4_checkpoint_stored_in_mxfp4_and_served_as_transformers_dequantizes
     h.close()
 
 
+def test_mxfp4_checkpoint_served_in_float32_as_transformers_dequantizes_in_float32(tmp_path):
+    """--dtype float32 on an MXFP4 checkpoint: the same blocks + scales, the biases stored in
+    float32 (its own store file), every expert dequantized into a float32 slot equal to
+    transformers' float32 dequantized model's, and the same greedy text."""
+    from tiny_models import save_mxfp4_checkpoint
+
+    ckpt = save_mxfp4_checkpoint(tmp_path / "ckpt")
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager",
+                                               dtype=torch.float32).eval()  # fmt: skip
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", dtype="fp32",
+                                      cache_frac=0.25, progress=False)  # fmt: skip
+    h = model.tensorbend
+    assert h.store.expert_nbytes == 3 * 64 * 32 * 17 // 32 + (2 * 32 + 64) * 4 == 3776
+    assert next((tmp_path / "s").glob("*/experts-*.safetensors")).name == (
+        "experts-mxfp4-float32.safetensors"
+    )
+    spec = describe_model(ref)
+    for m in range(spec.num_moe_layers):
+        mod = getattr(moe_block(ref, spec, m), spec.experts_attr)
+        for e in range(spec.num_experts):
+            got = torch.empty(h.layout.numel)
+            h.store.read_into(m, e, got)
+            assert torch.equal(got, torch.cat([getattr(mod, n)[e].reshape(-1)
+                                               for n, _ in h.layout.parts])), (m, e)  # fmt: skip
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False,
+                                          pad_token_id=1), want)  # fmt: skip
+    h.close()
+
+
 def test_generate_cli_serves_an_mxfp4_checkpoint_as_transformers_dequantizes(tmp_path, capsys):
     """`tensorbend generate` on an MXFP4 checkpoint, its cache too small for every expert: the
     text is transformers' own dequantized model's (eager experts), the summary line names the

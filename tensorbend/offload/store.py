@@ -196,7 +196,7 @@ class ExpertStore:
         block = block_of_meta(self.meta)
         self.layout = block and ExpertLayout(
             tuple((n, tuple(s)) for n, s in json.loads(self.meta["layout"])),
-            torch.bfloat16,  # (mxfp4's biases; read_into dequantizes into the buffer's dtype)
+            torch.float32,  # (unused: read_into dequantizes into the buffer's dtype)
             block,
         )
         self._data_start = data_start
