@@ -42,6 +42,7 @@ from tensorbend.offload.layer import check_supported
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
+from tensorbend.offload.time_model import PredictorCost, declare
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.spec import check_policy
 from tensorbend.routers import model_fingerprint
@@ -145,7 +146,7 @@ class OffloadSession:
 
     def resident_result(self) -> RunResult:
         pc = PolicyConfig("resident", cache_frac=1.0)
-        return self._result(pc, None, Link(), self.reference, None, 0)
+        return self._declare(self._result(pc, None, Link(), self.reference, None, 0), Link())
 
     def run_policy(
         self,
@@ -192,7 +193,7 @@ class OffloadSession:
                 horizon=horizon.checkpoint or "horizon",
                 token_ahead_layers=pc.token_ahead_layers,
             )
-        return result
+        return self._declare(result, link, predictor if pc.policy == "prefetch" else None, horizon)
 
     def close(self) -> None:
         if self._tmp:
@@ -208,6 +209,18 @@ class OffloadSession:
         with contextlib.nullcontext() if cache is not None else hooks:  # a handle's: entered
             return generate(self.model, self.inputs, self.cfg.decode, self.eos, rec,
                             self.cfg.progress, self.cfg.batch, self.pad)  # fmt: skip
+
+    def _declare(self, result: RunResult, link: Link, predictor=None, horizon=None) -> RunResult:
+        """`result` with its time model (offload/time_model.py): each predictor's modelled cost
+        per call, and its calls per decode forward (one per target layer; the horizon one)."""
+        costs = []
+        if predictor is not None:
+            n = len(predictor.lookahead.targets(self.spec.num_moe_layers))
+            costs.append((PredictorCost.of(predictor, n), n))
+        if horizon is not None:
+            costs.append((PredictorCost.of(horizon, 1), 1))
+        tm = declare(result.to_json(), link, self.layer_seconds(), costs)
+        return dataclasses.replace(result, time_model=tm)
 
     def _write_store(self, directory: Path) -> Path:
         path = directory / "experts.safetensors"
