@@ -18,7 +18,8 @@ Steps, each skipped when its output already exists (a re-run resumes; --overwrit
              predicted admission) and the oracle; outputs checked bit-identical; each row's
              `vs_best_cache` against the fastest of those caches (`cache.report.compare`)
  5. project  the same policies simulated on Kimi-K2.5 on a DGX Spark (`tensorbend simulate`;
-             prediction charged zero seconds, as the hardware profiles carry no predictor cost)
+             each prediction call charged its modelled cost there: kernel launches + the
+             predictor's weights read once, `offload.time_model.PredictorCost`)
 and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
 timings are this machine's; `--quick` (fewer prompts and tokens) is for the test suite.
 """

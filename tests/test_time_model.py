@@ -74,3 +74,39 @@ def test_a_run_declares_its_time_model():
         assert sess.resident_result().to_json()["time_model"]["regime"] == "host"
     finally:
         sess.close()
+
+
+def test_simulated_prediction_time_delays_a_prefetch():
+    # 2 MoE layers, expert (0, 0) resident; layer 0's router predicts (1, 5) for step 1. attn
+    # 0.2 s, expert 0.5 s, a 10-byte expert over 10 B/s (1 s). With prediction cost p: the
+    # prefetch is queued at 0.2 + p, lands at 1.2 + p; layer 0 ends at 0.7 + p, layer 1's router
+    # at 0.9 + p waits 0.3 s for it, its expert ends at 1.7 + p.
+    from tensorbend.cache.policies import LRU
+    from tensorbend.cache.resident import ResidentSet
+    from tensorbend.simulate.events import EventRun, ForwardWork, IOThreads, LayerWork, Times
+
+    def run(p):
+        work = [ForwardWork(1, 1, [LayerWork([(0, 1)], at_router=[(1, [5])]),
+                                   LayerWork([(5, 1)])])]  # fmt: skip
+        times = Times(lambda n: 0.2, lambda n: 0.5, lambda n: 0.0, predict_s=p)
+        ev = EventRun(ResidentSet(4, 2, LRU()), IOThreads(Link(10.0), 1, float("inf")),
+                      times, scratch=2, unit_bytes=10)  # fmt: skip
+        ev.preload([(0, 0)])
+        ev.run(work)
+        return ev.seconds[1], ev.stats[1].stall_s
+
+    for p in (0.0, 0.1):
+        seconds, stall = run(p)
+        assert abs(seconds - (1.7 + p)) < 1e-12 and abs(stall - 0.3) < 1e-12
+
+
+def test_simulated_runs_charge_the_modelled_cost_on_a_profile():
+    from types import SimpleNamespace
+
+    from tensorbend.simulate.runs import predict_call_s
+
+    hw = get_hardware("h100-pcie5")
+    ranked = SimpleNamespace(cost=PredictorCost(0.0, 0.0, kernels_per_call=3))
+    profile, calibrated = (SimpleNamespace(calibrated=c, predict_s=7e-6) for c in (False, True))
+    assert abs(predict_call_s(profile, ranked, hw) - 15e-6) < 1e-15  # 3 launches x 5 us
+    assert predict_call_s(calibrated, ranked, hw) == 7e-6  # a calibration's measured cost
