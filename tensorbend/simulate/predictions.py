@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TraceError
+from tensorbend.offload.time_model import PredictorCost
 from tensorbend.predictors import (
     BASELINES,
     build_baseline,
@@ -31,7 +32,6 @@ from tensorbend.predictors import (
     load_predictor,
     sources_from_rows,
 )
-from tensorbend.offload.time_model import PredictorCost
 from tensorbend.prefetch import ranked_ids
 from tensorbend.trace import Trace
 
