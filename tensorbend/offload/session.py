@@ -219,7 +219,7 @@ class OffloadSession:
             costs.append((PredictorCost.of(predictor, n), n))
         if horizon is not None:
             costs.append((PredictorCost.of(horizon, 1), 1))
-        tm = declare(result.to_json(), link, self.layer_seconds(), costs)
+        tm = declare(result.to_json(), link, self.layer_seconds(), costs, self.spec.num_moe_layers)
         return dataclasses.replace(result, time_model=tm)
 
     def _write_store(self, directory: Path) -> Path:

@@ -14,9 +14,10 @@ Regimes (`regime()`; every end-to-end JSON carries one `time_model` dict, tables
   emulated link  `--link h100-pcie5-kimi`: experts computed at this host's speed, the link
                  scaled so that one expert transfer takes the target's transfer / layer ratio
                  times the host's measured layer time (cache.transfers.real_link). The compute
-                 slowdown s = host layer time / target layer time says how many host seconds
-                 stand for one target second. Prediction runs at host speed on the compute
-                 thread; on the target it would cost `target_predict_s` per decode token, in
+                 slowdown s = host layer time (the resident reference's) / target layer time
+                 says how many host seconds stand for one target second; `slowdown_in_run` is
+                 the same from the run's own compute (host drift between repeats). Prediction runs at host speed on the compute
+                 thread; on the target it would cost modelled scoring + glue per decode token, in
                  host units s x that. Both are reported: `decode_tok_s` as run, and
                  `decode_tok_s_charged` = 1 / (1 / decode_tok_s - measured + charged).
   simulated      `tensorbend simulate`: event time on a hardware profile; each prediction call
@@ -90,9 +91,13 @@ def regime(link_name: str, io: str, target: str | None) -> str:
     return "host"
 
 
-def declare(run: dict, link, host_layer_s: float, costs: list[tuple[PredictorCost, int]]) -> dict:
+def declare(
+    run: dict, link, host_layer_s: float, costs: list[tuple[PredictorCost, int]], layers: int = 0
+) -> dict:
     """The `time_model` dict of one run's JSON (`run`: RunResult.to_json() without it; `link`: a
-    cache.transfers.Link; costs: (cost, calls per decode forward) of each predictor used)."""
+    cache.transfers.Link; costs: (cost, calls per decode forward) of each predictor used;
+    layers: MoE layers, for the host layer time this run itself computed at, `slowdown_in_run`:
+    a decode forward's seconds less stall and prediction, per layer, over the target's)."""
     target = getattr(link, "target", None)
     out = {"regime": regime(link.name.split(" ")[0], run["io"], target), "target": target,
            "host_layer_ms": round(host_layer_s * 1e3, 6)}  # fmt: skip
@@ -107,11 +112,16 @@ def declare(run: dict, link, host_layer_s: float, costs: list[tuple[PredictorCos
     score_target = sum(c.call_s(hw) * n for c, n in costs) / batch
     measured = run.get("decode_predict_s_per_token") or 0.0
     glue = max(0.0, measured - (run.get("decode_predict_score_s_per_token") or 0.0))
-    pay = charged(glue, score_target, s) if costs else 0.0
+    pay = charged(glue, score_target, s)
     tok_s = run.get("decode_tok_s")
+    in_run = None
+    if tok_s and layers:
+        stall = run.get("stall_s_per_token") or 0.0
+        in_run = batch * (1.0 / tok_s - stall - measured) / layers / link.target_layer_s
     out.update(
         target_layer_ms=round(link.target_layer_s * 1e3, 6),
         slowdown=round(s, 4),
+        slowdown_in_run=None if in_run is None else round(in_run, 4),
         compute="experts at host speed (s host seconds = one target second)",
         transfers="link scaled: " + link.note,
         prediction=f"as run at host speed; charged: s x (modelled scoring on {target} + "
@@ -136,6 +146,25 @@ def label(tm: dict | None, before: str = "2026-12-05") -> str:
     if tm["regime"] == "simulated":
         return f"simulated ({tm['target']}, prediction charged {tm['prediction']})"
     return f"{tm['regime']} ({tm['prediction']})"
+
+
+def regime_line(rows: list[dict]) -> str:
+    """'regime: ...' for a table of run rows (the first offloaded row's time model; with an
+    emulated link, the range of s the runs measured)."""
+    tms = [r.get("time_model") for r in rows if r.get("policy") != "resident"]
+    tms = [t for t in tms if t]
+    line = "regime: " + label(tms[0] if tms else None)
+    ss = [x for t in tms for x in t.get("slowdown_in_run_repeats") or [t.get("slowdown_in_run")]]
+    ss = [x for x in ss if x]
+    if ss:
+        line += f"; s from each run's own compute {min(ss):.1f}-{max(ss):.1f}"
+    return line
+
+
+def charged_tok_s(row: dict) -> float | None:
+    """A row's decode tok/s with prediction charged as the target pays it (None: not an
+    emulated link, or not recorded)."""
+    return (row.get("time_model") or {}).get("decode_tok_s_charged")
 
 
 def _tensor_sizes(obj, seen: set) -> tuple[int, int]:
