@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint docs bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
+.PHONY: setup demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -25,6 +25,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The GPU regime on a machine with one CUDA GPU (< 8 minutes; skips with a message without one):
+# CUDA tests, then zoo:default served with --device cuda at 25% cache (best cache, spec_gate,
+# ours), JSON under $$OUT or runs/gpu-check (bench/gpu_check.py).
+gpu-check: setup
+	$(PY) -m bench.gpu_check
 
 lint: setup
 	$(PY) -m ruff check tensorbend tests bench tools

@@ -16,7 +16,8 @@ Regimes (`regime()`; every end-to-end JSON carries one `time_model` dict, tables
                  times the host's measured layer time (cache.transfers.real_link). The compute
                  slowdown s = host layer time (the resident reference's) / target layer time
                  says how many host seconds stand for one target second; `slowdown_in_run` is
-                 the same from the run's own compute (host drift between repeats). Prediction runs at host speed on the compute
+                 the same from the run's own decode seconds less stall and prediction (host
+                 drift between repeats; it also holds the offload runtime's overhead). Prediction runs at host speed on the compute
                  thread; on the target it would cost modelled scoring + glue per decode token, in
                  host units s x that. Both are reported: `decode_tok_s` as run, and
                  `decode_tok_s_charged` = 1 / (1 / decode_tok_s - measured + charged).
