@@ -58,7 +58,7 @@ def sim_regime(row: dict | None) -> str:
     prediction zero seconds, and says so."""
     tm = (row or {}).get("time_model")
     if tm is None:
-        return f"regime: simulated, prediction charged zero seconds ({label(None)})"
+        return f"regime: simulated, prediction charged zero seconds; {label(None)}"
     return "regime: " + label(tm)
 
 
