@@ -158,7 +158,10 @@ def regime_line(rows: list[dict]) -> str:
     ss = [x for t in tms for x in t.get("slowdown_in_run_repeats") or [t.get("slowdown_in_run")]]
     ss = [x for x in ss if x]
     if ss:
-        line += f"; s from each run's own compute {min(ss):.1f}-{max(ss):.1f}"
+        line += (
+            f"; s in the runs themselves (decode time less stall and prediction, per layer; "
+            f"runtime overhead and other processes included) {min(ss):.1f}-{max(ss):.1f}"
+        )
     return line
 
 
