@@ -219,9 +219,10 @@ class OffloadSession:
 
     def _declare(self, result: RunResult, link: Link, predictor=None, horizon=None) -> RunResult:
         """`result` with its time model (offload/time_model.py): each predictor's modelled cost
-        per call, and its calls per decode forward (one per target layer; the horizon one)."""
+        per call, and its calls per decode forward (one per target layer; the horizon one; a
+        predictor that predicts nothing is never asked, so none)."""
         costs = []
-        if predictor is not None:
+        if predictor is not None and not getattr(predictor, "predicts_nothing", False):
             n = len(predictor.lookahead.targets(self.spec.num_moe_layers))
             costs.append((PredictorCost.of(predictor, n), n))
         if horizon is not None:
