@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint docs bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
+.PHONY: setup demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -25,6 +25,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# The GPU regime on a machine with one CUDA GPU (< 8 minutes; skips with a message without one):
+# CUDA tests, then zoo:default served with --device cuda at 25% cache (best cache, spec_gate,
+# ours), JSON under $$OUT or runs/gpu-check (bench/gpu_check.py).
+gpu-check: setup
+	$(PY) -m bench.gpu_check
 
 lint: setup
 	$(PY) -m ruff check tensorbend tests bench tools
@@ -62,6 +68,9 @@ bench-traces: setup
 	for m in default qwen deep; do \
 		test -f $(BENCH)/$$m/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/ours_d1.safetensors --lookahead d1; \
+		test -f $(BENCH)/$$m/seed_mlp_d1.safetensors || $(PY) -m tensorbend train --quiet \
+			--trace $(BENCH)/$$m/trace --out $(BENCH)/$$m/seed_mlp_d1.safetensors \
+			--predictor seed_mlp --lookahead d1; \
 		test -f $(BENCH)/$$m/horizon_routing_hidden.safetensors || $(PY) -m tensorbend train \
 			--quiet --trace $(BENCH)/$$m/trace --predictor horizon --inputs routing+hidden \
 			--out $(BENCH)/$$m/horizon_routing_hidden.safetensors; \
@@ -132,21 +141,27 @@ bench-timing: bench-traces
 	$(PY) -m bench.capture_overhead --json docs/results/bench/capture_overhead.json > /dev/null
 	$(PY) -m bench.trace_io --json docs/results/bench/trace_io.json > /dev/null
 
-# The headline end-to-end comparison: 25% cache, every no-prediction cache and ours (fixed
-# configurations), 3 interleaved repeats, both links, and 4 sequences in lockstep at the x1
-# link (run alone on the machine).
+# The peers a prefetcher is measured against in every headline sweep: spec_gate (the next
+# layer's router on the current hidden state, no training) and the seed's MLP, each run end to
+# end as a prefetcher with the cache and admission ours uses (bench/offload_sweep.py: ours is
+# the first --predictor, reported against the best of every other row).
+peers = --predictor $(BENCH)/$(1)/seed_mlp_d1.safetensors --baselines spec_gate
+
+# The headline end-to-end comparison: 25% cache, every no-prediction cache, the peers and ours
+# (fixed configurations), 3 interleaved repeats, both links, and 4 sequences in lockstep at the
+# x1 link (run alone on the machine).
 bench-headline: bench-traces
 	for m in default qwen; do \
 		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
 		$(PY) -m bench.offload_sweep --model $$model --trace $(BENCH)/$$m/trace \
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
-			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors --baselines "" \
+			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors $(call peers,$$m) \
 			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 			--out docs/results/bench/headline_$$m --doc docs/results/headline_$$m.md > /dev/null; \
 	done
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
-		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors $(call peers,default) \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 48 --batch 4 \
 		--link-speedups 1 --out docs/results/bench/headline_default_b4 \
 		--doc docs/results/headline_default_b4.md > /dev/null
@@ -157,13 +172,13 @@ bench-headline: bench-traces
 bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
-		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
 		--fracs 0.125,0.25,0.5 --foresights all --repeats 3 --max-prompts 4 \
 		--max-new-tokens 24 --link-speedups 1 --out docs/results/bench/headline_deep \
 		--doc docs/results/headline_deep.md > /dev/null
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
-		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
 		--batch 4 --link-speedups 1 --out docs/results/bench/headline_deep_b4 \
 		--doc docs/results/headline_deep_b4.md > /dev/null
@@ -172,7 +187,7 @@ bench-headline-deep: bench-traces
 bench-headline-deep-x4: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
-		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 4 --out docs/results/bench/headline_deep_x4 --doc docs/results/headline_deep_x4.md > /dev/null
 
@@ -181,9 +196,12 @@ bench-headline-deep-domain: bench-accuracy
 	test -f $(BENCH)/deep_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 		--trace $(BENCH)/deep_domain/trace --out $(BENCH)/deep_domain/ours_d1.safetensors \
 		--lookahead d1
+	test -f $(BENCH)/deep_domain/seed_mlp_d1.safetensors || $(PY) -m tensorbend train --quiet \
+		--trace $(BENCH)/deep_domain/trace --out $(BENCH)/deep_domain/seed_mlp_d1.safetensors \
+		--predictor seed_mlp --lookahead d1
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep_domain/trace \
 		--predictor $(BENCH)/deep_domain/ours_d1.safetensors \
-		--horizon $(BENCH)/deep_domain/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/deep_domain/horizon_routing_hidden.safetensors $(call peers,deep_domain) \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
 		--out docs/results/bench/headline_deep_domain --doc docs/results/headline_deep_domain.md > /dev/null
@@ -194,9 +212,12 @@ bench-headline-domain: bench-accuracy
 	test -f $(BENCH)/default_domain/ours_d1.safetensors || $(PY) -m tensorbend train --quiet \
 		--trace $(BENCH)/default_domain/trace --out $(BENCH)/default_domain/ours_d1.safetensors \
 		--lookahead d1
+	test -f $(BENCH)/default_domain/seed_mlp_d1.safetensors || $(PY) -m tensorbend train --quiet \
+		--trace $(BENCH)/default_domain/trace --out $(BENCH)/default_domain/seed_mlp_d1.safetensors \
+		--predictor seed_mlp --lookahead d1
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default_domain/trace \
 		--predictor $(BENCH)/default_domain/ours_d1.safetensors \
-		--horizon $(BENCH)/default_domain/horizon_routing_hidden.safetensors --baselines "" \
+		--horizon $(BENCH)/default_domain/horizon_routing_hidden.safetensors $(call peers,default_domain) \
 		--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
 		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
 		--out docs/results/bench/headline_default_domain --doc docs/results/headline_default_domain.md > /dev/null

@@ -15,7 +15,11 @@ driving eviction with no prefetch at all (eviction alone), plus next-forward pre
 on top, with and without those next-forward prefetches (the ablation row
 `horizon(evict only)+d1:...`); the oracle at every foresight h (tokens of exact routing it knows; `all` = the
 whole run), run after the caches: past its sight it ranks like the no-prediction cache with
-the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. All runs share one resident reference, the same prompts and
+the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. With
+`--horizon`, every other predictor (the peers: later --predictor checkpoints such as the seed's
+MLP, and --baselines such as spec_gate) also runs at ours' predicted admission; the page
+reports ours against the best of every row that is not ours nor an oracle, as run and with
+prediction charged as the target would pay it (`time_model`). All runs share one resident reference, the same prompts and
 the same calibrated link. It writes OUT.json (every run's `run --json` dict plus per link and
 fraction: the best no-prediction cache by speed and by bytes, the full oracle, and per run
 `vs_best_cache` (decode tok/s / the best no-prediction cache's), `gap_closed_bytes` = (best
@@ -140,7 +144,9 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
                 plan.append((pc, None, None))
     none = NoPredictor(num_experts, get_lookahead(a.lookahead))  # Predicted eviction alone
     plan += [(PolicyConfig("prefetch", **common), p, None) for p in [none, *predictors]]
-    if horizon is not None:
+    if horizon is not None:  # the peers also at ours' admission (ours: the first predictor)
+        pc = PolicyConfig("prefetch", admission="predicted", **common)
+        plan += [(pc, p, None) for p in predictors[1:]]
         plan += [
             (PolicyConfig("prefetch", token_ahead_layers=0, **common), none, horizon),
             (PolicyConfig("prefetch", **common), none, horizon),

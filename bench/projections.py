@@ -14,9 +14,11 @@ transition / ours (each also driven by the horizon's forecasts; admission all an
 Belady's bypass), and the oracle; the cache is the largest that fits beside the resident
 weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
 run's speed over the best no-prediction cache of the same pair (`cache.report.compare`: every
-cache that reads no predictor, `prefetch:none` included). Every number is a projection, and
-prediction is charged zero seconds (the hardware profiles carry no predictor cost; a horizon
-predictor's work grows with MoE layers x experts, about 120x zoo:default's on Kimi-K2.5).
+cache that reads no predictor, `prefetch:none` included). Every number is a projection;
+each prediction call is charged its modelled cost on the hardware profile (kernel launches +
+the predictor's weights read once, `offload.time_model.PredictorCost`; the predictor as
+trained on zoo:default's trace: a horizon predictor's work grows with MoE layers x experts,
+about 120x zoo:default's on Kimi-K2.5, which the model does not scale).
 The page is rendered from the JSON by `bench.pages.projections`.
 """
 

@@ -20,7 +20,10 @@ only; every byte and count unchanged); a prefetch taken while the wire is booked
 backlog ahead waits in the queue instead of being dropped (`RequestQueue.deferral`): the rows
 with prefetches, two or more I/O threads and a finite backlog changed (40 of 110), every other
 row is as before; the file now also holds the `prefetch/none` rows (Predicted eviction fed
-no predictions). Every counter, second and token count must stay equal
+no predictions); on a hardware profile (no calibration) each within-token prediction call
+costs the predictor's modelled cost there (`offload.time_model.PredictorCost.call_s`, was 0):
+the three `sim/hw_*/prefetch/*` rows changed in seconds only (stall, tok/s; every byte and
+count unchanged). Every counter, second and token count must stay equal
 (floats compared exactly). Rewrite the
 file only for an intended change of the model, and say which: `python tests/test_cache_model.py
 > tests/data/cache_model_known.json` writes the current observations.

@@ -361,7 +361,7 @@ def test_horizon_forecasts_steer_the_simulated_cache(tmp_path, monkeypatch):
                 cls_LE = first_use_class(used_FLE[f + 1 : f + 3], 2)
                 probs_LEJ = torch.nn.functional.one_hot(cls_LE, 3).float()
                 out.append(Forecast(probs_LEJ, torch.zeros(cls_LE.shape)))
-        return out
+        return out, None  # (no cost model: the run is calibrated)
 
     monkeypatch.setattr(simulator, "_forecasts", exact)
     true = sim(tmp_path / "t", cal, **kw).results

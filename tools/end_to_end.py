@@ -105,7 +105,7 @@ def cost(root: Path) -> str:
         "within-token predictor's time is mostly per-call overhead of small tensor ops; the "
         "horizon's work grows with MoE layers x experts (about 120x zoo:default's on "
         "Kimi-K2.5), so its cost does not stay the same on a large model. The projections "
-        f"below charge prediction zero seconds.{_in_runtime(rep['in_runtime'])}"
+        f"below name the cost they charge prediction.{_in_runtime(rep['in_runtime'])}"
         f"{_stall_against_cost(root, rep)}\n"
     )
 

@@ -22,8 +22,11 @@ import json
 import sys
 from pathlib import Path
 
+from bench.pages.offload import peer_summary
+from bench.pages.projections import sim_regime
 from tensorbend.atomic import write_generated
 from tensorbend.cache.report import compare, format_ratio, run_label
+from tensorbend.offload.time_model import regime_line
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- table:begin (python -m tools.readme_table) -->", "<!-- table:end -->"
@@ -129,22 +132,27 @@ def _emulated(rep: dict) -> str:
     ((_, c),) = compare(runs).items()
     mine = ours(runs, "horizon + within-token")
     o = c["runs"][run_label(mine)]
+    peer = peer_summary(runs, 0.25)
+    vs = peer["ours"][run_label(mine)]
+    charged = "" if vs["charged"] is None else f", {vs['charged']:.2f}x charged"
     return (
         f"| emulated link | {rep['model']}, 25% cache, {link['link']['name']} link x{link['speedup']:g}, "
-        f"{rep['repeats']} repeats (headline_default.md) | not run | "
+        f"{rep['repeats']} repeats (headline_default.md); {regime_line(runs)} | not run | "
         f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} tok/s | "
-        f"{run_label(mine)}: {mine['decode_tok_s']:.1f} tok/s, {format_ratio(o)} |"
+        f"{run_label(mine)}: {mine['decode_tok_s']:.1f} tok/s, {format_ratio(o)}; over the best "
+        f"peer ({peer['best_peer']}): {vs['as_run']:.2f}x as run{charged} |"
     )
 
 
 def _simulated(rep: dict) -> str:
-    """The first projection (a large model on real hardware), prediction charged zero seconds."""
+    """The first projection (a large model on real hardware), prediction charged as the rows'
+    time model says (JSON before it: zero seconds)."""
     p = rep["pairs"][0]
     res = {r["label"]: r for r in p["results"]}
     best, mine = res[p["best_no_prediction"]], res["horizon+d1:tensorbend/adm=predicted"]
     return (
-        f"| simulated | {p['geometry']} on {p['hardware']}, zoo:default's routing, prediction "
-        f"costs 0 s (projections.md) | not run | {best['label']}: {best['decode_tok_s']:.2f} "
+        f"| simulated | {p['geometry']} on {p['hardware']}, zoo:default's routing; "
+        f"{sim_regime(mine)} (projections.md) | not run | {best['label']}: {best['decode_tok_s']:.2f} "
         f"tok/s | {mine['label']}: {mine['decode_tok_s']:.2f} tok/s, "
         f"{mine['vs_best_cache']:.2f}x |"
     )

@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from bench.pages.projections import first_prediction_row, sim_regime
 from tensorbend.atomic import write_generated
 from tools.end_to_end import cost, offload_table
 from tools.readme_table import load
@@ -181,8 +182,8 @@ def _validation(root: Path) -> str:
 def _projections(root: Path) -> str:
     rep = load(root, "projections.json")
     lines = [
-        "Simulated from zoo:default's held-out routing, not measured; prediction is charged "
-        "zero seconds (projections.md):",
+        "Simulated from zoo:default's held-out routing, not measured; "
+        f"{sim_regime(first_prediction_row(rep))} (projections.md):",
         "",
         "| geometry on hardware | best no-prediction cache | ours: horizon only | ours: "
         "horizon + within-token | full oracle |",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from tensorbend.cache.config import POLICIES
 from tensorbend.cache.report import compare, format_ratio, run_label
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
+from tensorbend.offload.time_model import charged_tok_s, regime_line
 
 
 def dropped(report: dict) -> bool:
@@ -61,13 +62,14 @@ def markdown(report: dict) -> str:
             "understated here."
         ),
     ]
+    runs = [r for e in report["links"] for r in e["runs"]]
+    lines += ["", f"**{regime_line(runs).capitalize()}.**"]
     if report.get("host_warning"):
         lines += ["", f"**Warning: {report['host_warning']}.**"]
     elif (most := _most_other_cores(report)) is not None:
         lines += ["", f"Other processes used at most {most:.2f} CPU cores during any timed "
                   "pass (`host_load` in the JSON; above 0.3 this page would carry a "
                   "warning)."]  # fmt: skip
-    runs = [r for e in report["links"] for r in e["runs"]]
     if any(POLICIES[r["policy"]].recorded_routing and r["foresight"] is not None and "oracle_beyond" not in r
            for r in runs):  # fmt: skip
         lines += ["", "The bounded oracles (`oracle@h`) of this JSON predate `--oracle-beyond`: "
@@ -85,7 +87,7 @@ def markdown(report: dict) -> str:
             lines += ["", f"### Cache {float(frac):.3f} of the routed experts", "",
                       f"Best no-prediction cache: {summ['best_no_prediction_cache']} "
                       f"({summ['best_no_prediction_decode_tok_s']:.1f} tok/s); fewest bytes: "
-                      f"{summ['best_no_prediction_by_bytes']}.", "",
+                      f"{summ['best_no_prediction_by_bytes']}.", *_against_peers(entry["runs"], float(frac)), "",
                       "| run | decode tok/s | vs best cache | stall ms/token | KB read/token | "
                       "gap closed (bytes) | gap closed (s) | demand hit rate | wasted KB | "
                       "predict ms/token (exposed) |",
@@ -102,6 +104,48 @@ def markdown(report: dict) -> str:
                     f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {_predict_ms(r)} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def ours(row: dict) -> bool:
+    """A row of ours: our within-token predictor (kind tensorbend) or our horizon."""
+    return row.get("predictor") == "tensorbend" or bool(row.get("horizon"))
+
+
+def peer_summary(runs: list[dict], frac: float) -> dict | None:
+    """Ours against the best peer at one cache fraction: the fastest row that is neither ours
+    nor an oracle (caches, prefetch:none, spec_gate, the seed's MLP, ...), as run and with
+    prediction charged as the target pays it (`time_model`; None where not recorded)."""
+    at = [r for r in runs if r["policy"] != "resident" and abs(r["cache_frac"] - frac) < 0.01
+          and not POLICIES[r["policy"]].recorded_routing and r.get("decode_tok_s")]  # fmt: skip
+    peers, mine = [r for r in at if not ours(r)], [r for r in at if ours(r)]
+    if not peers or not mine:
+        return None
+    best = max(peers, key=lambda r: r["decode_tok_s"])
+    charged = [x for x in map(charged_tok_s, peers) if x]
+    best_charged = max(charged) if charged else None
+    out = {"best_peer": run_label(best), "best_peer_tok_s": best["decode_tok_s"],
+           "best_peer_charged_tok_s": best_charged, "ours": {}}  # fmt: skip
+    for r in mine:
+        c = charged_tok_s(r)
+        out["ours"][run_label(r)] = {
+            "as_run": r["decode_tok_s"] / best["decode_tok_s"],
+            "charged": c / best_charged if c and best_charged else None,
+        }
+    return out
+
+
+def _against_peers(runs: list[dict], frac: float) -> list[str]:
+    summ = peer_summary(runs, frac)
+    if summ is None:
+        return []
+    cells = ", ".join(
+        f"{k} {v['as_run']:.2f}x as run"
+        + ("" if v["charged"] is None else f", {v['charged']:.2f}x charged")
+        for k, v in summ["ours"].items()
+    )
+    return ["", f"Best peer (fastest row that is neither ours nor an oracle): "
+            f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (medians): "
+            f"{cells}."]  # fmt: skip
 
 
 def _predict_ms(r: dict) -> str:

@@ -6,6 +6,8 @@ Usage:
 
 from __future__ import annotations
 
+from tensorbend.offload.time_model import label
+
 
 def markdown(out: dict) -> str:
     lines = [
@@ -15,9 +17,10 @@ def markdown(out: dict) -> str:
         "hardware and geometry profiles (docs/guide/simulate.md lists each number and its source), "
         "replaying a zoo model's held-out routing on the geometry by the printed mapping: what "
         "a model that routes like the zoo model would get on that hardware, not a measurement "
-        "of the named model. Prediction is charged zero seconds: the profiles carry no "
-        "predictor cost, while a horizon predictor's work grows with MoE layers x experts "
-        "(about 120x zoo:default's on Kimi-K2.5). Labels say what ran (cache/report.py): "
+        f"of the named model. {sim_regime(first_prediction_row(out))[0].upper()}"
+        f"{sim_regime(first_prediction_row(out))[1:]}; a horizon predictor's work grows with "
+        "MoE layers x experts (about 120x zoo:default's on Kimi-K2.5), which the cost model "
+        "does not scale. Labels say what ran (cache/report.py): "
         "`d1:KIND` a within-token predictor at d1, `horizon` eviction by the cross-token "
         "forecast with the next forward's first layer prefetched, `prefetch:none` the "
         "Predicted eviction fed no predictions (a cache without prediction). The best "
@@ -48,3 +51,19 @@ def markdown(out: dict) -> str:
         lines.append("")
         lines.append(f"Best no-prediction cache: {p['best_no_prediction']}.")
     return "\n".join(lines) + "\n"
+
+
+def sim_regime(row: dict | None) -> str:
+    """'regime: simulated (...)' from a row's time model; JSON written before it charged
+    prediction zero seconds, and says so."""
+    tm = (row or {}).get("time_model")
+    if tm is None:
+        return f"regime: simulated, prediction charged zero seconds; {label(None)}"
+    return "regime: " + label(tm)
+
+
+def first_prediction_row(out: dict) -> dict | None:
+    rows = [
+        r for p in out["pairs"] for r in p["results"] if r.get("predictor") not in (None, "none")
+    ]
+    return rows[0] if rows else None

@@ -213,6 +213,18 @@ def median_row(rows: list[dict]) -> dict:
     out["output_matches_resident"] = all(r.get("output_matches_resident") for r in rows)
     out["host_busy"] = any(r.get("host_busy") for r in rows)
     out["host_other_cores_repeats"] = [_other_cores(r) for r in rows]
+    tms = [r.get("time_model") or {} for r in rows]
+    if "slowdown" in tms[0]:  # an emulated link: s and the charged speed, per repeat
+        charged = [t.get("decode_tok_s_charged") for t in tms]
+        out["time_model"] = dict(
+            tms[0],
+            slowdown_repeats=[t.get("slowdown") for t in tms],
+            slowdown_in_run_repeats=[t.get("slowdown_in_run") for t in tms],
+            decode_tok_s_charged_repeats=charged,
+            decode_tok_s_charged=statistics.median(x for x in charged if x is not None)
+            if any(x is not None for x in charged)
+            else None,
+        )
     return out
 
 

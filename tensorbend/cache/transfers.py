@@ -70,6 +70,8 @@ class Link:
     latency_s: float = 0.0
     name: str = "none"
     note: str = ""
+    target: str | None = None  # hardware profile an emulated link stands for (time_model)
+    target_layer_s: float | None = None  # that target's MoE-layer decode compute, seconds
 
     def __post_init__(self) -> None:
         if self.bandwidth_Bps is not None and self.bandwidth_Bps <= 0:
@@ -122,6 +124,8 @@ def real_link(layer_s: float, expert_bytes: int) -> Link:
         "h100-pcie5-kimi",
         f"expert transfer = {ratio:.2f} x resident MoE-layer compute "
         f"({layer_s * 1e3:.3f} ms here), latency = {real_lat / real_layer_s:.3f} x",
+        target="h100-pcie5",
+        target_layer_s=real_layer_s,
     )
 
 
@@ -151,6 +155,8 @@ def parse_link(text: str, layer_s: float, expert_bytes: int, speedup: float = 1.
         link.latency_s / speedup,
         f"{link.name} x{speedup:g}",
         f"{link.note}; {speedup:g}x faster".lstrip("; "),
+        link.target,
+        link.target_layer_s,
     )
 
 

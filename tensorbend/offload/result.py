@@ -56,7 +56,8 @@ class RunResult:
     that pass; null where not measurable), cpus}} and host_busy (either pass had other_cores >
     host_load.BUSY_CORES: its tok/s are not reliable, and the link is scaled to the reference's
     layer time).
-    oracle_beyond (oracle: its rule past its foresight, else null). `cache.report.run_label`
+    oracle_beyond (oracle: its rule past its foresight, else null); time_model (the regime and
+    what each cost is charged as, `offload.time_model.declare`). `cache.report.run_label`
     names a row.
     """
 
@@ -104,6 +105,7 @@ class RunResult:
     expert_compute: list | None = None
     host_load: dict | None = None
     host_busy: bool = False
+    time_model: dict | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -137,6 +137,10 @@ class Costs:
             _flops=None,
         )
 
+    @property
+    def calibrated(self) -> bool:
+        return self._bw is None
+
     def transfer_s(self) -> float:
         return self.link_latency + self.wire_s()
 
@@ -165,7 +169,7 @@ class Costs:
             "predict_s": self.predict_s,
             "forecast_s": self.forecast_s,
             "miss_s": self.miss_s,
-            "calibrated": self._bw is None,
+            "calibrated": self.calibrated,
         }
 
     def _time(self, c: tuple[float, float], T: int) -> float:

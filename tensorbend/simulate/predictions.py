@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TraceError
+from tensorbend.offload.time_model import PredictorCost
 from tensorbend.predictors import (
     BASELINES,
     build_baseline,
@@ -48,6 +49,7 @@ class Ranked:
     distance: int  # MoE layers between source and target (0: pre_attn / same_layer)
     ids_TLJ: torch.Tensor  # [T, L, J] expert ids, best first; -1 = no guess
     valid_L: torch.Tensor  # [L] bool: the lookahead has a source layer for this target
+    cost: PredictorCost | None = None  # one call's work on a target (None: free, the oracle)
 
     @property
     def issue_at_router(self) -> bool:
@@ -148,7 +150,8 @@ def ranked_predictions(pred, rows: dict[str, torch.Tensor], width: int) -> Ranke
     if pred.needs_truth:  # the oracle: exact sets, in router order
         out[:, :, :K] = torch.where(valid[None, :, None], ids_TLK, -1)
         out[:, :, K:] = -1
-    return Ranked(pred.kind, la.name, la.distance, out, valid)
+    cost = None if pred.needs_truth else PredictorCost.of(pred, int(valid.sum()))
+    return Ranked(pred.kind, la.name, la.distance, out, valid, cost)
 
 
 def _needs_hidden(kind: str, hidden: str, trace: Trace) -> TraceError:

@@ -51,7 +51,7 @@ def run_one(
     rs = make_resident_set(policy, units, L, o.pool, o.admission, o.admission_window, steps,
                            o.foresight, forecasts is not None, beyond)  # fmt: skip
     backlog = cfg.offload.prefetch_backlog * costs.transfer_s()
-    predict_s = costs.predict_s if policy == "prefetch" else 0.0
+    predict_s = predict_call_s(costs, ranked, hw) if policy == "prefetch" else 0.0
     forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
                   forecast_s)  # fmt: skip
@@ -65,6 +65,15 @@ def run_one(
     row["token_ahead_layers"] = cfg.offload.token_ahead_layers if forecasts is not None else None
     row["oracle_beyond"] = beyond if POLICIES[policy].recorded_routing else None
     return row
+
+
+def predict_call_s(costs, ranked, hw) -> float:
+    """Seconds of one within-token prediction call on the compute path: a calibration's measured
+    `predict_s`; on a hardware profile, the predictor's modelled cost there
+    (`offload.time_model.PredictorCost.call_s`: launches + its weights read once)."""
+    if costs.calibrated or ranked is None or ranked.cost is None:
+        return costs.predict_s
+    return ranked.cost.call_s(hw)
 
 
 def cache_units(cfg, frac: float, mapping) -> int:
@@ -106,7 +115,20 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
             "demand_hit_rate": pre.demand_hit_rate,
         },
         "counters": dict(vars(run.total)),
+        "predict_s_per_call": run.times.predict_s,
+        "time_model": {
+            "regime": "simulated",
+            "target": hw.name if cfg.calibration is None else "calibration",
+            "prediction": _charge(costs, ranked, run),
+        },
     }
+
+
+def _charge(costs, ranked, run: EventRun) -> str:
+    if ranked is None or run.times.predict_s == 0:
+        return "none (no predictor call)" if ranked is None else "0 s per call"
+    how = "calibrated" if costs.calibrated else "modelled (offload/time_model.py)"
+    return f"{run.times.predict_s * 1e6:.2f} us per call, {how}"
 
 
 def relative(results: list[dict]) -> None:

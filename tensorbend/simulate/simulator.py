@@ -19,6 +19,7 @@ forwards ahead, all by default). Per-result JSON keys are those of `run --json`.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
 from tensorbend.cache.report import best_rule
 from tensorbend.errors import TensorbendError
+from tensorbend.offload.time_model import PredictorCost
 from tensorbend.predictors import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out, read_metadata
 from tensorbend.predictors.spec import PredictorSpec, prefetch_width
@@ -197,7 +199,11 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     width = max(prefetch_width(tr.spec.top_k, extra), tr.spec.top_k)  # (several tokens: top-K)
     rankeds = rank_all(specs, tr, rows, cfg.offload.lookahead, width, train)
     fracs = cfg.cache_fracs or (fitting_frac(hw, geo, cfg.dtype, tr.spec) if cal is None else 0.25,)
-    fcs = _forecasts(cfg, tr, rows) if cfg.prediction.horizon is not None else None
+    fcs = None
+    if cfg.prediction.horizon is not None:
+        fcs, fc_cost = _forecasts(cfg, tr, rows)
+        if not costs.calibrated:  # a profile: the horizon's modelled cost per forward there
+            costs = dataclasses.replace(costs, forecast_s=fc_cost.call_s(hw))
     variants = [(r, None) for r in rankeds] + ([(r, fcs) for r in rankeds] if fcs else [])
     jobs = [
         (p, r, f, fc)
@@ -239,8 +245,9 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
     return res
 
 
-def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
-    """The horizon checkpoint's forecast after every forward of the replayed rows (run order)."""
+def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> tuple[list, PredictorCost]:
+    """The horizon checkpoint's forecast after every forward of the replayed rows (run order),
+    and its modelled cost per forward (one call)."""
     from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
 
@@ -252,7 +259,7 @@ def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> list:
             f"--horizon {path} reads trace features {list(pred.cfg.features)}, found "
             f"{tr.features}: train one with --inputs routing for this trace"
         )
-    return forecasts(pred, rows)
+    return forecasts(pred, rows), PredictorCost.of(pred, 1)
 
 
 def _setup(cfg: SimulateConfig, tr: Trace):
@@ -331,8 +338,9 @@ def _notes(cfg, cal) -> list[str]:
     notes = []
     if cal is None:
         notes.append(
-            "prediction is charged zero seconds: the hardware profiles carry no predictor "
-            "cost (a horizon predictor's work grows with MoE layers x experts)"
+            "each prediction call is charged its modelled cost on the hardware profile "
+            "(offload/time_model.py: kernel launches + the predictor's weights read once; the "
+            "predictor as trained on the trace's model, not scaled to the geometry)"
         )
     if cal is not None:
         notes.append(
