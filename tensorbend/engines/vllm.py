@@ -99,7 +99,7 @@ class VllmEngine:
             params = SamplingParams(max_tokens=1, temperature=0.0)
             self.llm.generate({"prompt_token_ids": prompt_ids + inp.forced}, params,
                               use_tqdm=False)  # fmt: skip
-            return prompt_rows(prompt, [cap.pop()], prompt_ids, list(inp.forced))
+            return prompt_rows(prompt, [_popped(cap)], prompt_ids, list(inp.forced))
         # The last generated token is never fed back (HF's loop feeds max_new_tokens tokens
         # with max_new_tokens + 1 forwards): ask for one more and drop it.
         params = SamplingParams(
@@ -109,7 +109,7 @@ class VllmEngine:
         )
         out = self.llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
         fed = list(out[0].outputs[0].token_ids)[:-1]
-        return prompt_rows(prompt, [cap.pop()], prompt_ids, fed)
+        return prompt_rows(prompt, [_popped(cap)], prompt_ids, fed)
 
 
 class VllmRouterHooks:
@@ -172,6 +172,18 @@ class VllmRouterHooks:
             self.on_layer_input(m, hidden if residual is None else hidden + residual)
 
         return hook
+
+
+def _popped(cap) -> dict:
+    """The rows a prompt's forwards captured; a clear error where vLLM routed without calling
+    select_experts (a monolithic expert kernel: zentorch, ARM W4A8)."""
+    rows = cap.pop()
+    if "expert_ids_TLK" not in rows:
+        raise TensorbendError(
+            "vLLM ran this model's experts without its router's select_experts (a monolithic "
+            "expert kernel), so no expert ids were seen: --engine vllm needs a modular backend"
+        )
+    return rows
 
 
 def _routers_only(path: Path) -> torch.nn.Module:
