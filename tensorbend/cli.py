@@ -119,6 +119,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_live(args) -> int:
+    from tensorbend.engines.vllm_live import LiveConfig, live
+
+    report = live(config_from_args(LiveConfig, args))
+    print(_format_summary(report))
+    _write_json(args.json, report)
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from tensorbend.evaluate import EvalConfig, evaluate, format_table
 
@@ -297,6 +306,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(ev, EvalConfig)
     ev.add_argument("--json", help="write the report as JSON (keys in docs/guide/formats.md)")
     ev.add_argument("--plots", help="directory for PNG plots")
+    lv = _verb(sub, "live", _cmd_live, "a predictor inside vLLM's forward: live recall and cost")
+    _live_flags(lv)
+    lv.add_argument("--json", help="write the report as JSON")
     rn = _verb(sub, "run", _cmd_run, "offloaded generation: expert store + cache + policy")
     add_config_flags(rn, RunConfig)
     rn.add_argument("--json", help="write the result as JSON (keys in docs/guide/formats.md)")
@@ -343,6 +355,12 @@ def _collect_flags(c: argparse.ArgumentParser) -> None:
     from tensorbend.collect import CollectConfig
 
     add_config_flags(c, CollectConfig)
+
+
+def _live_flags(c: argparse.ArgumentParser) -> None:
+    from tensorbend.engines.vllm_live import LiveConfig
+
+    add_config_flags(c, LiveConfig)
 
 
 def _zoo_parser(sub) -> None:
