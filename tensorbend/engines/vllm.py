@@ -43,9 +43,7 @@ from tensorbend.models import (
 )
 from tensorbend.zoo import resolve_model
 
-NEEDS_VLLM = (
-    "collect --engine vllm needs vLLM: run `make vllm-env` and use .venv-vllm/bin/tensorbend"
-)
+NEEDS_VLLM = "{verb} needs vLLM: run `make vllm-env` and use .venv-vllm/bin/tensorbend"
 
 
 class VllmEngine:
@@ -54,13 +52,20 @@ class VllmEngine:
     RoutingSpec),
     `.tokenizer` (the checkpoint's HF tokenizer), `.hooks` and `.run_prompt`."""
 
-    def __init__(self, model: str, dtype: str, decode: DecodeConfig, kv_cache_gb: int = 1):
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        decode: DecodeConfig,
+        kv_cache_gb: int = 1,
+        verb: str = "collect --engine vllm",
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: hooks
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         try:
             from vllm import LLM
         except ImportError as e:
-            raise TensorbendError(f"{NEEDS_VLLM} ({e})") from None
+            raise TensorbendError(f"{NEEDS_VLLM.format(verb=verb)} ({e})") from None
         path = resolve_model(model)
         self.decode = decode
         self.tokenizer = load_tokenizer(path)

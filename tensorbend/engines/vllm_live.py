@@ -66,7 +66,7 @@ def live(cfg: LiveConfig) -> dict:
 
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
     dc = DecodeConfig("greedy", cfg.max_new_tokens, cfg.max_prompt_tokens)
-    engine = VllmEngine(cfg.model, cfg.model_dtype, dc)
+    engine = VllmEngine(cfg.model, cfg.model_dtype, dc, verb="live")
     spec = engine.spec
     pred = load_predictor(cfg.predictor, spec, model_fingerprint(engine.model, spec))
     if pred.lookahead is None:
