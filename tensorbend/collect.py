@@ -38,7 +38,7 @@ from tensorbend.distributed import DistContext
 from tensorbend.errors import TensorbendError, TraceError
 from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
 from tensorbend.memory import parse_bytes
-from tensorbend.models import describe_model
+from tensorbend.models import RouterHooks, describe_model
 from tensorbend.prompts import file_sha, load_prompts
 from tensorbend.routers import model_fingerprint, router_params
 from tensorbend.trace import FEATURES, MANIFEST
@@ -84,6 +84,9 @@ class CollectConfig:
     offload_dir: Path | None = None
     """Where disk-offloaded weights go with --max-memory on cpu (default: OUT/.offload,
     deleted when the collection ends)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Which engine runs the model: hf (transformers) or vllm (vLLM offline inference,
+    `make vllm-env`; see docs/guide/vllm.md)."""
 
     def __post_init__(self) -> None:
         if self.max_memory is not None:
@@ -105,6 +108,12 @@ class CollectConfig:
             raise TensorbendError(f"--max-prompts {self.max_prompts}: expected >= 1")
         if self.resume and self.overwrite:
             raise TensorbendError("--resume and --overwrite contradict each other: pass one")
+        if self.engine not in ("hf", "vllm"):
+            raise TensorbendError(f"--engine {self.engine!r}: expected hf or vllm")
+        if self.engine == "vllm" and (self.max_memory or self.device != "cpu"):
+            raise TensorbendError(
+                "--engine vllm places the model itself: drop --max-memory and --device"
+            )
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,15 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
             "replace it (or choose another --out)"
         )
     ctx = DistContext.from_env()
+    if cfg.engine == "vllm":
+        from tensorbend.engines.vllm import VllmEngine  # (imports vllm: only on this path)
+
+        if ctx.world_size > 1:
+            raise TensorbendError("--engine vllm runs in one process: run it without torchrun")
+        engine = VllmEngine(cfg.model, cfg.model_dtype, cfg.decode)
+        out = Path(cfg.out)
+        return _collect_loaded(cfg, ctx, prompts, (0, len(prompts)), out, engine.model,
+                               engine.tokenizer, progress, t0, engine)  # fmt: skip
     lo, hi = ctx.share(len(prompts))
     out = Path(cfg.out) if ctx.world_size == 1 else Path(cfg.out) / f"rank-{ctx.rank:03d}"
     offload = cfg.offload_dir or out / ".offload"
@@ -150,10 +168,11 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
             shutil.rmtree(offload, ignore_errors=True)
 
 
-def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress: bool, t0: float):
-    """collect() once the model is loaded: write this rank's block, then the merged manifest."""
+def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress, t0, engine=None):
+    """collect() once the model is loaded: write this rank's block, then the merged manifest.
+    engine: another engine's capture and prompt runner (engines/vllm.py); default transformers."""
     lo, hi = block
-    spec = describe_model(model)
+    spec = engine.spec if engine is not None else describe_model(model)
     features = tuple(dict.fromkeys(("ids", *cfg.features)))
     writer = TraceWriter(
         out,
@@ -170,7 +189,7 @@ def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress: b
     done = writer.done_ids
     todo = [(i, p) for i, p in enumerate(prompts[lo:hi], start=lo) if p.id not in done]
     counts, no_continuation = _collect_prompts(
-        cfg, model, tok, spec, features, writer, todo, progress and ctx.is_main
+        cfg, model, tok, spec, features, writer, todo, progress and ctx.is_main, engine
     )
     manifest = writer.manifest
     if ctx.world_size > 1:
@@ -194,21 +213,23 @@ def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress: b
     )
 
 
-def _collect_prompts(cfg, model, tok, spec, features, writer, todo, progress: bool):
+def _collect_prompts(cfg, model, tok, spec, features, writer, todo, progress: bool, engine=None):
     """Run `todo` [(global index, prompt)] and write each prompt; returns (token counts,
     prompts without a continuation)."""
+    hooks = engine.hooks if engine is not None else RouterHooks
+    capture = RoutingCapture(model, spec, features, DTYPES[cfg.dtype], hooks=hooks)
     counts = {"prefill": 0, "decode": 0}
     no_continuation = 0
     bar = tqdm(todo, desc="collect", unit="prompt", disable=not progress, file=sys.stderr)
     finished = False
     try:
-        with (
-            RoutingCapture(model, spec, features, store_dtype=DTYPES[cfg.dtype]) as cap,
-            torch.inference_mode(),
-        ):
+        with capture as cap, torch.inference_mode():
             for i, p in bar:
                 no_continuation += cfg.decode.decode == "teacher" and not p.continuation
-                record, rows = _run_prompt(model, tok, cap, p, i, cfg.decode)
+                if engine is None:
+                    record, rows = _run_prompt(model, tok, cap, p, i, cfg.decode)
+                else:
+                    record, rows = engine.run_prompt(cap, p, i)
                 writer.add_prompt(record, rows)
                 counts["prefill"] += record["prefill"]
                 counts["decode"] += record["decode"]
@@ -235,10 +256,17 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, dc: DecodeC
         model, encode_prompt(tok, prompt, dc), dc, index=index, eos_id=tok.eos_token_id,
         forward=forward,
     )  # fmt: skip
+    return prompt_rows(prompt, chunks, run.prompt_ids, run.fed_ids)
+
+
+def prompt_rows(prompt, chunks: list[dict], prompt_ids: list[int], fed_ids: list[int]):
+    """A prompt's manifest record and rows from its captured chunks (in token order) and the
+    tokens it fed: prompt_ids prefill, then fed_ids decode (phase and position tagged)."""
     rows = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0]}
-    n_pre, n_dec = run.n_prefill, len(run.fed_ids)
+    n_pre, n_dec = len(prompt_ids), len(fed_ids)
     T = n_pre + n_dec
-    rows["token_ids_T"] = torch.tensor(run.prompt_ids + run.fed_ids, dtype=torch.int32)
+    assert rows["expert_ids_TLK"].shape[0] == T, (rows["expert_ids_TLK"].shape, n_pre, n_dec)
+    rows["token_ids_T"] = torch.tensor(prompt_ids + fed_ids, dtype=torch.int32)
     rows["positions_T"] = torch.arange(T, dtype=torch.int32)
     rows["phase_T"] = torch.cat(
         [torch.zeros(n_pre, dtype=torch.int8), torch.ones(n_dec, dtype=torch.int8)]
@@ -268,4 +296,5 @@ def _collection_meta(cfg: CollectConfig) -> dict:
         "prompts_sha": file_sha(cfg.prompts),
         "split": cfg.split,
         "model_dtype": cfg.model_dtype,
+        **({"engine": cfg.engine} if cfg.engine != "hf" else {}),  # (older traces: no key)
     }
