@@ -69,9 +69,9 @@ class GenerateConfig:
         if not 0 < self.top_p <= 1:
             raise TensorbendError(f"--top-p {self.top_p}: expected a value in (0, 1]")
         pred = self.serve.prediction
-        if self.engine == "accelerate" and (pred.predictor or pred.horizon):
+        if self.engine == "accelerate" and (pred.predictor or pred.baseline or pred.horizon):
             raise TensorbendError(
-                "--engine accelerate: expected no --predictor or --horizon "
+                "--engine accelerate: expected no --predictor, --baseline or --horizon "
                 "(accelerate offloads whole layers and predicts nothing); drop them or use "
                 "--engine tensorbend"
             )
