@@ -111,3 +111,15 @@ def test_bad_baseline_flags_one_line(flags, message, capsys):
     assert main(["generate", "--model", "m", "--prompt", "hi", "--quiet", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_disk_bytes_per_token_count_storage_reads_not_page_cache_hits(tmp_path):
+    """--io direct: every expert byte read is a disk byte (experts of 3 x 4096 bytes, so no
+    partial block); buffered, just after the store was written: the page cache serves them."""
+    ckpt = save_checkpoint("mixtral", tmp_path / "ckpt")
+    _, direct = _generate(ckpt, tmp_path, io="direct")
+    _, buffered = _generate(ckpt, tmp_path, io="buffered")
+    assert direct["expert_stored_bytes"] % 4096 == 0
+    d, b = direct["decode"], buffered["decode"]
+    assert d["disk_read_bytes_per_token"] == d["bytes_read_per_token"] > 0
+    assert b["disk_read_bytes_per_token"] < b["bytes_read_per_token"]
