@@ -18,11 +18,24 @@ and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
 repeat after repeat; the table gives the median decode tok/s with its range.
 `/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
 predictions: fewer than the K routed).
-`--accelerate` adds the baseline without tensorbend: `tensorbend generate --engine accelerate`
+The rows and what each does are `bench.serve_rows`'s (its docstring): the caches without
+prediction, the peers that predict (`spec_gate`, and `seed_mlp` with `--seed-mlp CKPT`) with
+the cache and admission ours uses, the page cache (`--policy on_demand --io buffered`: no
+expert cache of tensorbend's, the kernel's page cache holds the experts), ours, and
+`--accelerate`'s baseline without tensorbend: `tensorbend generate --engine accelerate`
 (transformers + accelerate's `device_map="auto"` within the same budget, the rest streamed in
-from disk every forward; `tensorbend.hf_offload`). `--memory-cap` runs every row in a memory
+from disk every forward; `tensorbend.hf_offload`). A llama.cpp row plugs in through
+`serve_rows.EXTERNAL` (not wired here). `--memory-cap` runs every row in a memory
 cgroup of import baseline + budget + `--cap-margin` (`bench.memory_cap`: the page cache
 its reads fill counts too), as on a machine with only that much RAM; needs root.
+Every row reports decode tok/s, bytes read per decode token (expert bytes it loaded, and of
+them from the disk: /proc/self/io read_bytes), the demand hit rate, stall (the share of decode
+time waiting on expert loads), peak RSS (and the cgroup's high-water mark, page cache
+included); and prefill: the time to first token of one prompt of >= `--prefill-tokens` tokens
+(held-out prose: the shipped test prompts from the last backwards, joined; their ids are in
+the JSON), a second run per row and repeat with `--max-new-tokens 1`. Ours is set against the
+best cache (`vs_best_cache`) and against the best of every row that is not ours
+(`vs_best_peer`: caches, peers, page cache, accelerate, external rows), per repeat.
 Nothing else should run on the machine meanwhile.
 The page is rendered from the JSON by `bench.pages.serve_memory`.
 """
@@ -41,18 +54,20 @@ from pathlib import Path
 from bench import memory_cap
 from bench.inflate import inflate
 from bench.pages.serve_memory import markdown
+from bench.serve_rows import (
+    ACCELERATE,
+    EXTERNAL,
+    NO_PREDICTION,
+    PAGE_CACHE,
+    drop_page_cache,
+    external_row,
+    is_ours,
+    policies,
+    prefill_prompt,
+)
 from tensorbend.atomic import write_generated
 from tensorbend.memory import parse_bytes
 from tensorbend.zoo import resolve_model
-
-NO_PREDICTION = {
-    "lru": [],
-    "lfu": ["--policy", "lfu"],
-    "lfru": ["--policy", "lfru"],
-    "lfru/adm=frequency": ["--policy", "lfru", "--admission", "frequency"],
-    "lru/per_layer": ["--pool", "per_layer"],
-}
-ACCELERATE = "accelerate (device_map, rest on disk)"
 
 
 def main(argv=None) -> int:
@@ -64,6 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
+    ap.add_argument("--seed-mlp", type=Path,
+                    help="zoo:default seed_mlp checkpoint (`tensorbend train --predictor "
+                         "seed_mlp`): adds the seed_mlp prefetcher rows")  # fmt: skip
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="the time-to-first-token prompt's least length, in tokens")  # fmt: skip
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/results/bench/serve_memory.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/results/serve_memory.md"))
@@ -81,54 +101,51 @@ def main(argv=None) -> int:
     ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}",
                    args.factor)  # fmt: skip
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
-    policies = dict(NO_PREDICTION)
-    if args.horizon:  # the forecast as eviction alone: no prefetch, no within-token predictor
-        evict = ["--policy", "prefetch", "--horizon", str(args.horizon),
-                 "--token-ahead-layers", "0"]  # fmt: skip
-        policies["ours: horizon(evict only)"] = evict
-        policies["ours: horizon(evict only)/per_layer"] = evict + ["--pool", "per_layer"]
-        if args.predictor:  # + within-token prefetches, in the best cache's pool
-            policies["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
-                "--pool", "per_layer", "--predictor", str(args.predictor),
-                "--admission", "predicted"]  # fmt: skip
-    if args.horizon or args.predictor:
-        ours = ["--policy", "prefetch", "--admission", "predicted"]
-        ours += ["--horizon", str(args.horizon)] if args.horizon else []
-        ours += ["--predictor", str(args.predictor)] if args.predictor else []
-        label = "+".join(x for x, p in (("horizon", args.horizon), ("d1", args.predictor)) if p)
-        policies[f"ours: {label}/adm=predicted"] = ours
-    narrow = "ours: horizon(evict only)+d1/per_layer/adm=predicted"
-    for extra in (-2, -3) if narrow in policies else ():  # fewer prefetches than the K routed
-        policies[f"{narrow}/extra={extra}"] = policies[narrow] + ["--prefetch-extra", str(extra)]
-    if args.accelerate:
-        policies[ACCELERATE] = ["--engine", "accelerate"]
+    long = args.workdir / "prefill.jsonl"
+    prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
+    rows = policies(args.predictor, args.horizon, args.seed_mlp, args.accelerate)
     if args.only:
-        policies = {k: v for k, v in policies.items() if re.search(args.only, k)}
-        if not any(k in NO_PREDICTION for k in policies):
+        rows = {k: v for k, v in rows.items() if re.search(args.only, k)}
+        if not any(k in NO_PREDICTION for k in rows):
             raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
                              f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
     store = args.workdir / "store"
-    generate = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompts",
-                str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--max-memory",
-                args.max_memory, "--quiet"]  # fmt: skip
+    generate = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt),
+                "--max-memory", args.max_memory, "--quiet"]  # fmt: skip
     base = generate + ["--io", "direct", "--store-dir", str(store)]
     acc = generate + ["--store-dir", str(args.workdir / "accelerate")]  # its offload folder
-    _run(base + ["--max-new-tokens", "1"])  # builds the store once, outside the timed runs
+    _run(base + ["--prompts", str(prompts), "--max-new-tokens", "1"])  # builds the store once
     baseline = _import_rss()
     cap = None
     if args.memory_cap:
         if why := memory_cap.unavailable():
             raise SystemExit(f"--memory-cap: {why}")
         cap = baseline + parse_bytes(args.max_memory) + parse_bytes(args.cap_margin)
-    runs: dict[str, list[dict]] = {name: [] for name in policies}
+    ctx = {"checkpoint": ckpt, "prompts": prompts, "prefill_prompt": long,
+           "max_new_tokens": args.max_new_tokens, "memory_cap_bytes": cap,
+           "max_memory_bytes": parse_bytes(args.max_memory)}  # fmt: skip
+    decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    first = ["--prompts", str(long), "--max-new-tokens", "1"]
+
+    def one(name: str, flags: list[str], ttft: bool) -> dict:
+        if name in EXTERNAL:
+            return external_row(name, ctx, ttft)
+        if name == PAGE_CACHE:
+            drop_page_cache(store)  # a cold start, as the other rows' empty caches
+        return _run((acc if name == ACCELERATE else base) + (first if ttft else decode) + flags,
+                    cap)  # fmt: skip
+
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
     for r in range(args.repeats):
-        for name, flags in policies.items():
-            cmd = (acc if name == ACCELERATE else base) + flags
-            runs[name].append(_run(cmd, cap))
-            print(f"repeat {r}: {name}: {runs[name][-1]['decode_tok_s']:.2f} tok/s",
-                  file=sys.stderr)  # fmt: skip
+        for name, flags in rows.items():
+            got = one(name, flags, ttft=False)
+            got["ttft_s"] = one(name, flags, ttft=True)["prefill_s"]
+            runs[name].append(got)
+            print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, time to first token "
+                  f"{got['ttft_s']:.2f} s", file=sys.stderr)  # fmt: skip
     result = _aggregate(runs, args, ckpt, baseline)
     result["memory_cap_bytes"] = cap
+    result["prefill_prompt"] = prefill
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
@@ -151,6 +168,11 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
             "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),
             "demand_hit_rate": _median(rs, "demand_hit_rate"),
             "stall_s_per_token": _median(rs, "stall_s_per_token"),
+            "stall_share": None if rs[0]["stall_s_per_token"] is None else statistics.median(
+                r["stall_s_per_token"] * r["decode_tok_s"] for r in rs
+            ),  # of decode's seconds, waiting on expert loads
+            "ttft_s": statistics.median(r["ttft_s"] for r in rs),
+            "ttft_s_range": [min(r["ttft_s"] for r in rs), max(r["ttft_s"] for r in rs)],
             "no_stall_ceiling": None if rs[0]["stall_s_per_token"] is None else statistics.median(
                 1 / (1 - r["stall_s_per_token"] * r["decode_tok_s"]) for r in rs
             ),  # per repeat: tok/s with every wait hidden
@@ -171,11 +193,13 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
     first = every[0]
     plan = _split(first)
     grown = [r["memory_plan"]["measured"] for r in every if "measured" in r["memory_plan"]]
-    for r in rows:  # per repeat: this policy's tok/s over the best cache's in the same repeat
-        ratios = [x / b for x, b in zip(r["decode_tok_s_repeats"], best["decode_tok_s_repeats"],
-                                        strict=True)]  # fmt: skip
-        r["vs_best_cache"] = statistics.median(ratios)
-        r["vs_best_cache_range"] = [min(ratios), max(ratios)]
+    peer = max((r for r in rows if not is_ours(r["policy"])), key=lambda r: r["decode_tok_s"])
+    for r in rows:  # per repeat: this row's tok/s over the best cache's (peer's) in the repeat
+        for key, ref in (("vs_best_cache", best), ("vs_best_peer", peer)):
+            ratios = [x / b for x, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"],
+                                            strict=True)]  # fmt: skip
+            r[key] = statistics.median(ratios)
+            r[f"{key}_range"] = [min(ratios), max(ratios)]
     return {
         "model": f"zoo:default with experts x{args.factor} (bench.inflate)",
         "checkpoint_bytes": experts,
@@ -188,6 +212,9 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "best_no_prediction": best["policy"],
+        "best_peer": peer["policy"],
+        "regime": "real disk: real compute, O_DIRECT reads (the page cache row: buffered reads "
+        "through the page cache)",  # (+ the memory cgroup, when capped)
         "memory_plan": plan,  # serving.memory_plan's split, bytes (first run)
         "same_plan_every_run": all(_split(r) == _split(first) for r in every),
         "measured_model_bytes_range": [min(grown), max(grown)] if grown else None,

@@ -324,7 +324,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from tensorbend.simulate.simulator import SimulateConfig
 
     sm = _verb(sub, "simulate", _cmd_simulate, "simulate offloaded decode on a geometry + hardware")
-    add_config_flags(sm, SimulateConfig, skip=("progress", "predictor"))  # (--predictor: many)
+    add_config_flags(sm, SimulateConfig, skip=("progress", "predictor", "baseline"))  # (many)
     sm.add_argument("--json", help="write the results as JSON (keys in docs/guide/formats.md)")
     from tensorbend.demo import DemoConfig
 

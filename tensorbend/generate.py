@@ -69,9 +69,9 @@ class GenerateConfig:
         if not 0 < self.top_p <= 1:
             raise TensorbendError(f"--top-p {self.top_p}: expected a value in (0, 1]")
         pred = self.serve.prediction
-        if self.engine == "accelerate" and (pred.predictor or pred.horizon):
+        if self.engine == "accelerate" and (pred.predictor or pred.baseline or pred.horizon):
             raise TensorbendError(
-                "--engine accelerate: expected no --predictor or --horizon "
+                "--engine accelerate: expected no --predictor, --baseline or --horizon "
                 "(accelerate offloads whole layers and predicts nothing); drop them or use "
                 "--engine tensorbend"
             )
@@ -149,7 +149,10 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
         "decode_tokens": dec["tokens"],
         "decode_tok_s": dec["tok_s"],
         "prefill_tok_s": c["prefill"]["tok_s"],
+        "prefill_tokens": c["prefill"]["tokens"],
+        "prefill_s": c["prefill"]["seconds"],
         "bytes_read_per_token": dec["bytes_read_per_token"],
+        "disk_read_bytes_per_token": dec["disk_read_bytes_per_token"],
         "demand_hit_rate": dec["demand_hit_rate"],
         "stall_s_per_token": dec["stall_s_per_token"],
         "predict_s_per_token": c["predict_s_per_token"],

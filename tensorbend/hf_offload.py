@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TensorbendError
-from tensorbend.memory import peak_rss_bytes
+from tensorbend.memory import disk_read_bytes, peak_rss_bytes
 
 PHASES = ("prefill", "decode")
 
@@ -95,6 +95,8 @@ class AccelerateRun:
             "decode_tokens": dec_tokens,
             "decode_tok_s": dec_tokens / dec_s if dec_s else None,
             "prefill_tok_s": pre_tokens / pre_s if pre_s else None,
+            "prefill_tokens": pre_tokens,
+            "prefill_s": pre_s,
             "bytes_read_per_token": self.offloaded,
             "disk_read_bytes_per_token": timer.disk_bytes / dec_tokens if dec_tokens else None,
             "demand_hit_rate": None,
@@ -167,7 +169,7 @@ class _ForwardTimer:
         self._phase = "prefill" if self._first else "decode"
         self._n = int(ids.shape[-1]) if ids is not None else 1
         self._first = False
-        self._io0 = _read_bytes()
+        self._io0 = disk_read_bytes()
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, kwargs, output):
@@ -176,19 +178,7 @@ class _ForwardTimer:
         self.seconds[self._phase] += time.perf_counter() - self._t0
         self.tokens[self._phase] += self._n
         if self._phase == "decode":
-            self.disk_bytes += _read_bytes() - self._io0
-
-
-def _read_bytes() -> int:
-    """Bytes this process has read from storage (/proc/self/io), 0 where unavailable."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            for line in f:
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+            self.disk_bytes += disk_read_bytes() - self._io0
 
 
 def _reset_peak_rss() -> None:

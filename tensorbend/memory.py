@@ -1,5 +1,5 @@
 """Sizes and memory facts, one home each: byte sizes from the command line, this process's
-resident set, the machine's physical memory, the KV cache's bytes per token, and the device check.
+resident set and bytes read from storage, the machine's physical memory, the KV cache's bytes per token, and the device check.
 
 Usage:
     >>> parse_bytes("8GB"), parse_bytes("512MiB"), parse_bytes(" 1.5kb "), parse_bytes("100B")
@@ -117,6 +117,19 @@ def peak_rss_bytes() -> int:
 def rss_bytes() -> int | None:
     """This process's resident set now (VmRSS of /proc/self/status), or None off Linux."""
     return _proc_status_bytes(b"VmRSS:")
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process (all its threads) has read from storage so far: read_bytes of
+    /proc/self/io (page-cache hits excluded, O_DIRECT reads included); 0 where unavailable."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

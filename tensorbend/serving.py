@@ -60,7 +60,7 @@ from tensorbend.offload.store import (
     stride,
 )
 from tensorbend.placement import build_without_experts, load_non_experts
-from tensorbend.predictors.spec import PredictorSpec
+from tensorbend.predictors.spec import NEEDS_TRACE, PEERS, PredictorSpec
 from tensorbend.stores import check_room, stale_sources, store_lock, store_path, unwritable
 
 BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
@@ -110,7 +110,8 @@ class ServeConfig:
     io_threads: int = 2
     """I/O threads reading experts."""
     prediction: PredictorSpec = field(default_factory=PredictorSpec)
-    """What predicts for --policy prefetch (--predictor, --horizon, --prefetch-extra)."""
+    """What predicts for --policy prefetch (--predictor or --baseline, --horizon,
+    --prefetch-extra)."""
     progress: bool = field(default=True, metadata={"cli": False})
     """Progress bar while the store is built."""
     offload: PolicyConfig = field(default_factory=PolicyConfig)
@@ -137,6 +138,12 @@ class ServeConfig:
                 f"use `tensorbend run` to measure it, or lru, lfu, lfru, on_demand, prefetch"
             )
         self.prediction.check_policy(pol)
+        if self.prediction.baseline in NEEDS_TRACE:
+            raise TensorbendError(
+                f"--baseline {self.prediction.baseline}: expected a peer that needs no trace "
+                f"when serving ({', '.join(b for b in PEERS if b not in NEEDS_TRACE)}); "
+                f"measure table peers with `tensorbend run --trace DIR`"
+            )
 
 
 def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **overrides):
@@ -145,8 +152,9 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     Returns the transformers CausalLM; `model.tensorbend` is its `OffloadHandle` (counters,
     reset, close). Keyword overrides set ServeConfig fields, and the fields of its nested
     PolicyConfig (`policy`, `cache_frac`, `pool`, `admission`, ...) and PredictorSpec
-    (`predictor`, `horizon`, `prefetch_extra`) directly:
-    `load_offloaded(path, max_memory="8GB", policy="prefetch", predictor="d1.safetensors")`.
+    (`predictor`, `baseline`, `horizon`, `prefetch_extra`) directly:
+    `load_offloaded(path, max_memory="8GB", policy="prefetch", predictor="d1.safetensors")`,
+    or `baseline="spec_gate"` (the next layer's router on the current router input).
     """
     cfg = _with_overrides(cfg or ServeConfig(), overrides)
     _warn_above_physical(cfg)
@@ -167,7 +175,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
 
     fingerprint = model_fingerprint(lm, spec)
     lm.to(cfg.device).eval()
-    predictor, horizon = _predictors(cfg, spec, fingerprint)  # (refused before a store build)
+    predictor, horizon = _predictors(cfg, lm, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
@@ -335,14 +343,21 @@ def _size_cache(
     return replace(cfg.offload, cache_bytes=plan["cache"]), plan
 
 
-def _predictors(cfg: ServeConfig, spec: RoutingSpec, fingerprint: str):
-    """The --predictor and --horizon checkpoints, each for this model (PredictorSpec checked
-    their places)."""
+def _predictors(cfg: ServeConfig, lm, spec: RoutingSpec, fingerprint: str):
+    """The --predictor (or --baseline, built from the model's routers at --lookahead) and
+    --horizon checkpoints, each for this model (PredictorSpec checked their places)."""
     from tensorbend.predictors.checkpoint import load_predictor
 
     pc = cfg.prediction
-    return tuple(None if p is None else load_predictor(p, spec, fingerprint)
-                 for p in (pc.predictor, pc.horizon))  # fmt: skip
+    within, horizon = (None if p is None else load_predictor(p, spec, fingerprint)
+                       for p in (pc.predictor, pc.horizon))  # fmt: skip
+    if pc.baseline is not None:
+        from tensorbend.predictors.registry import build_baseline
+        from tensorbend.routers import router_params
+
+        params = router_params(lm, spec)
+        within = build_baseline(pc.baseline, spec, cfg.offload.lookahead, router_params=params)
+    return within, horizon
 
 
 def _rss_after_baseline_imports() -> int | None:

@@ -14,6 +14,7 @@ from tensorbend.hf import DecodeConfig
 from tensorbend.offload import runner
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.registry import build_baseline
+from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 
@@ -42,8 +43,8 @@ def no_model_load(monkeypatch):
         (["--link", "0MB/s"], "--link '0MB/s': expected none"),
         (
             ["--policy", "prefetch"],
-            "--policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED (`run`: "
-            "or --baseline NAME)",
+            "--policy prefetch needs a predictor: --predictor PRED, --baseline NAME and/or "
+            "--horizon PRED",
         ),
         (
             ["--baseline", "spec_gate"],
@@ -191,6 +192,7 @@ def test_run_describes_the_model_once(tmp_path, monkeypatch):
     ckpt = save_checkpoint("mixtral", tmp_path / "model")
     prompts = write_prompts(tmp_path / "p.jsonl", 1)
     res = runner.run(runner.RunConfig(model=str(ckpt), prompts=prompts, split="all", link="none",
-                                      offload=PolicyConfig("prefetch"), baseline="spec_gate",
+                                      offload=PolicyConfig("prefetch"),
+                                      prediction=PredictorSpec(baseline="spec_gate"),
                                       session=SessionConfig(DecodeConfig(max_new_tokens=2))))  # fmt: skip
     assert res.output_matches_resident and len(calls) == 1

@@ -159,8 +159,8 @@ def test_serving_run_and_simulate_check_one_predictor_spec_alike(tmp_path, capsy
     for verb in ("generate", "run"):
         assert main([*verbs[verb], "--quiet"]) == 2
         assert capsys.readouterr().err == (
-            "error: --policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED "
-            "(`run`: or --baseline NAME)\n"
+            "error: --policy prefetch needs a predictor: --predictor PRED, --baseline NAME "
+            "and/or --horizon PRED\n"
         )
     cfg = _with_overrides(ServeConfig(), dict(policy="prefetch", predictor=within,
                                               prefetch_extra=-1, io_threads=3))  # fmt: skip

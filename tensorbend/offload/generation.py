@@ -44,6 +44,9 @@ class Generation:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     stats: dict[str, CacheStats] = field(default_factory=lambda: {p: CacheStats() for p in PHASES})
+    disk_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    # storage bytes the process read (memory.disk_read_bytes) from a forward's start to the
+    # next's, per phase (serving's handle counts them; page-cache hits are not disk reads)
     host_load: HostLoad | None = None  # the cores this and other processes used over the pass
 
     @property

@@ -32,7 +32,7 @@ from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.slots import CacheStats
 from tensorbend.cache.transfers import Link
 from tensorbend.errors import TensorbendError
-from tensorbend.memory import peak_rss_bytes
+from tensorbend.memory import disk_read_bytes, peak_rss_bytes
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
@@ -103,6 +103,7 @@ class OffloadHandle:
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)
         self._phase: tuple[str, CacheStats, float] | None = None
+        self._disk: tuple[str, int] | None = None  # (phase, disk_read_bytes) since a forward began
         self._model_hooks = []
         if opts.drive_clock:
             self._model_hooks = [
@@ -116,6 +117,7 @@ class OffloadHandle:
     def counters(self) -> dict:
         """Everything counted since the last `reset`: per phase (tokens, tok/s, bytes and hits
         per token), the cache's totals, prediction seconds, per-layer demand counts, memory."""
+        self._charge_disk(None)
         gen = self.gen
         phases = {}
         for p in ("prefill", "decode"):
@@ -124,6 +126,9 @@ class OffloadHandle:
                 "seconds": gen.seconds[p],
                 "tok_s": gen.tok_s(p),
                 **phase_numbers(gen.stats[p], gen.tokens[p]),
+                "disk_read_bytes_per_token": (
+                    gen.disk_bytes[p] / gen.tokens[p] if gen.tokens[p] else None
+                ),
             }
         decode_tokens = gen.tokens["decode"]
         pred = self.prediction_counters()
@@ -166,6 +171,7 @@ class OffloadHandle:
         self.hooks.reset_counters()
         self.gen = Generation()
         self.compute = ExpertCompute()
+        self._disk = None
 
     def close(self) -> None:
         """Join the I/O threads, remove the hooks, close the store; the model stops working."""
@@ -213,6 +219,7 @@ class OffloadHandle:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.hooks.phase = "decode" if filled else "prefill"
+        self._charge_disk(self.hooks.phase)
         self._phase = (
             "decode" if filled else "prefill",
             self.cache.stats.copy(),
@@ -231,6 +238,16 @@ class OffloadHandle:
             self.gen.decode_times.append(dt)
         self.gen.stats[phase].add(self.cache.stats, minus=before)
         self._phase = None
+
+    def _charge_disk(self, phase: str | None) -> None:
+        """Charge the storage bytes read since the last forward began to that forward's phase
+        (the reads it caused, its prefetches finishing after it included); `phase` starts the
+        next interval (None: the counters are read)."""
+        now = disk_read_bytes()
+        if self._disk is not None:
+            self.gen.disk_bytes[self._disk[0]] += now - self._disk[1]
+            phase = phase or self._disk[0]
+        self._disk = None if phase is None else (phase, now)
 
 
 def _device_of(model) -> torch.device:

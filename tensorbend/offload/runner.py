@@ -2,7 +2,9 @@
 
 Usage:
     >>> from tensorbend.cache.config import PolicyConfig
-    >>> cfg = RunConfig(model="zoo:default", offload=PolicyConfig("prefetch"), baseline="spec_gate")
+    >>> from tensorbend.predictors.spec import PredictorSpec
+    >>> cfg = RunConfig(model="zoo:default", offload=PolicyConfig("prefetch"),
+    ...                 prediction=PredictorSpec(baseline="spec_gate"))
     >>> result = run(cfg)                                                    # doctest: +SKIP
     >>> result.to_json()["output_matches_resident"]                          # doctest: +SKIP
     True
@@ -28,12 +30,8 @@ from tensorbend.models import RoutingSpec, describe_model
 from tensorbend.offload.result import RunResult
 from tensorbend.offload.session import OffloadSession, SessionConfig, expert_layout
 from tensorbend.predictors.checkpoint import check_held_out
-from tensorbend.predictors.registry import BASELINES, KINDS
-from tensorbend.predictors.spec import PredictorSpec
+from tensorbend.predictors.spec import NEEDS_TRACE, PredictorSpec
 from tensorbend.routers import model_fingerprint
-
-RUN_BASELINES = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy
-NEEDS_TRAIN = tuple(b for b in BASELINES if KINDS[b].needs_train_data)
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,8 @@ class RunConfig:
     max_prompts: int | None = 8
     """Run at most this many prompts (file order)."""
     prediction: PredictorSpec = field(default_factory=PredictorSpec)
-    """What predicts for --policy prefetch (--predictor, --horizon, --prefetch-extra)."""
-    baseline: str | None = field(default=None, metadata={"choices": RUN_BASELINES})
-    """Peer predictor by name, instead of --predictor (for --policy prefetch)."""
+    """What predicts for --policy prefetch (--predictor or --baseline, --horizon,
+    --prefetch-extra)."""
     trace: Path | None = None
     """Trace of this model whose train split fits the table baselines (frequency, prev_token,
     transition)."""
@@ -103,7 +100,7 @@ def run(cfg: RunConfig) -> RunResult:
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     spec = describe_model(model)
     la = cfg.offload.lookahead
-    predictor = build_predictor(model, pred.predictor, cfg.baseline, la, cfg.trace, spec)
+    predictor = build_predictor(model, pred.predictor, pred.baseline, la, cfg.trace, spec)
     horizon = build_predictor(model, pred.horizon, None, la, None, spec)
     cfg.offload.slots(spec, expert_layout(model, spec).nbytes)  # too small: fail before the run
     sess = OffloadSession(model, tok, prompts, cfg.session, model_name=cfg.model, spec=spec)
@@ -145,12 +142,10 @@ def build_predictor(
 
 
 def _check_predictor(cfg: RunConfig) -> None:
-    if cfg.prediction.predictor is not None and cfg.baseline is not None:
-        raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
-    cfg.prediction.check_policy(cfg.offload.policy, cfg.baseline)
-    if cfg.baseline in NEEDS_TRAIN and cfg.trace is None:
+    cfg.prediction.check_policy(cfg.offload.policy)
+    if cfg.prediction.baseline in NEEDS_TRACE and cfg.trace is None:
         raise TensorbendError(
-            f"--baseline {cfg.baseline} learns tables from data: expected --trace DIR "
+            f"--baseline {cfg.prediction.baseline} learns tables from data: expected --trace DIR "
             f"(a trace of this model, from `tensorbend collect`)"
         )
     if cfg.trace is not None and not (Path(cfg.trace) / "manifest.json").is_file():

@@ -1,6 +1,7 @@
 """What predicts, and how wide a prefetch is: one spec for serving (`load_offloaded`,
 `tensorbend generate`), `tensorbend run` and `tensorbend simulate`, each nesting it (the flags
---predictor, --horizon, --prefetch-extra come from its fields).
+--predictor, --baseline, --horizon, --prefetch-extra come from its fields; `simulate` names its
+within-token predictors and peers in its own --predictor list instead).
 
 Usage:
     >>> spec = PredictorSpec(prefetch_extra=1)   # (checkpoint files are checked, kinds too)
@@ -9,7 +10,7 @@ Usage:
     >>> spec.check_policy("prefetch")
     Traceback (most recent call last):
     ...
-    tensorbend.errors.TensorbendError: --policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED (`run`: or --baseline NAME)
+    tensorbend.errors.TensorbendError: --policy prefetch needs a predictor: --predictor PRED, --baseline NAME and/or --horizon PRED
 
 `check_policy` is the one check of predictors against a policy (a config's, or the objects an
 `OffloadSession.run_policy` caller passes); `prefetch_width` the one check of the width (the
@@ -18,12 +19,16 @@ runtime's `prefetch.Prefetcher`, the simulator).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors.checkpoint import read_metadata
-from tensorbend.predictors.registry import check_roles
+from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
+
+PEERS = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy oracle
+"""The peers --baseline builds by name (each needs the model, some a trace: `NEEDS_TRACE`)."""
+NEEDS_TRACE = tuple(b for b in PEERS if KINDS[b].needs_train_data)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class PredictorSpec:
     predictor: Path | None = None
     """Within-token predictor checkpoint (`tensorbend train`): prefetches ahead of the router
     (with --policy prefetch)."""
+    baseline: str | None = field(default=None, metadata={"choices": PEERS})
+    """Peer within-token predictor by name, instead of --predictor (with --policy prefetch):
+    spec_gate (the next layer's router on the current router input; no training), random, or
+    a table peer fit on a trace (`run` only, with --trace)."""
     horizon: Path | None = None
     """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`): its forecasts
     drive eviction (Reuse) and next-forward prefetches (with --policy prefetch)."""
@@ -41,6 +50,10 @@ class PredictorSpec:
     the K routed, down to 1 - K: only the likeliest one)."""
 
     def __post_init__(self) -> None:
+        if self.predictor is not None and self.baseline is not None:
+            raise TensorbendError("--predictor and --baseline both given: expected one; drop one")
+        if self.baseline is not None and self.baseline not in PEERS:
+            raise TensorbendError(f"--baseline {self.baseline}: expected one of {', '.join(PEERS)}")
         for flag, path in (("--predictor", self.predictor), ("--horizon", self.horizon)):
             if path is not None and not Path(path).is_file():
                 how = " --predictor horizon" if flag == "--horizon" else ""
@@ -52,9 +65,9 @@ class PredictorSpec:
                  for p in (self.predictor, self.horizon)]  # fmt: skip
         check_roles(*kinds, ("--predictor", "--horizon"))
 
-    def check_policy(self, policy: str, baseline: str | None = None) -> None:
-        """Refuse a policy that these predictors (and `run`'s --baseline) do not fit."""
-        within = self.predictor is not None or baseline is not None
+    def check_policy(self, policy: str) -> None:
+        """Refuse a policy that these predictors do not fit."""
+        within = self.predictor is not None or self.baseline is not None
         check_policy(policy, within, self.horizon is not None)
 
 
@@ -63,8 +76,8 @@ def check_policy(policy: str, within: bool, horizon: bool) -> None:
     one."""
     if policy == "prefetch" and not (within or horizon):
         raise TensorbendError(
-            "--policy prefetch needs a predictor: --predictor PRED and/or --horizon PRED "
-            "(`run`: or --baseline NAME)"
+            "--policy prefetch needs a predictor: --predictor PRED, --baseline NAME and/or "
+            "--horizon PRED"
         )
     if policy != "prefetch" and (within or horizon):
         raise TensorbendError(

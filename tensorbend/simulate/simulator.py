@@ -126,10 +126,11 @@ class SimulateConfig:
             raise TensorbendError(
                 f"--cache-fracs {list(self.cache_fracs)}: expected fractions in (0, 1]"
             )
-        if self.prediction.predictor is not None:
+        if self.prediction.predictor is not None or self.prediction.baseline is not None:
             raise TensorbendError(
-                "SimulateConfig.prediction.predictor: expected None; name the within-token "
-                "predictors to compare in `predictors` (--predictor, repeatable)"
+                "SimulateConfig.prediction.predictor/baseline: expected None; name the "
+                "within-token predictors and peers to compare in `predictors` (--predictor, "
+                "repeatable)"
             )
         if self.prediction.horizon is not None and self.batch != 1:
             raise TensorbendError(
