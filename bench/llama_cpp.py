@@ -159,7 +159,7 @@ def run(gguf: Path, prompt: str | Path, max_new_tokens: int, cap_bytes: int | No
         "peak_rss_bytes": int(max_rss_kb) * 1024,
         "wall_s": float(wall),
         "oom_kills": kills,
-        "text": p.stdout,
+        "text": p.stdout.removesuffix("\n\n"),  # (completion.cpp logs "\n\n" after the text)
     }
 
 
@@ -194,6 +194,32 @@ def parse_timings(stderr: str) -> dict:
         "decode_tokens": dn,
         "decode_ms": dms,
         "decode_tok_s": dn / dms * 1e3 if dms else None,
+    }
+
+
+def measure(gguf: Path, prompt: str, max_new_tokens: int, cap_bytes: int | None,
+            threads: int = 2, tools: Tools | None = None) -> dict:  # fmt: skip
+    """Prefill and decode on one prompt, each run cold: a run of 1 new token (its time to first
+    token and the bytes prefill reads) and a run of `max_new_tokens` + 1 (decode tok/s); the
+    disk bytes per decode token are the difference of the two runs' reads over the extra tokens."""
+    first = run(gguf, prompt, 1, cap_bytes, threads, tools=tools)
+    full = run(gguf, prompt, max_new_tokens + 1, cap_bytes, threads, tools=tools)
+    extra = full["decode_tokens"] - first["decode_tokens"]
+    return {
+        "prompt_tokens": full["prompt_tokens"],
+        "ttft_s": first["ttft_s"],
+        "prefill_tok_s": first["prefill_tok_s"],
+        "prefill_disk_read_bytes": first["disk_read_bytes"],
+        "decode_tok_s": full["decode_tok_s"],
+        "decode_tokens": full["decode_tokens"],
+        "decode_disk_read_bytes_per_token": (full["disk_read_bytes"] - first["disk_read_bytes"])
+        / max(extra, 1),
+        "cap_max_usage_bytes": max(
+            first["cap_max_usage_bytes"] or 0, full["cap_max_usage_bytes"] or 0
+        )
+        or None,  # fmt: skip
+        "peak_rss_bytes": max(first["peak_rss_bytes"], full["peak_rss_bytes"]),
+        "runs": [first, full],
     }
 
 
@@ -262,6 +288,22 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+def _long_prompt(gguf: Path, tokens: int) -> str:
+    """The held-out test prompts joined until they make at least `tokens` tokens (counted by
+    the zoo tokenizer that wrote `gguf`: every zoo model shares it)."""
+    from tensorbend.hf import load_tokenizer
+    from tensorbend.prompts import load_prompts
+    from tensorbend.zoo import resolve_model
+
+    tok = load_tokenizer(resolve_model("zoo:default"))
+    text = ""
+    for p in load_prompts(None, "test"):
+        text = f"{text}\n\n{p.text}" if text else p.text
+        if len(tok(text).input_ids) >= tokens:
+            return text
+    raise TensorbendError(f"the test prompts make fewer than {tokens} tokens together")
+
+
 def _check(cmd: list[str]) -> None:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -286,11 +328,28 @@ def main(argv=None) -> int:
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--no-mmap", action="store_true")
     r.add_argument("--warm", action="store_true", help="keep the GGUF's cached pages")
+    m = sub.add_parser("measure", help="prefill (>= 512-token prompt) and decode, cold runs")
+    m.add_argument("gguf", type=Path)
+    m.add_argument("--prompt-tokens", type=int, default=512, help="at least this many")
+    m.add_argument("--max-new-tokens", type=int, default=32)
+    m.add_argument("--cap", default=None, help="memory cgroup limit, e.g. 1GB (needs root)")
+    m.add_argument("--threads", type=int, default=2)
+    m.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.cmd == "build":
         print(build().completion)
     elif args.cmd == "convert":
         print(convert(args.checkpoint, args.out, args.outtype))
+    elif args.cmd == "measure":
+        prompt = _long_prompt(args.gguf, args.prompt_tokens)
+        cap = parse_bytes(args.cap) if args.cap else None
+        result = {"command": ["python", "-m", "bench.llama_cpp", *(argv or sys.argv[1:])],
+                  "gguf": str(args.gguf), "gguf_bytes": args.gguf.stat().st_size, "cap_bytes": cap,
+                  "threads": args.threads, "cold": True, "mmap": True,
+                  **measure(args.gguf, prompt, args.max_new_tokens, cap, args.threads)}  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     else:
         prompt = Path(args.prompt[1:]) if args.prompt.startswith("@") else args.prompt
         cap = parse_bytes(args.cap) if args.cap else None

@@ -9,14 +9,16 @@ from bench import llama_cpp
 from tensorbend.errors import TensorbendError
 from tensorbend.zoo import resolve_model
 
-# Captured from a real run (llama-completion of llama-cpp-python 0.3.36's vendored llama.cpp,
-# zoo:dsv3-tiny as f32 GGUF, 2 threads): the tail of its stderr.
+# Captured from a real run: the tail of llama-completion's stderr (llama-cpp-python 0.3.36's
+# vendored llama.cpp, zoo:qwen3moe-tiny as an f32 GGUF, "And God said", -n 24, 2 threads).
 PERF = """\
-llama_perf_sampler_print:    sampling time =       1.12 ms /    30 runs   (    0.04 ms per token, 26833.63 tokens per second)
-llama_perf_context_print:        load time =      21.73 ms
-llama_perf_context_print: prompt eval time =       0.97 ms /     6 tokens (    0.16 ms per token,  6185.57 tokens per second)
-llama_perf_context_print:        eval time =      14.02 ms /    23 runs   (    0.61 ms per token,  1640.51 tokens per second)
-llama_perf_context_print:       total time =      17.70 ms /    29 tokens
+0.00.093.385 I common_perf_print:    sampling time =       0.48 ms
+0.00.093.411 I common_perf_print:    samplers time =       0.29 ms /    27 tokens
+0.00.093.434 I common_perf_print:        load time =       2.28 ms
+0.00.093.454 I common_perf_print: prompt eval time =       1.91 ms /     3 tokens (    0.64 ms per token,  1574.80 tokens per second)
+0.00.093.472 I common_perf_print:        eval time =      11.33 ms /    23 runs   (    0.49 ms per token,  2029.65 tokens per second)
+0.00.093.486 I common_perf_print:       total time =      14.70 ms /    26 tokens
+0.00.093.500 I common_perf_print: unaccounted time =       0.98 ms /   6.6 %      (total - sampling - prompt eval - eval) / (total)
 """
 
 tools = llama_cpp.find()
@@ -30,9 +32,9 @@ needs_build = pytest.mark.skipif(
 def test_parse_timings_reads_the_perf_summary():
     t = llama_cpp.parse_timings(PERF)
     assert (t["prompt_tokens"], t["prompt_ms"], t["decode_tokens"], t["decode_ms"]) == (
-        6, 0.97, 23, 14.02)  # fmt: skip
-    assert t["decode_tok_s"] == pytest.approx(23 / 14.02e-3)
-    assert t["prefill_tok_s"] == pytest.approx(6 / 0.97e-3)
+        3, 1.91, 23, 11.33)  # fmt: skip
+    assert t["decode_tok_s"] == pytest.approx(23 / 11.33e-3)
+    assert t["prefill_tok_s"] == pytest.approx(3 / 1.91e-3)
 
 
 def test_parse_timings_without_a_summary_is_one_clear_error():
@@ -41,10 +43,11 @@ def test_parse_timings_without_a_summary_is_one_clear_error():
 
 
 @needs_build
-@pytest.mark.parametrize("name", ["qwen3moe-tiny", "dsv3-tiny"])
+@pytest.mark.parametrize("name", ["qwen3moe-tiny"])  # (dsv3-*: converted, not loaded)
 def test_gguf_greedy_text_equals_transformers(tmp_path, name):
     """The zoo model converted at its own precision (f32) continues two prompts with the
-    same greedy text as transformers (eager experts)."""
+    same greedy text as transformers (eager experts). The DeepSeek-V3 zoo models convert but
+    llama.cpp refuses to load them (docs/guide/peers.md)."""
     from tensorbend.hf import load_model
 
     ckpt = resolve_model(f"zoo:{name}")
