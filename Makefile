@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate clean
+.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate llama-cpp clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -259,6 +259,11 @@ bench-serve-accelerate: setup
 		--max-new-tokens 48 --accelerate --memory-cap \
 		--only 'lru$$|lfru/adm=frequency$$|lru/per_layer$$|accelerate' \
 		--json docs/results/bench/serve_accelerate.json --doc docs/results/serve_accelerate.md > /dev/null
+
+# Optional extra: llama.cpp (the sources llama-cpp-python's sdist vendors) built into
+# runs/llama.cpp/ as a serving peer (bench/llama_cpp.py, docs/guide/peers.md); needs cmake + ninja.
+llama-cpp: setup
+	$(PY) -m bench.llama_cpp build
 
 clean:
 	rm -rf $(VENV) runs
