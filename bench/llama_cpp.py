@@ -223,6 +223,45 @@ def measure(gguf: Path, prompt: str, max_new_tokens: int, cap_bytes: int | None,
     }
 
 
+def row(gguf: Path, ctx: dict, prefill: bool, tools: Tools | None = None) -> dict:
+    """One run of the serving bench's llama.cpp row (`bench.serve_rows.EXTERNAL`), cold, in the
+    bench's memory cap: the prefill run (its long prompt, 1 new token) or the decode run (each
+    decode prompt in turn, `max_new_tokens` each, a cold process per prompt). Its keys are
+    `serve_rows.ROW_KEYS`; disk bytes per token are the decode runs' whole reads (prefill
+    included: llama.cpp does not split them) over their decode tokens."""
+    cap = ctx["memory_cap_bytes"]
+    if prefill:
+        text = json.loads(Path(ctx["prefill_prompt"]).read_text().splitlines()[0])["text"]
+        r = run(gguf, text, 1, cap, tools=tools)
+        return _row(r, [r], prefill_s=r["ttft_s"], prefill_tokens=r["prompt_tokens"])
+    prompts = [json.loads(x)["text"] for x in Path(ctx["prompts"]).read_text().splitlines() if x]
+    rs = [run(gguf, p, ctx["max_new_tokens"], cap, tools=tools) for p in prompts]
+    n = sum(r["decode_tokens"] for r in rs)
+    agg = {
+        "decode_tok_s": n / sum(r["decode_ms"] for r in rs) * 1e3,
+        "decode_tokens": n,
+        "disk_read_bytes_per_token": sum(r["disk_read_bytes"] for r in rs) / max(n, 1),
+    }
+    return _row(agg, rs, prefill_s=sum(r["ttft_s"] for r in rs),
+                prefill_tokens=sum(r["prompt_tokens"] for r in rs))  # fmt: skip
+
+
+def _row(agg: dict, rs: list[dict], prefill_s: float, prefill_tokens: int) -> dict:
+    peak = max(r["peak_rss_bytes"] for r in rs)
+    capped = [r["cap_max_usage_bytes"] for r in rs if r["cap_max_usage_bytes"] is not None]
+    return {
+        "engine": "llama.cpp", "decode_tok_s": agg["decode_tok_s"],
+        "decode_tokens": agg["decode_tokens"],
+        "bytes_read_per_token": agg["disk_read_bytes_per_token"],
+        "disk_read_bytes_per_token": agg["disk_read_bytes_per_token"],
+        "demand_hit_rate": None, "stall_s_per_token": None, "predict_s_per_token": None,
+        "cache_slots": None, "peak_rss_bytes": peak, "prefill_s": prefill_s,
+        "prefill_tokens": prefill_tokens, "text": "".join(r["text"] for r in rs),
+        "cap_max_usage_bytes": max(capped) if capped else None,
+        "oom_kills": sum(r["oom_kills"] for r in rs), "commands": [r["command"] for r in rs],
+    }  # fmt: skip
+
+
 # ------------------------------------------------------------ helpers
 
 # The vendored converter in a fresh interpreter, its pre-tokenizer lookup falling back to

@@ -72,6 +72,11 @@ from tensorbend.zoo import resolve_model
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        default="zoo:default",
+        help="bundled model to inflate (zoo:qwen3moe-tiny: the one llama.cpp loads)",
+    )
     ap.add_argument("--factor", type=int, default=184)
     ap.add_argument("--max-memory", default="1GB")
     ap.add_argument("--repeats", type=int, default=5)
@@ -94,12 +99,22 @@ def main(argv=None) -> int:
                     help="run every row in a memory cgroup of import baseline + budget + "
                          "--cap-margin (page cache included; needs root)")  # fmt: skip
     ap.add_argument("--cap-margin", default="64MB", help="headroom of --memory-cap")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="add the row 'llama.cpp' (bench.llama_cpp: a GGUF of the same "
+                         "checkpoint, mmap on, cold runs; needs `make llama-cpp`)")  # fmt: skip
     ap.add_argument("--only", default=None,
                     help="regex: run only the rows whose name it finds (at least one row "
                          "without prediction: the best of those is the reference)")  # fmt: skip
     args = ap.parse_args(argv)
-    ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}",
+    tag = args.model.removeprefix("zoo:")
+    ckpt = inflate(resolve_model(args.model), args.workdir / f"{tag}-x{args.factor}"
+                   if args.model != "zoo:default" else args.workdir / f"ckpt-x{args.factor}",
                    args.factor)  # fmt: skip
+    if args.llama_cpp:
+        from bench import llama_cpp
+
+        gguf = llama_cpp.convert(ckpt, ckpt.with_suffix(".gguf"))
+        EXTERNAL["llama.cpp"] = lambda name, ctx, prefill: llama_cpp.row(gguf, ctx, prefill)
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     long = args.workdir / "prefill.jsonl"
     prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
@@ -109,7 +124,7 @@ def main(argv=None) -> int:
         if not any(k in NO_PREDICTION for k in rows):
             raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
                              f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
-    store = args.workdir / "store"
+    store = args.workdir / ("store" if args.model == "zoo:default" else f"store-{tag}")
     generate = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt),
                 "--max-memory", args.max_memory, "--quiet"]  # fmt: skip
     base = generate + ["--io", "direct", "--store-dir", str(store)]
@@ -201,7 +216,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
             r[key] = statistics.median(ratios)
             r[f"{key}_range"] = [min(ratios), max(ratios)]
     return {
-        "model": f"zoo:default with experts x{args.factor} (bench.inflate)",
+        "model": f"{args.model} with experts x{args.factor} (bench.inflate)",
         "checkpoint_bytes": experts,
         "expert_bytes": first["expert_bytes"],
         "max_memory_bytes": parse_bytes(args.max_memory),
