@@ -38,7 +38,7 @@ from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
-from tensorbend.offload.loader import Loader
+from tensorbend.offload.loader import Loader, PrefetchGuard
 from tensorbend.offload.result import phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
 
@@ -87,7 +87,8 @@ class OffloadHandle:
         self.store.check({}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
-        self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s)
+        self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s,
+                             guard=PrefetchGuard())  # fmt: skip
         self.experts = [getattr(moe_block(model, spec, m), spec.experts_attr) for m in range(L)]
         for m, mod in enumerate(self.experts):
             for name, _ in layout.parts:
