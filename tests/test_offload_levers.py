@@ -1,11 +1,14 @@
-"""The prefetch guard on an adversarial predictor: one that always names experts the run does
-not use must not read more than the same cache without prediction by more than the guard's
-bound, and the output stays the resident model's."""
+"""Levers of the real-disk regime. The prefetch guard on an adversarial predictor: one that
+always names experts the run does not use must not read more than the same cache without
+prediction by more than the guard's bound, and the output stays the resident model's. CPU
+decode forwards run with the intra-op threads capped (a core left to the I/O threads)."""
 
 import pytest
 import torch
-from tiny_models import build, char_tokenizer
+from tiny_models import build, char_tokenizer, save_checkpoint
+from transformers import AutoModelForCausalLM
 
+import tensorbend
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.hf import DecodeConfig
 from tensorbend.offload import handle as handle_mod
@@ -76,3 +79,38 @@ def test_guard_bounds_an_always_wrong_predictor(session, monkeypatch):
     unguarded = _run(session, adversary)["counters"]
     assert unguarded["prefetch_used"] == 0
     assert unguarded["prefetch_loaded"] > g.slack + 1 + THREADS
+
+
+def test_decode_threads_leave_a_core(monkeypatch):
+    monkeypatch.setattr(handle_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert [handle_mod.decode_threads(n) for n in (1, 2, 8)] == [1, 1, 1]
+    monkeypatch.setattr(handle_mod.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [handle_mod.decode_threads(n) for n in (1, 8, 16, 32)] == [1, 8, 15, 15]
+
+
+def test_decode_forwards_run_capped_and_prefill_and_close_restore(tmp_path, monkeypatch):
+    """The cap holds during decode forwards only; tokens equal the resident model's."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    monkeypatch.setattr(handle_mod, "decode_threads", lambda n: 1)
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _generate_capped(ckpt, ref, tmp_path)
+    finally:
+        torch.set_num_threads(caller)
+
+
+def _generate_capped(ckpt, ref, tmp_path):
+    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "store", cache_frac=0.25,
+                                      progress=False)  # fmt: skip
+    seen = []
+    model.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    ids = torch.tensor([[5, 17, 33, 2, 40, 8]])
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    model.tensorbend.close()
+    assert torch.equal(got, want)
+    assert seen == [2, 1, 1, 1]  # prefill with the caller's threads, then 3 decode forwards
+    assert torch.get_num_threads() == 2
