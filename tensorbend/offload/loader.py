@@ -18,8 +18,8 @@ goes first). Whether a prefetch may evict, and what, is the cache's question
 (`ExpertCache.start_load`).
 
 A real disk has no booked wire, so there idle bandwidth is kept by thread count: at most
-`prefetch_threads` (default threads - 1) reads are prefetches at once, so a demand load finds
-a thread of its own. A `PrefetchGuard` turns prefetching off while it wastes: with predictions
+`prefetch_threads` (default: threads - 1 on an uncapped link, all of them on an emulated one)
+reads are prefetches at once, so a demand load finds a thread of its own. A `PrefetchGuard` turns prefetching off while it wastes: with predictions
 that are all wrong, at most `slack` + threads prefetched experts are read in a run.
 
 CUDA: reads land in a pinned staging buffer per thread, then one copy stream moves them into
@@ -76,9 +76,9 @@ class Loader:
     ):
         self.store, self.cache = store, cache
         self.guard = guard
-        self._prefetch_threads = (
-            max(1, threads - 1) if prefetch_threads is None else prefetch_threads
-        )
+        if prefetch_threads is None:  # (an emulated link keeps the simulator's rule: its backlog)
+            prefetch_threads = threads if store.link.capped else max(1, threads - 1)
+        self._prefetch_threads = prefetch_threads
         self._prefetching = 0  # threads reading a prefetch now (guarded by _lock)
         self.queue = RequestQueue(max_backlog_s)  # guarded by _lock
         self._lock = threading.Lock()
