@@ -1,7 +1,8 @@
 """I/O threads that read experts from the store into cache slots, demand loads first.
 
 Usage (the session does this per policy run):
-    loader = Loader(store, cache, threads=2, max_backlog_s=0.5 * link.seconds(nbytes))
+    loader = Loader(store, cache, threads=2, max_backlog_s=0.5 * link.seconds(nbytes),
+                    guard=PrefetchGuard())
     loader.demand((m, e))                       # the router of layer m asked for expert e
     loader.prefetch((m, e), priority=0, when=step)   # a prediction for step `when`
     loader.prefetch_many([((m, e), 0, step), ...])   # several, one lock round-trip
@@ -16,6 +17,11 @@ and its thread waits until the backlog falls to that (a demand queued meanwhile 
 goes first). Whether a prefetch may evict, and what, is the cache's question
 (`ExpertCache.start_load`).
 
+A real disk has no booked wire, so there idle bandwidth is kept by thread count: at most
+`prefetch_threads` (default: threads - 1 on an uncapped link, all of them on an emulated one)
+reads are prefetches at once, so a demand load finds a thread of its own. A `PrefetchGuard` turns prefetching off while it wastes: with predictions
+that are all wrong, at most `slack` + threads prefetched experts are read in a run.
+
 CUDA: reads land in a pinned staging buffer per thread, then one copy stream moves them into
 the slot; the copy waits for the compute stream to finish with the slot's previous expert.
 """
@@ -23,6 +29,7 @@ the slot; the copy waits for the compute stream to finish with the slot's previo
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -32,13 +39,47 @@ from tensorbend.offload.cache import ExpertCache
 from tensorbend.offload.store import ExpertStore
 
 
+@dataclass(frozen=True)
+class PrefetchGuard:
+    """Prefetch only while the prefetched experts read and not (yet) used number at most
+    `slack` + `ratio` x those used (the cache's counters of the run). A predictor that is
+    always wrong gets `slack` reads (+ those already started), then none; one whose
+    prefetches are used at least once in 1 + ratio keeps prefetching.
+
+        >>> from tensorbend.cache.slots import CacheStats
+        >>> g = PrefetchGuard(slack=2, ratio=1.0)
+        >>> g.open(CacheStats(prefetch_loaded=2)), g.open(CacheStats(prefetch_loaded=3))
+        (True, False)
+        >>> g.open(CacheStats(prefetch_loaded=10, prefetch_used=4))
+        True
+    """
+
+    slack: int = 16
+    ratio: float = 1.0
+
+    def open(self, stats) -> bool:
+        unused = stats.prefetch_loaded - stats.prefetch_used
+        return unused <= self.slack + self.ratio * stats.prefetch_used
+
+
 class Loader:
     """I/O threads serving one request queue: demand loads first, then prefetches by rank."""
 
     def __init__(
-        self, store: ExpertStore, cache: ExpertCache, threads: int = 2, max_backlog_s: float = INF
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        threads: int = 2,
+        max_backlog_s: float = INF,
+        prefetch_threads: int | None = None,
+        guard: PrefetchGuard | None = None,
     ):
         self.store, self.cache = store, cache
+        self.guard = guard
+        if prefetch_threads is None:  # (an emulated link keeps the simulator's rule: its backlog)
+            prefetch_threads = threads if store.link.capped else max(1, threads - 1)
+        self._prefetch_threads = prefetch_threads
+        self._prefetching = 0  # threads reading a prefetch now (guarded by _lock)
         self.queue = RequestQueue(max_backlog_s)  # guarded by _lock
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # threads with nothing to take
@@ -64,6 +105,8 @@ class Loader:
     def prefetch(self, key: Key, priority: float, when: int) -> bool:
         """Queue a prefetch of key, used at step `when`; False if queued or cached already."""
         with self._lock:
+            if not self._guard_open():
+                return False
             if key in self.cache.entries or not self.queue.prefetch(key, when, priority):
                 return False
             self.cache.stats.prefetch_issued += 1
@@ -75,8 +118,8 @@ class Loader:
         returns how many were queued."""
         queued, entries = 0, self.cache.entries
         requests = [r for r in requests if r[0] not in entries]  # (rechecked under the lock:
-        if not requests:  # a decode call's experts are often all held, and then no lock)
-            return 0
+        if not requests or not self._guard_open():  # (a decode call's experts are often all
+            return 0  # held, and then no lock)
         with self._lock:
             queue = self.queue
             for key, priority, when in requests:
@@ -117,6 +160,11 @@ class Loader:
                 self.cache.finish_load(req.key, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, re-raised there
                 self.cache.fail_load(req.key, e)
+            finally:
+                if not demand:
+                    with self._lock:
+                        self._prefetching -= 1
+                        self._deferred.notify()
 
     def _take(self):
         """The best request this thread may start now (None: closed), under `_lock`. A prefetch
@@ -131,11 +179,20 @@ class Loader:
             if self._closed:
                 return None
             req = self.queue.pop()
+            if req.kind == DEMAND:
+                return req
+            if not self._guard_open():  # queued before the guard closed: moot now
+                self.cache.stats.prefetch_dropped += 1
+                continue
             wait = self.queue.deferral(req, self.store.backlog_s())
-            if wait <= 0:
+            if wait <= 0 and self._prefetching < self._prefetch_threads:
+                self._prefetching += 1
                 return req
             self.queue.put_back(req)
-            self._deferred.wait(wait)
+            self._deferred.wait(wait if wait > 0 else None)  # (or a prefetch read ends)
+
+    def _guard_open(self) -> bool:
+        return self.guard is None or self.guard.open(self.cache.stats)
 
     def _wake_idle(self, n: int) -> int:
         """Wake up to n idle threads, under `_lock`; returns how many. Counted out here, not
