@@ -82,9 +82,9 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
         ours += ["--predictor", str(predictor)] if predictor else []
         label = "+".join(x for x, p in (("horizon", horizon), ("d1", predictor)) if p)
         rows[f"ours: {label}/adm=predicted"] = ours
-    narrow = "ours: horizon(evict only)+d1/per_layer/adm=predicted"
-    for extra in (-2, -3) if narrow in rows else ():  # fewer prefetches than the K routed
-        rows[f"{narrow}/extra={extra}"] = rows[narrow] + ["--prefetch-extra", str(extra)]
+    for extra in (-2, -3):  # a narrower prefetch (top-2, top-1) than the K routed + 2
+        for name in [n for n in rows if "/adm=predicted" in n and "/extra=" not in n]:
+            rows[f"{name}/extra={extra}"] = rows[name] + ["--prefetch-extra", str(extra)]
     if accelerate:
         rows[ACCELERATE] = ["--engine", "accelerate"]
     for name in EXTERNAL:

@@ -203,7 +203,7 @@ def test_loader_queue_order_demand_then_soonest_then_rank():
     from tensorbend.offload.loader import Loader
 
     cache = _cache(4, LRU())
-    loader = Loader(store=None, cache=cache, threads=0)
+    loader = Loader(store=None, cache=cache, threads=0, prefetch_threads=0)
     loader.prefetch((1, 0), priority=0, when=10)  # the next token's layer: needed later
     loader.prefetch((0, 5), priority=3, when=5)  # this token: sooner, though ranked lower
     loader.prefetch((0, 6), priority=1, when=5)

@@ -114,14 +114,16 @@ def _serving(rep: dict) -> str:
     highest median ratio to it (the most prediction did there), and whether that is a gain."""
     best = next(r for r in rep["results"] if r["policy"] == rep["best_no_prediction"])
     ours = [r for r in rep["results"] if r["policy"].startswith("ours")]
-    top = max(ours, key=lambda r: r["vs_best_cache"])
-    lo, hi = top["vs_best_cache_range"]
+    key = "vs_best_peer" if "best_peer" in rep else "vs_best_cache"  # (older JSON: caches only)
+    top = max(ours, key=lambda r: r[key])
+    lo, hi = top[f"{key}_range"]
     verdict = "a tie" if lo <= 1 <= hi else "faster" if lo > 1 else "slower"
+    peer = f" than the best peer ({rep['best_peer']})" if key == "vs_best_peer" else ""
     return (
         f"| real disk | {_setup(rep)} (serve_memory.md) | not in this run | "
         f"{best['policy']}: {_tok_s(best)} | best of {len(ours)} rows, "
         f"{top['policy'].removeprefix('ours: ')}: {_tok_s(top)}, "
-        f"{top['vs_best_cache']:.2f}x [{lo:.2f}, {hi:.2f}]: **{verdict}** |"
+        f"{top[key]:.2f}x [{lo:.2f}, {hi:.2f}]: **{verdict}**{peer} |"
     )
 
 

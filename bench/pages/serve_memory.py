@@ -65,7 +65,7 @@ def markdown(res: dict) -> str:
             f"{r['peak_rss_bytes'] / 1e6:.0f} | "
             f"{(r['peak_rss_bytes'] - base) / 1e6:.0f} | {budget / 1e6:.0f} |"
             + (f" {_mb(r.get('cap_max_usage_bytes'))} | "
-               f"{'yes' if r.get('text_equal_to_best') else 'NO'} |" if capped else "")
+               f"{_same(r.get('text_equal_to_best'))} |" if capped else "")
         )  # fmt: skip
     ours = [r for r in res["results"] if r.get("engine", "tensorbend") == "tensorbend"]
     if peers:
@@ -99,7 +99,7 @@ def markdown(res: dict) -> str:
             f"(import baseline + budget + margin; `bench.memory_cap`): the page cache a "
             f"run's reads fill is charged to it too, as on a machine with only that much RAM; "
             f"OOM kills: {sum(r.get('oom_kills', 0) for r in res['results'])}. Same text: "
-            f"every repeat's greedy text equals the best cache's.",
+            + _same_text(res["results"]),
         ]
     if stalls:
         best = next(r for r in res["results"] if r["policy"] == res["best_no_prediction"])
@@ -173,3 +173,20 @@ def _peer_notes(res: dict) -> list[str]:
 
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.0f}"
+
+
+def _same(equal: bool | None) -> str:
+    """The same-text cell: None for an engine whose output is compared elsewhere (llama.cpp's
+    greedy tokens against transformers' in tests/test_llama_cpp.py)."""
+    return "n/a (tested apart)" if equal is None else "yes" if equal else "NO"
+
+
+def _same_text(results: list[dict]) -> str:
+    """What the same-text column says, in one sentence, from the rows' flags."""
+    differ = [r["policy"] for r in results if r.get("text_equal_to_best") is False]
+    apart = [r["policy"] for r in results if r.get("text_equal_to_best") is None]
+    said = ("every repeat's greedy text equals the best cache's" if not differ else
+            f"these rows' text differs from the best cache's: {', '.join(differ)}")  # fmt: skip
+    if apart:
+        said += f" ({', '.join(apart)}: own output format, its greedy tokens tested apart)"
+    return said + "."
