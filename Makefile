@@ -246,11 +246,20 @@ bench-headline-domain: bench-accuracy
 		--out docs/results/bench/headline_default_domain --doc docs/results/headline_default_domain.md > /dev/null
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
+# The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
+# ours on zoo:default x184 (~20 min), then llama.cpp beside tensorbend on qwen3moe-tiny x184,
+# the checkpoint llama.cpp loads (needs `make llama-cpp`; ~10 min).
+SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted(/extra=-2)?$$'
 bench-serve: bench-traces
-	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 3 \
-		--max-new-tokens 48 --predictor $(BENCH)/default/ours_d1.safetensors \
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 2 \
+		--max-new-tokens 24 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --only $(SERVE_ROWS) \
 		--json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md > /dev/null
+	$(PY) -m bench.serve_memory --model zoo:qwen3moe-tiny --factor 184 --max-memory 1GB \
+		--repeats 3 --prompts 2 --max-new-tokens 16 --memory-cap --llama-cpp \
+		--only '^lru$$|^lfru/adm=frequency$$|page cache|^spec_gate/adm=predicted/extra=-2$$|llama' \
+		--json docs/results/bench/serve_llama_cpp.json --doc docs/results/serve_llama_cpp.md > /dev/null
 
 # tensorbend beside transformers + accelerate offloading (the baseline without tensorbend), every
 # run in a memory cgroup of import baseline + budget (needs root; run alone, ~30 min).

@@ -1,0 +1,46 @@
+"""The real-disk serving bench's rows (bench/serve_rows.py): each peer that predicts runs with
+the cache and admission ours uses, the page-cache row keeps no expert of its own, narrower
+prefetch widths are added for every predicting row, and an external engine's row must give
+every key the aggregate reads."""
+
+from pathlib import Path
+
+import pytest
+
+from bench import serve_rows
+from bench.serve_rows import PAGE_CACHE, PREFETCH, ROW_KEYS, external_row, is_ours, policies
+
+
+def test_peers_share_ours_cache_and_admission():
+    rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True)
+    ours = rows["ours: horizon+d1/adm=predicted"]
+    assert ours[: len(PREFETCH)] == PREFETCH
+    for peer, flag in (("spec_gate", ["--baseline", "spec_gate"]),
+                       ("seed_mlp", ["--predictor", "seed.st"])):  # fmt: skip
+        assert rows[f"{peer}/adm=predicted"] == PREFETCH + flag
+        assert rows[f"{peer}/adm=predicted/extra=-2"] == PREFETCH + flag + [
+            "--prefetch-extra",
+            "-2",
+        ]
+        assert not is_ours(f"{peer}/adm=predicted")
+    assert rows["ours: horizon+d1/adm=predicted/extra=-3"] == ours + ["--prefetch-extra", "-3"]
+    assert rows[PAGE_CACHE] == ["--policy", "on_demand", "--io", "buffered"]
+    assert "lru" in rows and rows["lru"] == []  # the plain cache: generate's defaults
+    assert not any("/extra=" in n for n in rows if "adm=predicted" not in n)
+
+
+def test_without_seed_mlp_no_seed_rows():
+    rows = policies(None, None, None, accelerate=False)
+    assert not any(n.startswith(("seed_mlp", "ours")) for n in rows)
+    assert "spec_gate/adm=predicted" in rows  # needs no training: always a peer
+
+
+def test_external_row_must_give_every_key(monkeypatch):
+    full = {k: None for k in ROW_KEYS}
+    monkeypatch.setitem(serve_rows.EXTERNAL, "engine-x", lambda name, ctx, prefill: full)
+    assert external_row("engine-x", {}, prefill=False) is full
+    assert "engine-x" in policies(None, None, None, accelerate=False)
+    short = {k: None for k in ROW_KEYS if k != "decode_tok_s"}
+    monkeypatch.setitem(serve_rows.EXTERNAL, "engine-x", lambda name, ctx, prefill: short)
+    with pytest.raises(AssertionError, match="decode_tok_s"):
+        external_row("engine-x", {}, prefill=True)
