@@ -38,7 +38,7 @@ class RoutingCapture:
         hooks=RouterHooks,
     ):
         """hooks: the router-hook context manager, called as hooks(model, spec, on_route=...,
-        on_layer_input=...); another engine's (engines/vllm.py) gives the same RouterCalls."""
+        on_layer_input=...); another engine's (engines/vllm_engine.py) gives the same RouterCalls."""
         unknown = set(features) - set(FEATURES)
         if unknown:
             raise TensorbendError(

@@ -148,7 +148,7 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
         )
     ctx = DistContext.from_env()
     if cfg.engine == "vllm":
-        from tensorbend.engines.vllm import VllmEngine  # (imports vllm: only on this path)
+        from tensorbend.engines.vllm_engine import VllmEngine  # (imports vllm: only on this path)
 
         if ctx.world_size > 1:
             raise TensorbendError("--engine vllm runs in one process: run it without torchrun")
@@ -170,7 +170,7 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
 
 def _collect_loaded(cfg, ctx, prompts, block, out: Path, model, tok, progress, t0, engine=None):
     """collect() once the model is loaded: write this rank's block, then the merged manifest.
-    engine: another engine's capture and prompt runner (engines/vllm.py); default transformers."""
+    engine: another engine's capture and prompt runner (engines/vllm_engine.py); default transformers."""
     lo, hi = block
     spec = engine.spec if engine is not None else describe_model(model)
     features = tuple(dict.fromkeys(("ids", *cfg.features)))

@@ -50,24 +50,16 @@ def test_generate_cli_states_the_precision_and_writes_transformers_bf16_text(tmp
     """`tensorbend generate` on a bf16 checkpoint: the summary line says the experts are stored
     and computed in bf16 (what bench/expert_dtype.py measured faster at real sizes), and the
     text is transformers' own bf16 model's (eager experts)."""
-    from tiny_models import char_tokenizer
 
     from tensorbend.cli import main
 
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt", dtype=torch.bfloat16)
-    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
-    tok = char_tokenizer()
-    ids = tok("river stone", return_tensors="pt").input_ids
-    with torch.inference_mode():
-        want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    want = _eager_cli_text(ckpt, "river stone", 10)
     capsys.readouterr()
     assert main(["generate", "--model", str(ckpt), "--prompt", "river stone", "--max-new-tokens",
                  "10", "--store-dir", str(tmp_path / "s"), "--quiet"]) == 0  # fmt: skip
     out = capsys.readouterr()
-    assert (
-        out.out
-        == "river stone" + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
-    )
+    assert out.out == want
     assert "experts stored in bfloat16, computed in bfloat16" in out.err
 
 
@@ -237,25 +229,18 @@ def test_generate_cli_serves_an_mxfp4_checkpoint_as_transformers_dequantizes(tmp
     stored precision, and --json's bytes per token are whole mxfp4 experts."""
     import json
 
-    from tiny_models import char_tokenizer, save_mxfp4_checkpoint
+    from tiny_models import save_mxfp4_checkpoint
 
     from tensorbend.cli import main
 
     ckpt = save_mxfp4_checkpoint(tmp_path / "ckpt")
-    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
-    tok = char_tokenizer()
-    ids = tok("river stone", return_tensors="pt").input_ids
-    with torch.inference_mode():
-        want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    want = _eager_cli_text(ckpt, "river stone", 10)
     capsys.readouterr()
     assert main(["generate", "--model", str(ckpt), "--prompt", "river stone", "--max-new-tokens",
                  "10", "--store-dir", str(tmp_path / "s"), "--cache-frac", "0.25", "--quiet",
                  "--json", str(tmp_path / "s.json")]) == 0  # fmt: skip
     out = capsys.readouterr()
-    assert (
-        out.out
-        == "river stone" + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
-    )
+    assert out.out == want
     assert "experts stored in mxfp4 (fp4 e2m1, an e8m0 scale per 32), computed in bfloat16" in (
         out.err
     )
@@ -297,6 +282,19 @@ def test_quantized_store_reused_after_a_touch_and_rebuilt_after_an_edit(fmt, tmp
     tensors[key][0].add_(1)  # (the same shapes and header: only the digests see it)
     save_file(tensors, shard, metadata={"format": "pt"})
     assert store_mtime() != built
+
+
+def _eager_cli_text(ckpt, prompt: str, n: int) -> str:
+    """What `tensorbend generate --prompt PROMPT` should print: transformers' greedy text with
+    eager experts (the checkpoint dequantized as transformers does), after the prompt."""
+    from tiny_models import char_tokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    tok = char_tokenizer()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        want = ref.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=1)
+    return prompt + tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
 
 
 def _served_like(ref, model, spec) -> list[int]:

@@ -4,7 +4,7 @@ Usage (in .venv-vllm):
     .venv-vllm/bin/tensorbend live --model zoo:qwen3moe-tiny --predictor ours_d1.safetensors \\
         --split test --max-prompts 8 --max-new-tokens 32
 
-Prompts generate greedily in vLLM (engines/vllm.py: the model in this process, hooks on every
+Prompts generate greedily in vLLM (engines/vllm_engine.py: the model in this process, hooks on every
 MoE layer's router and decoder layer). At each source point the hooks hand vLLM's own tensors to
 a `prefetch.Prefetcher` holding the predictor, exactly as an engine integration would; when the
 target layer's router then runs, its executed ids score the prediction made for it:
@@ -61,7 +61,7 @@ class LiveConfig:
 
 def live(cfg: LiveConfig) -> dict:
     """Run the prompts in vLLM with the predictor live; returns the report (JSON-able)."""
-    from tensorbend.engines.vllm import VllmEngine
+    from tensorbend.engines.vllm_engine import VllmEngine
     from tensorbend.predictors.checkpoint import load_predictor
 
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
