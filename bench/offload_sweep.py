@@ -52,10 +52,11 @@ from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
-from tensorbend.offload.runner import NEEDS_TRAIN, build_predictor
+from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out
+from tensorbend.predictors.spec import NEEDS_TRACE
 from tensorbend.prompts import load_prompts
 
 
@@ -188,7 +189,7 @@ def _predictors(a, model) -> list:
         preds += _prepare(a, trace)
     out = [build_predictor(model, p, None, a.lookahead, None) for p in preds]
     for name in _names(a.baselines):
-        if name in NEEDS_TRAIN and trace is None:
+        if name in NEEDS_TRACE and trace is None:
             print(f"skip {name}: needs --trace", file=sys.stderr)
             continue
         out.append(build_predictor(model, None, name, a.lookahead, trace))
