@@ -95,6 +95,11 @@ def main(argv=None) -> int:
     ap.add_argument("--accelerate", action="store_true",
                     help=f"add the row {ACCELERATE!r}: transformers + accelerate offloading "
                          "within the same budget, no tensorbend")  # fmt: skip
+    ap.add_argument("--accelerate-tokens", type=int, default=None,
+                    help="new tokens per prompt of the accelerate row (default: --max-new-tokens):"
+                         " it streams every expert at every token, so its tok/s does not depend"
+                         " on how many it decodes; its text is compared with a tensorbend run of"
+                         " as many tokens")  # fmt: skip
     ap.add_argument("--memory-cap", action="store_true",
                     help="run every row in a memory cgroup of import baseline + budget + "
                          "--cap-margin (page cache included; needs root)")  # fmt: skip
@@ -140,6 +145,8 @@ def main(argv=None) -> int:
            "max_new_tokens": args.max_new_tokens, "memory_cap_bytes": cap,
            "max_memory_bytes": parse_bytes(args.max_memory)}  # fmt: skip
     decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    acc_decode = ["--prompts", str(prompts), "--max-new-tokens",
+                  str(args.accelerate_tokens or args.max_new_tokens)]  # fmt: skip
     first = ["--prompts", str(long), "--max-new-tokens", "1"]
 
     def one(name: str, flags: list[str], ttft: bool) -> dict:
@@ -147,8 +154,9 @@ def main(argv=None) -> int:
             return external_row(name, ctx, ttft)
         if name == PAGE_CACHE:
             drop_page_cache(store)  # a cold start, as the other rows' empty caches
-        return _run((acc if name == ACCELERATE else base) + (first if ttft else decode) + flags,
-                    cap)  # fmt: skip
+        if name == ACCELERATE:
+            return _run(acc + (first if ttft else acc_decode) + flags, cap)
+        return _run(base + (first if ttft else decode) + flags, cap)
 
     runs: dict[str, list[dict]] = {name: [] for name in rows}
     for r in range(args.repeats):
@@ -158,7 +166,10 @@ def main(argv=None) -> int:
             runs[name].append(got)
             print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, time to first token "
                   f"{got['ttft_s']:.2f} s", file=sys.stderr)  # fmt: skip
-    result = _aggregate(runs, args, ckpt, baseline)
+    ref = None  # the text accelerate's row must give, when it decodes fewer tokens
+    if ACCELERATE in rows and args.accelerate_tokens not in (None, args.max_new_tokens):
+        ref = _run(base + acc_decode, cap)["text"]  # tensorbend's plain cache, as many tokens
+    result = _aggregate(runs, args, ckpt, baseline, ref)
     result["memory_cap_bytes"] = cap
     result["prefill_prompt"] = prefill
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +179,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
+def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None = None) -> dict:
     experts = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     rows = []
     for name, rs in runs.items():
@@ -204,8 +215,10 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
     for r in rows:  # greedy text: every run's stdout against the best cache's first run's
         if r["policy"] in EXTERNAL:  # its own stdout format (llama.cpp's greedy tokens are
             continue  # compared with transformers' in tests/test_llama_cpp.py instead)
-        r["text_equal_to_best"] = all(x["text"] == runs[best["policy"]][0]["text"]
-                                      for x in runs[r["policy"]])  # fmt: skip
+        want = runs[best["policy"]][0]["text"]
+        if r["policy"] == ACCELERATE and acc_ref is not None:
+            want = acc_ref  # (it decoded --accelerate-tokens per prompt)
+        r["text_equal_to_best"] = all(x["text"] == want for x in runs[r["policy"]])
     every = [r for rs in runs.values() for r in rs if r.get("memory_plan")]
     first = every[0]
     plan = _split(first)
@@ -227,6 +240,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int) -> dict:
         "decode": "greedy",
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
+        "accelerate_tokens": args.accelerate_tokens or args.max_new_tokens,
         "repeats": args.repeats,
         "best_no_prediction": best["policy"],
         "best_peer": peer["policy"],

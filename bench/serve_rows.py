@@ -72,10 +72,11 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
         evict = ["--policy", "prefetch", "--horizon", str(horizon), "--token-ahead-layers", "0"]
         rows["ours: horizon(evict only)"] = evict
         rows["ours: horizon(evict only)/per_layer"] = evict + ["--pool", "per_layer"]
-        if predictor:  # + within-token prefetches, in the best cache's pool
+        if predictor:  # + within-token prefetches only (no next-forward prefetch), each pool
+            d1 = ["--predictor", str(predictor), "--admission", "predicted"]
+            rows["ours: horizon(evict only)+d1/adm=predicted"] = evict + d1
             rows["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
-                "--pool", "per_layer", "--predictor", str(predictor),
-                "--admission", "predicted"]  # fmt: skip
+                "--pool", "per_layer", *d1]  # fmt: skip
     if horizon or predictor:
         ours = list(PREFETCH)
         ours += ["--horizon", str(horizon)] if horizon else []

@@ -24,6 +24,9 @@ def test_peers_share_ours_cache_and_admission():
         ]
         assert not is_ours(f"{peer}/adm=predicted")
     assert rows["ours: horizon+d1/adm=predicted/extra=-3"] == ours + ["--prefetch-extra", "-3"]
+    within = rows["ours: horizon(evict only)+d1/adm=predicted/extra=-2"]  # no next-forward
+    assert within[within.index("--token-ahead-layers") + 1] == "0"  # prefetch, top-2 within
+    assert {"--horizon", "h.st", "--predictor", "d1.st", "predicted", "-2"} <= set(within)
     assert rows[PAGE_CACHE] == ["--policy", "on_demand", "--io", "buffered"]
     assert "lru" in rows and rows["lru"] == []  # the plain cache: generate's defaults
     assert not any("/extra=" in n for n in rows if "adm=predicted" not in n)

@@ -86,7 +86,12 @@ def markdown(res: dict) -> str:
             f"({best['policy']}, {best['bytes_read_per_token'] / 1e6:.0f} MB/token): tensorbend "
             f"is {1 / r['vs_best_cache']:.1f}x faster "
             f"[{1 / r['vs_best_cache_range'][1]:.1f}, {1 / r['vs_best_cache_range'][0]:.1f}]. "
-            f"Its peak RSS ({r['peak_rss_bytes'] / 1e6:.0f} MB generating, "
+            + (f"It decodes {res['accelerate_tokens']} tokens per prompt (it streams every "
+               f"offloaded weight at every token, so its tok/s does not depend on how many), "
+               f"its text compared with tensorbend's plain cache over as many. "
+               if res.get("accelerate_tokens", res["max_new_tokens"]) != res["max_new_tokens"]
+               else "")
+            + f"Its peak RSS ({r['peak_rss_bytes'] / 1e6:.0f} MB generating, "
             f"{_mb(r.get('load_peak_rss_bytes'))} MB loading) counts the offloaded files' pages "
             f"it maps, which the kernel reclaims"
             + (f"; under the cap its cgroup peaked at {_mb(r.get('cap_max_usage_bytes'))} MB"
