@@ -25,7 +25,11 @@ Steps, each skipped when its output already exists (a re-run resumes; --overwrit
              each prediction call charged its modelled cost there: kernel launches + the
              predictor's weights read once, `offload.time_model.PredictorCost`)
 and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
-timings are this machine's; `--quick` (fewer prompts and tokens) is for the test suite.
+timings are this machine's, each step's wall time among them, and it states the sizes used
+(`DemoConfig.size`: the full demo collects 168 of the 336 shipped prompts, every split kept,
+and trains the seed's MLP on a 4,000-row sample, to stay under 10 minutes beside a busy process
+on 2 cores); torch runs one thread per core other processes leave free. `--quick` (fewer
+prompts and tokens) is for the test suite.
 """
 
 from __future__ import annotations
@@ -64,8 +68,6 @@ class DemoConfig:
             return {"prompts": 48, "tokens": 8, "seed_mlp_rows": None, "run_prompts": 2,
                     "run_tokens": 8, "run_repeats": 1, "run_budget_s": 120, "epochs": 3,
                     "sim_prompts": 3}  # fmt: skip
-        # Sized to finish in under 10 minutes beside one busy process on 2 cores: half the
-        # shipped prompts (every split kept), the seed's 200 full-batch epochs on a row sample
         return {"prompts": 168, "tokens": 24, "seed_mlp_rows": 4000, "run_prompts": 4,
                 "run_tokens": 32, "run_repeats": 3, "run_budget_s": 150, "epochs": None,
                 "sim_prompts": 8}  # fmt: skip
@@ -94,6 +96,7 @@ def demo(cfg: DemoConfig) -> DemoSummary:
     import torch
 
     from tensorbend.cache.report import host_warning
+    from tensorbend.trace import Trace
 
     t0 = time.perf_counter()
     out = Path(cfg.out)
@@ -101,27 +104,20 @@ def demo(cfg: DemoConfig) -> DemoSummary:
     report.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(_free_cores(threads))
+    steps: dict[str, float] = {}  # step -> wall seconds, said as each step ends
     try:
-        return _steps(cfg, out, report, t0, host_warning)
+        trace = _timed(cfg, steps, "collect", _collect, cfg, out)
+        ckpts = _train(cfg, out, trace, steps)
+        ev = _timed(cfg, steps, "eval", _eval, cfg, out, trace, ckpts, report)
+        runs = _timed(cfg, steps, "run", _run, cfg, out, trace, ckpts)
+        proj = _timed(cfg, steps, "project", _project, cfg, out, trace, ckpts)
+        sizes = {**cfg.size, "splits": Trace.open(trace).info()["splits"],
+                 "torch_threads": torch.get_num_threads()}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-
-
-def _steps(cfg: DemoConfig, out: Path, report: Path, t0: float, host_warning) -> DemoSummary:
-    import torch
-
-    from tensorbend.trace import Trace
-
-    steps: dict[str, float] = {}  # step -> wall seconds, said as each step ends
-    trace = _timed(cfg, steps, "collect", _collect, cfg, out)
-    ckpts = _train(cfg, out, trace, steps)
-    ev = _timed(cfg, steps, "eval", _eval, cfg, out, trace, ckpts, report)
-    runs = _timed(cfg, steps, "run", _run, cfg, out, trace, ckpts)
-    proj = _timed(cfg, steps, "project", _project, cfg, out, trace, ckpts)
     summary = DemoSummary(
         out=str(out), seconds=round(time.perf_counter() - t0, 1), step_seconds=steps,
-        sizes={**cfg.size, "splits": Trace.open(trace).info()["splits"],
-               "torch_threads": torch.get_num_threads()},
+        sizes=sizes,
         recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs, projection=proj,
         host_warning=host_warning(runs) or next((r["timing_note"] for r in runs
                                                   if r.get("timing_note")), None),
@@ -144,16 +140,14 @@ def _done(path: Path, cfg: DemoConfig, what: str) -> bool:
 
 
 def _free_cores(threads: int) -> int:
-    """Torch threads for the demo: the cores other processes leave free over a second, at
-    least 1, at most `threads`. Beside one busy process on 2 cores, teacher-forced collection
-    of 6 prompts took 18.6 s and 102.6 s with 2 threads, 9.3 s and 8.6 s with 1."""
+    """The cores other processes leave free over a second (1 to `threads`): beside a busy process
+    on 2 cores, collecting 6 prompts took 18.6 and 102.6 s on 2 threads, 9.3 and 8.6 s on 1."""
     from tensorbend.host_load import CpuMeter
 
     meter = CpuMeter()
     time.sleep(1.0)
     load = meter.stop()
-    free = load.cpus - (load.other_cores or 0.0)
-    return max(1, min(threads, int(free + 0.5)))
+    return max(1, min(threads, round(load.cpus - (load.other_cores or 0.0))))
 
 
 def _timed(cfg: DemoConfig, steps: dict, name: str, fn, *args):
@@ -201,8 +195,7 @@ def _train(cfg: DemoConfig, out: Path, trace: Path, steps: dict) -> dict[str, Pa
         if not _done(path, cfg, f"train {name}"):
             tc = TrainConfig(trace=trace, out=path, epochs=cfg.size["epochs"], **kw)
             _timed(cfg, steps, f"train {name}", train, tc, cfg.progress)
-        else:
-            steps[f"train {name}"] = 0.0
+        steps.setdefault(f"train {name}", 0.0)  # reused
         ckpts[name] = path
     return ckpts
 
