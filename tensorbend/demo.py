@@ -25,7 +25,11 @@ Steps, each skipped when its output already exists (a re-run resumes; --overwrit
              each prediction call charged its modelled cost there: kernel launches + the
              predictor's weights read once, `offload.time_model.PredictorCost`)
 and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
-timings are this machine's; `--quick` (fewer prompts and tokens) is for the test suite.
+timings are this machine's, each step's wall time among them, and it states the sizes used
+(`DemoConfig.size`: the full demo collects 168 of the 336 shipped prompts, every split kept,
+and trains the seed's MLP on a 4,000-row sample, to stay under 10 minutes beside a busy process
+on 2 cores); torch runs one thread per core other processes leave free. `--quick` (fewer
+prompts and tokens) is for the test suite.
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ class DemoConfig:
     def size(self) -> dict:
         """Prompts, tokens and run sizes of the two presets."""
         if self.quick:
-            return {"prompts": 48, "tokens": 8, "run_prompts": 2, "run_tokens": 8,
-                    "run_repeats": 1, "run_budget_s": 120, "epochs": 3, "sim_prompts": 3}  # fmt: skip
-        return {"prompts": None, "tokens": 24, "run_prompts": 4, "run_tokens": 32,
-                "run_repeats": 3, "run_budget_s": 240, "epochs": None, "sim_prompts": 12}  # fmt: skip
+            return {"prompts": 48, "tokens": 8, "seed_mlp_rows": None, "run_prompts": 2,
+                    "run_tokens": 8, "run_repeats": 1, "run_budget_s": 120, "epochs": 3,
+                    "sim_prompts": 3}  # fmt: skip
+        return {"prompts": 168, "tokens": 24, "seed_mlp_rows": 4000, "run_prompts": 4,
+                "run_tokens": 32, "run_repeats": 3, "run_budget_s": 150, "epochs": None,
+                "sim_prompts": 8}  # fmt: skip
 
 
 @dataclass
@@ -77,6 +83,8 @@ class DemoSummary:
     foresight: dict  # gap closed, best cache and ours' experts per token (replay)
     runs: list  # per offloaded run: label, decode tok/s, bytes/token, hit rate, matches
     projection: list  # per simulated run: label, decode tok/s
+    step_seconds: dict = field(default_factory=dict)  # step -> wall seconds (reused: ~0)
+    sizes: dict = field(default_factory=dict)  # DemoConfig.size and the trace's prompts per split
     host_warning: str | None = None  # other processes disturbed the timed runs (host_load.py)
     text: str = ""
 
@@ -85,19 +93,31 @@ class DemoSummary:
 
 
 def demo(cfg: DemoConfig) -> DemoSummary:
+    import torch
+
     from tensorbend.cache.report import host_warning
+    from tensorbend.trace import Trace
 
     t0 = time.perf_counter()
     out = Path(cfg.out)
     report = out / "report"
     report.mkdir(parents=True, exist_ok=True)
-    trace = _collect(cfg, out)
-    ckpts = _train(cfg, out, trace)
-    ev = _eval(cfg, out, trace, ckpts, report)
-    runs = _run(cfg, out, trace, ckpts)
-    proj = _project(cfg, out, trace, ckpts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_free_cores(threads))
+    steps: dict[str, float] = {}  # step -> wall seconds, said as each step ends
+    try:
+        trace = _timed(cfg, steps, "collect", _collect, cfg, out)
+        ckpts = _train(cfg, out, trace, steps)
+        ev = _timed(cfg, steps, "eval", _eval, cfg, out, trace, ckpts, report)
+        runs = _timed(cfg, steps, "run", _run, cfg, out, trace, ckpts)
+        proj = _timed(cfg, steps, "project", _project, cfg, out, trace, ckpts)
+        sizes = {**cfg.size, "splits": Trace.open(trace).info()["splits"],
+                 "torch_threads": torch.get_num_threads()}  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
     summary = DemoSummary(
-        out=str(out), seconds=round(time.perf_counter() - t0, 1),
+        out=str(out), seconds=round(time.perf_counter() - t0, 1), step_seconds=steps,
+        sizes=sizes,
         recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs, projection=proj,
         host_warning=host_warning(runs) or next((r["timing_note"] for r in runs
                                                   if r.get("timing_note")), None),
@@ -117,6 +137,25 @@ def _done(path: Path, cfg: DemoConfig, what: str) -> bool:
         return True
     _say(cfg, f"{what} ...")
     return False
+
+
+def _free_cores(threads: int) -> int:
+    """The cores other processes leave free over a second (1 to `threads`): beside a busy process
+    on 2 cores, collecting 6 prompts took 18.6 and 102.6 s on 2 threads, 9.3 and 8.6 s on 1."""
+    from tensorbend.host_load import CpuMeter
+
+    meter = CpuMeter()
+    time.sleep(1.0)
+    load = meter.stop()
+    return max(1, min(threads, round(load.cpus - (load.other_cores or 0.0))))
+
+
+def _timed(cfg: DemoConfig, steps: dict, name: str, fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    steps[name] = round(time.perf_counter() - t0, 1)
+    _say(cfg, f"{name}: {steps[name]:.0f} s")
+    return result
 
 
 def _say(cfg: DemoConfig, msg: str) -> None:
@@ -140,20 +179,23 @@ def _collect(cfg: DemoConfig, out: Path) -> Path:
     return trace
 
 
-def _train(cfg: DemoConfig, out: Path, trace: Path) -> dict[str, Path]:
+def _train(cfg: DemoConfig, out: Path, trace: Path, steps: dict) -> dict[str, Path]:
     from tensorbend.train import TrainConfig, train
 
     jobs = {
         "tensorbend": dict(predictor="tensorbend", lookahead="d1"),
         "horizon": dict(predictor="horizon"),
-        "seed_mlp": dict(predictor="seed_mlp", lookahead="d1"),
+        "seed_mlp": dict(
+            predictor="seed_mlp", lookahead="d1", max_train_rows=cfg.size["seed_mlp_rows"]
+        ),
     }
     ckpts = {}
     for name, kw in jobs.items():
         path = out / f"{name}.safetensors"
         if not _done(path, cfg, f"train {name}"):
-            train(TrainConfig(trace=trace, out=path, epochs=cfg.size["epochs"], **kw),
-                  progress=cfg.progress)  # fmt: skip
+            tc = TrainConfig(trace=trace, out=path, epochs=cfg.size["epochs"], **kw)
+            _timed(cfg, steps, f"train {name}", train, tc, cfg.progress)
+        steps.setdefault(f"train {name}", 0.0)  # reused
         ckpts[name] = path
     return ckpts
 
@@ -293,6 +335,9 @@ def _text(s: DemoSummary, cfg: DemoConfig) -> str:
     lines = [
         f"tensorbend demo on {cfg.model}{' (quick)' if cfg.quick else ''}: {s.seconds:.0f} s, "
         f"report in {s.out}/report",
+        _sizes_line(s.sizes),
+        "Step wall times (s, 0 = reused): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in s.step_seconds.items()),
         "",
         "Held-out decode recall@k at d1 (one MoE layer ahead):",
     ]
@@ -336,6 +381,18 @@ def _text(s: DemoSummary, cfg: DemoConfig) -> str:
         + "\n  (projected ratios: one simulation each)"
     )
     return "\n".join(lines)
+
+
+def _sizes_line(z: dict) -> str:
+    sp = z.get("splits", {})
+    rows = "" if z.get("seed_mlp_rows") is None else f", seed_mlp on {z['seed_mlp_rows']} rows"
+    return (
+        f"Sizes: {sum(sp.values())} prompts collected (train/val/test "
+        f"{sp.get('train')}/{sp.get('val')}/{sp.get('test')}), {z['tokens']} decode tokens each"
+        f"{rows}; run: {z['run_prompts']} test prompts x {z['run_tokens']} tokens, up to "
+        f"{z['run_repeats']} repeats within {z['run_budget_s']} s; projection: "
+        f"{z['sim_prompts']} prompts; {z.get('torch_threads')} torch thread(s) (the free cores)"
+    )
 
 
 def _x(ratio: float | None) -> str:
