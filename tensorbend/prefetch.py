@@ -48,7 +48,9 @@ a guess to prefetch, not a step to plan around). Steps count forward * L + m ove
 Prefetcher's life; `Prediction.step` is the step the expert is wanted at. A predictor of
 `recorded_routing` (the runtime's oracle) is asked `ahead(now)` at its source points instead.
 `score_s` adds up the wall seconds spent scoring (the horizon's step, a predictor's `scores`):
-the rest of `observe` is the Python around it.
+the rest of `observe` is the Python around it. `token_topk[m]` keeps the per-token top-K of
+the latest prediction for target m (a list for one token, else [T, K] with -1: no guess):
+what per-expert token counts are predicted from (engines/vllm_counters.py).
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Prefetcher:
         self.history = history or RoutingHistory(spec.num_moe_layers)
         self.forecast: tuple | None = None  # (forward, ahead_LE, after_first_LE)
         self.score_s = 0.0  # wall seconds scoring (model calls): the rest is glue
+        self.token_topk: dict = {}  # target layer -> its latest per-token top-K guesses
         self._state = None  # the horizon's per-request history
         self._new_forward = True
         # decode's one-token inputs, made once (read-only: predictors build new tensors)
@@ -285,8 +288,10 @@ class Prefetcher:
         self.score_s += time.perf_counter() - t0
         if T == 1:
             experts = _token_list(scores_TE, K + self.extra)
+            self.token_topk[m] = experts[:K]
         else:
-            experts = prefetch_list(ranked_ids(scores_TE, K), K, self.extra)
+            self.token_topk[m] = ranked = ranked_ids(scores_TE, K)
+            experts = prefetch_list(ranked, K, self.extra)
         when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 

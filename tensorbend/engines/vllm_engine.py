@@ -48,7 +48,7 @@ NEEDS_VLLM = "{verb} needs vLLM: run `make vllm-env` and use .venv-vllm/bin/tens
 
 class VllmEngine:
     """A model loaded by vLLM offline inference, with what `collect` needs: `.model` (the HF
-    model's routers, see _routers_only, for router_params and model_fingerprint), `.spec` (its
+    model's routers, see routers_only, for router_params and model_fingerprint), `.spec` (its
     RoutingSpec),
     `.tokenizer` (the checkpoint's HF tokenizer), `.hooks` and `.run_prompt`."""
 
@@ -82,7 +82,7 @@ class VllmEngine:
         models = self.llm.apply_model(lambda m: m)
         assert len(models) == 1 and isinstance(models[0], torch.nn.Module), "model not in-process"
         self.vllm_model = models[0]
-        self.model = _routers_only(path)
+        self.model = routers_only(path)
         self.spec = describe_model(self.model)
 
     def hooks(self, model, spec: RoutingSpec, on_route=None, on_layer_input=None):
@@ -191,7 +191,7 @@ def _popped(cap) -> dict:
     return rows
 
 
-def _routers_only(path: Path) -> torch.nn.Module:
+def routers_only(path: Path) -> torch.nn.Module:
     """The checkpoint's HF model on the meta device with only what describe_model,
     router_params and model_fingerprint read loaded from its files: the routers, their layers'
     norms and the embedding. vLLM's CPU gate keeps its weight packed (its `weight` is empty),

@@ -71,7 +71,7 @@ def live(cfg: LiveConfig) -> dict:
     pred = load_predictor(cfg.predictor, spec, model_fingerprint(engine.model, spec))
     if pred.lookahead is None:
         raise TensorbendError(f"{cfg.predictor}: expected a within-token predictor (ours, mlp)")
-    meter = _LiveMeter(Prefetcher(spec, predictor=pred), spec.top_k, spec.num_moe_layers)
+    meter = LiveMeter(Prefetcher(spec, predictor=pred), spec.top_k, spec.num_moe_layers)
     from vllm import SamplingParams
 
     # max_new_tokens decode forwards, as collect (the last generated token is never fed)
@@ -87,13 +87,15 @@ def live(cfg: LiveConfig) -> dict:
     return meter.report(cfg, pred, len(prompts), wall)
 
 
-class _LiveMeter:
-    """Hook callbacks: feed the Prefetcher, score its predictions against the routed ids."""
+class LiveMeter:
+    """Hook callbacks: feed the Prefetcher, score its predictions against the routed ids
+    (hits and total per phase and target layer). The serving plugin's meter extends it
+    (engines/vllm_counters.py): there a forward's phase comes from vLLM's batch."""
 
     def __init__(self, pf: Prefetcher, top_k: int, num_layers: int):
         self.pf, self.K, self.L = pf, top_k, num_layers
-        self.hits = {"decode": 0, "prefill": 0}
-        self.total = {"decode": 0, "prefill": 0}
+        self.hits = {"decode": [0] * num_layers, "prefill": [0] * num_layers}
+        self.total = {"decode": [0] * num_layers, "prefill": [0] * num_layers}
         self.forwards = {"decode": 0, "prefill": 0}
         self.hook_s = 0.0
         self._pending: dict[int, set[int]] = {}
@@ -111,18 +113,35 @@ class _LiveMeter:
     def on_route(self, call) -> None:
         t = time.perf_counter()
         m, ids_TK = call.m, call.ids_TK.long()
-        phase = "prefill" if self._first else "decode"
+        phase = self.phase()
         if m in self._pending:  # score the prediction made for this layer
-            routed = set(ids_TK.reshape(-1).tolist())
-            self.hits[phase] += len(self._pending.pop(m) & routed)
-            self.total[phase] += len(routed) if phase == "prefill" else self.K
+            self._score(phase, m, ids_TK, self._pending.pop(m))
         self._keep(self.pf.observe(m, hidden_TD=call.gate_input, routed_ids_TK=ids_TK))
         if m == self.L - 1:
             self.pf.on_token_end()
             self.forwards[phase] += 1
             self._first = False
             self._pending.clear()
+            self.pf.token_topk.clear()
         self.hook_s += time.perf_counter() - t
+
+    def phase(self) -> str:
+        """The current forward's phase: one request at a time, its first forward prefills."""
+        return "prefill" if self._first else "decode"
+
+    def _score(self, phase: str, m: int, ids_TK, pending: set[int]) -> None:
+        """Decode: per token, |predicted top-K & routed K| / K; prefill: the share of the
+        forward's distinct routed experts in its one list (prefill_union_recall)."""
+        if phase == "prefill":
+            routed = set(ids_TK.reshape(-1).tolist())
+            self.hits[phase][m] += len(pending & routed)
+            self.total[phase][m] += len(routed)
+            return
+        guess = self.pf.token_topk.get(m)
+        rows = [guess] if isinstance(guess, list) else guess.tolist()
+        for g, r in zip(rows, ids_TK.tolist(), strict=True):
+            self.hits[phase][m] += len(set(g) & set(r))
+        self.total[phase][m] += self.K * ids_TK.shape[0]
 
     def _keep(self, preds) -> None:
         for p in preds:
@@ -131,7 +150,8 @@ class _LiveMeter:
 
     def report(self, cfg: LiveConfig, pred, n_prompts: int, wall_s: float) -> dict:
         def rate(ph):
-            return round(self.hits[ph] / self.total[ph], 4) if self.total[ph] else None
+            hits, total = sum(self.hits[ph]), sum(self.total[ph])
+            return round(hits / total, 4) if total else None
 
         n_dec = max(self.forwards["decode"], 1)
         return {
