@@ -110,3 +110,22 @@ def test_live_decode_recall_equals_eval_on_a_vllm_trace(tmp_path):
     assert got["forwards"] == {"decode": 24, "prefill": 3}
     assert got["decode_recall@4"] == pytest.approx(want, abs=1e-4), (got, want)
     assert 0 < got["hook_s"] < got["generate_s"]
+
+
+@needs_vllm
+def test_vllm_runs_the_bundled_deepseek_model_far_from_hf(tmp_path):
+    """zoo:dsv3-vllm (DeepSeek-V3 config keys, MLA 512 + 64, group-limited sigmoid routing)
+    loads in vLLM's CPU MLA backend (fp32) and routes far above chance, but NOT as
+    transformers does: measured 37.6% of (prompt, position, layer) rows with the same expert
+    set (3 prompts x 16 teacher-forced tokens; 54% at the first MoE layer, 26% at the last).
+    Every attention projection before the MLA core is bit-equal; the core's output is not
+    (docs/guide/vllm.md: cause not found). This pins the present state: vLLM runs the model and
+    its trace has the HF trace's rows; the bound is below the measured rate, not a goal."""
+    flags = ["--model", "zoo:dsv3-vllm", "--max-prompts", "3", "--decode", "teacher",
+             "--max-new-tokens", "16"]  # fmt: skip  (the last --model wins over COMMON's)
+    hf = _collect(tmp_path / "hf", *flags)
+    vl = _collect(tmp_path / "vllm", "--engine", "vllm", *flags)
+    assert vl["complete"] and vl["model"]["fingerprint"] == hf["model"]["fingerprint"]
+    got = _agreement(Trace.open(tmp_path / "vllm"), Trace.open(tmp_path / "hf"))
+    # chance of the same 4-of-32 set is ~1e-4: 0.3 means vLLM really routes this model
+    assert got["rate"] >= 0.3, got
