@@ -121,8 +121,16 @@ def test_vllm_runs_the_bundled_deepseek_model_far_from_hf(tmp_path):
     Every attention projection before the MLA core is bit-equal; the core's output is not
     (docs/guide/vllm.md: cause not found). This pins the present state: vLLM runs the model and
     its trace has the HF trace's rows; the bound is below the measured rate, not a goal."""
-    flags = ["--model", "zoo:dsv3-vllm", "--max-prompts", "3", "--decode", "teacher",
-             "--max-new-tokens", "16"]  # fmt: skip  (the last --model wins over COMMON's)
+    flags = [
+        "--model",
+        "zoo:dsv3-vllm",
+        "--max-prompts",
+        "3",
+        "--decode",
+        "teacher",
+        "--max-new-tokens",
+        "16",
+    ]  # fmt: skip  (the last --model wins over COMMON's)
     hf = _collect(tmp_path / "hf", *flags)
     vl = _collect(tmp_path / "vllm", "--engine", "vllm", *flags)
     assert vl["complete"] and vl["model"]["fingerprint"] == hf["model"]["fingerprint"]
