@@ -100,11 +100,12 @@ def register() -> None:
 def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, int]):
     """Hooks, meter and writer on a loaded vLLM model; returns the ServeMeter."""
     from tensorbend.engines.vllm_counters import ServeMeter
-    from tensorbend.engines.vllm_engine import VllmRouterHooks, routers_only
+    from tensorbend.engines.vllm_engine import VllmRouterHooks, flat_mla_rope, routers_only
     from tensorbend.models import describe_model
     from tensorbend.prefetch import Prefetcher
     from tensorbend.routers import model_fingerprint
 
+    flat_mla_rope(model)  # vLLM 0.32 CPU's MLA rotary bug (vllm_engine's module note)
     routers = routers_only(Path(checkpoint))
     spec = describe_model(routers)
     pred = None

@@ -5,7 +5,7 @@ Usage:
     >>> resolve_model("zoo:default").name      # an HF checkpoint directory, never downloaded
     'dsv3-tiny'
     >>> [m["name"] for m in list_models()]
-    ['dsv3-deep', 'dsv3-tiny', 'qwen3moe-tiny']
+    ['dsv3-deep', 'dsv3-tiny', 'dsv3-vllm', 'qwen3moe-tiny']
 
 A bundled model is a standard HF checkpoint directory (config.json, model.safetensors or shards,
 tokenizer files) plus `model_card.json`. `zoo:default` names DEFAULT_MODEL.

@@ -64,12 +64,30 @@ class ZooSize:
     """Peak AdamW learning rate (cosine decay to 10% after a linear warmup)."""
     dense_layers_deepseek: int = 1
     """`first_k_dense_replace` for DeepSeek-V3 style models."""
+    kv_lora_rank: int | None = None
+    """DeepSeek MLA latent width (default hidden_size // 2). vLLM's CPU MLA backend needs
+    kv_lora_rank + qk_rope_head_dim = 576 (DeepSeek-V3's 512 + 64)."""
+    qk_rope_head_dim: int | None = None
+    """DeepSeek MLA rotary part of each query/key head (default head_dim // 2)."""
+    q_lora_rank: int | None = None
+    """DeepSeek MLA query compression width (None: no compression; llama.cpp's converter
+    refuses None)."""
+    n_group: int = 1
+    """DeepSeek expert groups; a token picks its experts from its `topk_group` best groups."""
+    topk_group: int = 1
+    """DeepSeek groups each token may route to."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ZooError(
                 f"size preset: expected 1 <= top_k <= num_experts, found top_k={self.top_k}, "
                 f"num_experts={self.num_experts} (lower top_k)"
+            )
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ZooError(
+                f"size preset: expected n_group dividing num_experts and 1 <= topk_group <= "
+                f"n_group, found num_experts={self.num_experts}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}"
             )
         if self.vocab_size > 65535:
             raise ZooError(
@@ -97,6 +115,14 @@ SIZES = {
         hidden_size=128, moe_layers=12, num_heads=4, head_dim=32, num_experts=64, top_k=6,
         moe_intermediate_size=32, dense_intermediate_size=384, vocab_size=8192, seq_len=256,
         batch_size=8, lr=2e-3,
+    ),
+    # zoo:dsv3-vllm: `small` with DeepSeek-V3's MLA widths (kv_lora_rank 512 + rope 64 = 576,
+    # what vLLM's CPU MLA kernel supports), query compression, and group-limited routing
+    "vllm": ZooSize(
+        hidden_size=128, moe_layers=6, num_heads=4, head_dim=32, num_experts=32, top_k=4,
+        moe_intermediate_size=64, dense_intermediate_size=384, vocab_size=8192, seq_len=256,
+        batch_size=8, lr=2e-3, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=64,
+        n_group=4, topk_group=2,
     ),
     # for a GPU or a long CPU run
     "medium": ZooSize(
@@ -133,14 +159,17 @@ def build_config(
             num_key_value_heads=size.num_heads,
             n_routed_experts=size.num_experts,
             n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
+            n_group=size.n_group,
+            topk_group=size.topk_group,
+            # what transformers' DeepseekV3 does; the keys vLLM reads to route the same way
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
             norm_topk_prob=True,
             routed_scaling_factor=1.0,
-            q_lora_rank=None,
-            kv_lora_rank=size.hidden_size // 2,
+            q_lora_rank=size.q_lora_rank,
+            kv_lora_rank=size.kv_lora_rank or size.hidden_size // 2,
             qk_nope_head_dim=size.head_dim,
-            qk_rope_head_dim=size.head_dim // 2,
+            qk_rope_head_dim=size.qk_rope_head_dim or size.head_dim // 2,
             v_head_dim=size.head_dim,
             rope_interleave=True,
         )
