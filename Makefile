@@ -171,15 +171,16 @@ bench-timing: bench-traces
 peers = --predictor $(BENCH)/$(1)/seed_mlp_d1.safetensors --baselines spec_gate
 
 # The headline end-to-end comparison: 25% cache, every no-prediction cache, the peers and ours
-# (fixed configurations), 3 interleaved repeats, both links, and 4 sequences in lockstep at the
-# x1 link (run alone on the machine).
+# (fixed configurations), 5 interleaved repeats at the x1 link (~25 min each; run alone on the
+# machine), and 4 sequences in lockstep.
 bench-headline: bench-traces
 	for m in default qwen; do \
 		model=$$([ $$m = default ] && echo zoo:default || echo zoo:qwen3moe-tiny); \
 		$(PY) -m bench.offload_sweep --model $$model --trace $(BENCH)/$$m/trace \
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors $(call peers,$$m) \
-			--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
+			--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 --max-new-tokens 32 \
+			--link-speedups 1 \
 			--out docs/results/bench/headline_$$m --doc docs/results/headline_$$m.md > /dev/null; \
 	done
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
@@ -247,12 +248,12 @@ bench-headline-domain: bench-accuracy
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 # The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
-# ours on zoo:default x184 (~20 min), then llama.cpp beside tensorbend on qwen3moe-tiny x184,
+# ours on zoo:default x184 (~35 min), then llama.cpp beside tensorbend on qwen3moe-tiny x184,
 # the checkpoint llama.cpp loads (needs `make llama-cpp`; ~10 min).
-SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted(/extra=-2)?$$'
+SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$'
 bench-serve: bench-traces
-	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 2 \
-		--max-new-tokens 24 --predictor $(BENCH)/default/ours_d1.safetensors \
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
+		--max-new-tokens 32 --accelerate --accelerate-tokens 4 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
 		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --only $(SERVE_ROWS) \
 		--json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md > /dev/null
