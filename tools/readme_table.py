@@ -118,7 +118,8 @@ def _serving(rep: dict) -> str:
     top = max(ours, key=lambda r: r[key])
     lo, hi = top[f"{key}_range"]
     verdict = "a tie" if lo <= 1 <= hi else "faster" if lo > 1 else "slower"
-    peer = f" than the best peer ({rep['best_peer']})" if key == "vs_best_peer" else ""
+    link = " with" if verdict == "a tie" else " than"
+    peer = f"{link} the best peer ({rep['best_peer']})" if key == "vs_best_peer" else ""
     return (
         f"| real disk | {_setup(rep)} (serve_memory.md) | not in this run | "
         f"{best['policy']}: {_tok_s(best)} | best of {len(ours)} rows, "
