@@ -69,7 +69,7 @@ def test_served_requests_fill_the_counters(tmp_path):
     """Known answers: every layer routes tokens x K, per-rank counts are the per-expert counts
     grouped by vLLM's linear placement, predicted counts sum like actual ones, and recall is
     what `tensorbend live` measures on the same prompts (one request at a time)."""
-    from openai import OpenAI
+    from openai import APIConnectionError, OpenAI
 
     from tensorbend.hf import DecodeConfig, encode_prompt, load_tokenizer
     from tensorbend.prompts import load_prompts
@@ -104,8 +104,12 @@ def test_served_requests_fill_the_counters(tmp_path):
             try:
                 model = client.models.list().data[0].id
                 break
-            except Exception:
+            except APIConnectionError:  # the server is still starting
                 time.sleep(0.5)
+        else:
+            pytest.fail(
+                "vLLM server not up in 120 s: " + (tmp_path / "serve.log").read_text()[-3000:]
+            )
         before = read_counters(counters)[0]
         tok = load_tokenizer(path)
         dc = DecodeConfig("greedy", 8, 256)
