@@ -8,8 +8,9 @@ Usage:
 
 Rows (each names its regime; `make bench-serve-accelerate`, `make bench-serve`,
 `make bench-headline`, `make bench-accuracy` write their JSON):
-  real disk      docs/results/bench/serve_accelerate.json: accelerate and the best cache, one run
-  real disk      docs/results/bench/serve_memory.json: the best cache and the best prediction row
+  real disk      docs/results/bench/serve_memory.json: accelerate, the best cache and the best
+                 prediction row, one run (docs/results/bench/serve_accelerate.json gives the
+                 accelerate cell when serve_memory.json has no accelerate row)
   emulated link  docs/results/bench/headline_default.json, x1 link, 25% cache (OURS)
   simulated      docs/results/projections.json, Kimi-K2.5 on a DGX Spark
 tests/test_docs_results.py runs the check.
@@ -33,9 +34,10 @@ BEGIN, END = "<!-- table:begin (python -m tools.readme_table) -->", "<!-- table:
 
 
 def table(root: Path) -> str:
+    serving = load(root, "bench/serve_memory.json")
     rows = [
-        _accelerate(load(root, "bench/serve_accelerate.json")),
-        _serving(load(root, "bench/serve_memory.json")),
+        *([] if _acc_row(serving) else [_accelerate(load(root, "bench/serve_accelerate.json"))]),
+        _serving(serving),
         _emulated(load(root, "bench/headline_default.json")),
         _simulated(load(root, "projections.json")),
     ]
@@ -120,12 +122,29 @@ def _serving(rep: dict) -> str:
     verdict = "a tie" if lo <= 1 <= hi else "faster" if lo > 1 else "slower"
     link = " with" if verdict == "a tie" else " than"
     peer = f"{link} the best peer ({rep['best_peer']})" if key == "vs_best_peer" else ""
+    acc = _acc_row(rep)
+    if acc is None:
+        acc_cell = "not in this run"
+    else:
+        a_lo, a_hi = acc["vs_best_cache_range"]
+        acc_cell = (f"{_tok_s(acc)}; the best cache is **{1 / acc['vs_best_cache']:.1f}x "
+                    f"[{1 / a_hi:.1f}, {1 / a_lo:.1f}]** faster")  # fmt: skip
+    same = "same text" if all(r["text_equal_to_best"] for r in rep["results"]) else "TEXT DIFFERS"
+    cap = (
+        f", {rep['memory_cap_bytes'] / 1e6:.0f} MB memory cgroup"
+        if rep.get("memory_cap_bytes")
+        else ""
+    )
     return (
-        f"| real disk | {_setup(rep)} (serve_memory.md) | not in this run | "
-        f"{best['policy']}: {_tok_s(best)} | best of {len(ours)} rows, "
+        f"| real disk | {_setup(rep)}{cap} (serve_memory.md) | {acc_cell} | "
+        f"{best['policy']}: {_tok_s(best)}, {same} | best of {len(ours)} rows, "
         f"{top['policy'].removeprefix('ours: ')}: {_tok_s(top)}, "
         f"{top[key]:.2f}x [{lo:.2f}, {hi:.2f}]: **{verdict}**{peer} |"
     )
+
+
+def _acc_row(rep: dict) -> dict | None:
+    return next((r for r in rep["results"] if r.get("engine") == "accelerate"), None)
 
 
 def _emulated(rep: dict) -> str:
