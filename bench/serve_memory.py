@@ -14,8 +14,9 @@ experts), so the predictors trained on zoo:default load on it (same fingerprint)
 expert read comes from the disk, not the page cache; its peak RSS (mapped file pages
 included) is its own high-water mark (`memory.peak_rss_bytes`). The import baseline
 is the peak RSS of a process that imports torch, transformers' modeling and generation code
-and tensorbend (`serving.IMPORT_BASELINE`). Policies run in interleaved order,
-repeat after repeat; the table gives the median decode tok/s with its range.
+and tensorbend (`serving.IMPORT_BASELINE`). Policies run interleaved, repeat after repeat, each
+repeat's order rotated by one row (repeat r starts at row r); the table gives the median
+decode tok/s with its range.
 `/extra=-2`, `/extra=-3`: `--prefetch-extra` (a decode call prefetches its top-(K + extra)
 predictions: fewer than the K routed).
 The rows and what each does are `bench.serve_rows`'s (its docstring): the caches without
@@ -159,8 +160,10 @@ def main(argv=None) -> int:
         return _run(base + (first if ttft else decode) + flags, cap)
 
     runs: dict[str, list[dict]] = {name: [] for name in rows}
+    names = list(rows)
     for r in range(args.repeats):
-        for name, flags in rows.items():
+        for name in _rotated(names, r):  # (no row always runs at the same place in a repeat)
+            flags = rows[name]
             got = one(name, flags, ttft=False)
             got["ttft_s"] = one(name, flags, ttft=True)["prefill_s"]
             runs[name].append(got)
@@ -172,11 +175,23 @@ def main(argv=None) -> int:
     result = _aggregate(runs, args, ckpt, baseline, ref)
     result["memory_cap_bytes"] = cap
     result["prefill_prompt"] = prefill
+    result["order"] = "rotated"  # repeat r starts at row r (older JSON: the same order each time)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
     print(markdown(result))
     return 0
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    """Repeat r's order: the rows from the r-th on, then the first r (a disk or machine that
+    slows down during a repeat then weighs on every row alike).
+
+        >>> _rotated(["a", "b", "c"], 0), _rotated(["a", "b", "c"], 4)
+        (['a', 'b', 'c'], ['b', 'c', 'a'])
+    """
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None = None) -> dict:

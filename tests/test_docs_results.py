@@ -192,8 +192,10 @@ def test_headline_ratio_is_the_runs_own_by_hand():
     [both] = [r for r in runs if r["predictor"] == "tensorbend" and r.get("horizon")
               and r["admission"] == "predicted" and r.get("token_ahead_layers") in (None, 1)]  # fmt: skip
     xs, bs = both["decode_tok_s_repeats"], best["decode_tok_s_repeats"]
-    assert len(xs) == len(bs) == 3 and both["decode_tok_s"] == sorted(xs)[1]
+    n = len(xs)
+    assert n == len(bs) and n % 2 == 1 and both["decode_tok_s"] == sorted(xs)[n // 2]
     r = sorted(x / b for x, b in zip(xs, bs, strict=True))
+    r = [r[0], r[n // 2], r[-1]]  # min, median, max
     text = (DOCS / "REPORT.md").read_text()
     [line] = [ln for ln in text.splitlines() if ln.startswith("| zoo:default | x1 |")]
     assert f"horizon+d1:tensorbend/adm=predicted: {both['decode_tok_s']:.1f} " in line
