@@ -244,8 +244,8 @@ def _slow_loader(tmp_path, transfer_s: float):
     order = []
 
     class Recording(ExpertStore):
-        def read_into(self, m, e, out_flat):
-            n = super().read_into(m, e, out_flat)
+        def read_into(self, m, e, out_flat, pause=None):
+            n = super().read_into(m, e, out_flat, pause)
             order.append((m, e))
             return n
 
@@ -314,3 +314,65 @@ def test_a_thread_holding_a_prefetch_back_is_not_woken_by_new_prefetches(tmp_pat
         store.close()
     assert held == 1, backs
     assert order[:2] == [(0, 0), (0, 7)]
+
+
+def test_a_prefetch_read_waits_while_a_demand_read_is_on_the_disk(tmp_path, monkeypatch):
+    """Real I/O threads reading a real store with O_DIRECT (no emulated link): a prefetch read
+    goes in parts (PAUSE_CHUNK, made one block here so a tiny expert has several) and, between
+    parts, waits while a demand read is in flight. Demand A is held inside its read; prefetch
+    P reads its first part, then waits (counted in prefetch_paused) and does not finish; once
+    A's read ends, P finishes with its exact bytes. The store's own reads give the order."""
+    from tiny_models import build
+
+    from tensorbend.models import describe_model, moe_block
+    from tensorbend.offload import store as store_mod
+    from tensorbend.offload.loader import Loader
+    from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
+
+    monkeypatch.setattr(store_mod, "PAUSE_CHUNK", 4096)
+    model = build("deepseek_v3", moe_intermediate_size=128)  # experts of 48 KB: 12 blocks
+    spec = describe_model(model)
+    experts = [getattr(moe_block(model, spec, m), spec.experts_attr)
+               for m in range(spec.num_moe_layers)]  # fmt: skip
+    layout = ExpertLayout.of(experts[0])
+    assert layout.nbytes > 3 * 4096, "the expert must span several parts"
+    path = write_store(experts, layout, tmp_path / "experts.safetensors", {"fingerprint": "t"})
+    order, started, release = [], threading.Event(), threading.Event()
+
+    class Held(ExpertStore):
+        def read_into(self, m, e, out_flat, pause=None):
+            if pause is None:  # the demand: held inside its read until released
+                started.set()
+                assert release.wait(20)
+            n = super().read_into(m, e, out_flat, pause)
+            order.append((m, e))
+            return n
+
+    try:
+        store = Held.open(path, StoreConfig("direct"))
+    except StoreError as e:  # e.g. tmpfs: no O_DIRECT, so no parted read to test
+        pytest.skip(f"this filesystem refuses O_DIRECT: {e}")
+    rs = ResidentSet(8, spec.num_moe_layers, LRU())
+    cache = ExpertCache(CacheConfig(scratch=1), rs, layout.numel, layout.dtype, layout.nbytes)
+    loader = Loader(store, cache, threads=2)
+    try:
+        assert cache.claim((0, 0)) == "absent"
+        loader.demand((0, 0))
+        assert started.wait(20)
+        assert loader.prefetch((0, 1), priority=0, when=9)
+        deadline = time.monotonic() + 20
+        while cache.stats.prefetch_paused == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cache.stats.prefetch_paused >= 1 and order == []  # P waits; A is held
+        release.set()
+        assert cache.wait_ready([(0, 0)]) == [(0, 0)]
+        while len(order) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == [(0, 0), (0, 1)]
+        slot = cache.entries[(0, 1)].slot
+        for name, part in layout.views(cache.buffer(slot)).items():
+            assert torch.equal(part, getattr(experts[0], name)[1]), name
+    finally:
+        release.set()
+        loader.close()
+        store.close()

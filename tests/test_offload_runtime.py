@@ -192,10 +192,10 @@ def test_truncated_store_and_failing_reads_name_the_file(tmp_path, monkeypatch):
 
         real = ExpertStore.read_into
 
-        def flaky(self, m, e, out):
+        def flaky(self, m, e, out, pause=None):
             if (m, e) == (1, 3):
                 raise StoreError(f"expert store {self.path}: read of layer 1 expert 3 failed (EIO)")
-            return real(self, m, e, out)
+            return real(self, m, e, out, pause)
 
         monkeypatch.setattr(ExpertStore, "read_into", flaky)
         with pytest.raises(StoreError, match=rf"{path}: read of layer 1 expert 3 failed"):

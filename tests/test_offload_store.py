@@ -143,6 +143,33 @@ def test_direct_io_reads_the_same_bytes_or_says_how_to_fix(ds_store):
     store.close()
 
 
+def test_a_paused_direct_read_goes_in_parts_and_reads_the_same_bytes(tmp_path, monkeypatch):
+    """A prefetch's direct read (a `pause` given) reads PAUSE_CHUNK bytes at a time (one block
+    here) and calls `pause` between parts: ceil(whole blocks / part) - 1 times, the bytes
+    equal to the expert's (experts of 48 KB + a partial block: 13 parts)."""
+    from tensorbend.offload import store as store_mod
+
+    model = build("deepseek_v3", moe_intermediate_size=130)
+    spec = describe_model(model)
+    experts = [getattr(moe_block(model, spec, m), spec.experts_attr)
+               for m in range(spec.num_moe_layers)]  # fmt: skip
+    layout = ExpertLayout.of(experts[0])
+    path = write_store(experts, layout, tmp_path / "experts.safetensors", {"fingerprint": "t"})
+    monkeypatch.setattr(store_mod, "PAUSE_CHUNK", 4096)
+    try:
+        store = ExpertStore.open(path, StoreConfig("direct"))
+    except StoreError as e:
+        pytest.skip(f"this filesystem refuses O_DIRECT, so direct reads cannot run here: {e}")
+    slot = aligned_empty(1, layout.numel, layout.dtype)[0]
+    calls = []
+    assert store.read_into(1, 2, slot, pause=lambda: calls.append(1)) == layout.nbytes
+    body = layout.nbytes - layout.nbytes % 4096
+    assert len(calls) == -(-body // 4096) - 1 > 1
+    for name, part in layout.views(slot).items():
+        assert torch.equal(part, getattr(experts[1], name)[2]), name
+    store.close()
+
+
 def test_a_store_of_the_old_format_is_refused_with_how_to_fix(ds_store, tmp_path):
     _, layout, path = ds_store
     old = tmp_path / "old.safetensors"

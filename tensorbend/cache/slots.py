@@ -66,6 +66,7 @@ class CacheStats:
     prefetch_wasted_bytes: int = 0
     prefetch_cancelled: int = 0  # stale before their read started
     prefetch_dropped: int = 0  # no slot worth taking, or the link was busy
+    prefetch_paused: int = 0  # waits of a prefetch read for a demand read (real disk)
     evictions: int = 0
     stall_s: float = 0.0  # compute thread waiting for experts
     peak_entries: int = 0  # resident entries (<= capacity)

@@ -80,10 +80,12 @@ class Loader:
             prefetch_threads = threads if store.link.capped else max(1, threads - 1)
         self._prefetch_threads = prefetch_threads
         self._prefetching = 0  # threads reading a prefetch now (guarded by _lock)
+        self._demanding = 0  # threads reading a demand load now (guarded by _lock)
         self.queue = RequestQueue(max_backlog_s)  # guarded by _lock
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # threads with nothing to take
         self._deferred = threading.Condition(self._lock)  # threads holding a prefetch back
+        self._demand_done = threading.Condition(self._lock)  # a demand read ended
         self._n_idle = 0  # threads waiting on _idle and not yet notified (`_wake_idle`)
         self._closed = False
         self._cuda = cache.device.type == "cuda"
@@ -151,20 +153,34 @@ class Loader:
                 req = self._take()
                 if req is None:
                     return
-            demand = req.kind == DEMAND
+                demand = req.kind == DEMAND
+                self._demanding += demand
             try:
                 slot = self.cache.start_load(req.key, demand=demand, block=demand, when=req.when)
                 if slot is None:
                     continue
-                nbytes = self._read(req.key, slot)
+                nbytes = self._read(req.key, slot, None if demand else self._pause)
                 self.cache.finish_load(req.key, nbytes)
             except BaseException as e:  # noqa: BLE001 - handed to the compute thread, re-raised there
                 self.cache.fail_load(req.key, e)
             finally:
-                if not demand:
-                    with self._lock:
+                with self._lock:
+                    if demand:
+                        self._demanding -= 1
+                        self._demand_done.notify_all()
+                    else:
                         self._prefetching -= 1
                         self._deferred.notify()
+
+    def _pause(self) -> None:
+        """Between the parts of a prefetch read (real disk): wait while a demand read is in
+        flight, so the demand has the disk to itself (an emulated link books its wire instead)."""
+        if self.store.link.capped:
+            return
+        with self._lock:
+            while self._demanding and not self._closed:
+                self.cache.stats.prefetch_paused += 1
+                self._demand_done.wait()
 
     def _take(self):
         """The best request this thread may start now (None: closed), under `_lock`. A prefetch
@@ -204,15 +220,15 @@ class Loader:
             self._idle.notify(n)
         return n
 
-    def _read(self, key: Key, slot: int) -> int:
+    def _read(self, key: Key, slot: int, pause=None) -> int:
         m, e = key
         slot_flat = self.cache.buffer(slot)
         if not self._cuda:
-            return self.store.read_into(m, e, slot_flat)
+            return self.store.read_into(m, e, slot_flat, pause)
         staging = getattr(self._local, "staging", None)
         if staging is None:
             staging = self._local.staging = torch.empty_like(slot_flat, device="cpu").pin_memory()
-        nbytes = self.store.read_into(m, e, staging)
+        nbytes = self.store.read_into(m, e, staging, pause)
         freed = self.cache.slot_free_event(slot)
         with torch.cuda.stream(self._stream):
             if freed is not None:

@@ -281,16 +281,19 @@ class ExpertStore:
             os.close(self._fd)
             self._fd = None
 
-    def read_into(self, m: int, e: int, out_flat: torch.Tensor) -> int:
+    def read_into(self, m: int, e: int, out_flat: torch.Tensor, pause=None) -> int:
         """Read expert e of MoE layer m into the contiguous CPU tensor `out_flat`; returns bytes.
         With io=direct, into a 4096-aligned `out_flat` (`aligned_empty`) it is no copy. A quantized
-        store's expert is read into a staging buffer and dequantized into `out_flat`."""
+        store's expert is read into a staging buffer and dequantized into `out_flat`.
+        pause: called between PAUSE_CHUNK-byte parts of a direct read (a prefetch's: it returns
+        once no demand read is in flight, so a prefetch never shares the disk with one for
+        more than a part)."""
         if self.layout and out_flat.dtype != torch.uint8:
             raw = getattr(self._local, "raw", None)
             if raw is None:  # (this I/O thread's torch ops on one core, the model's threads
                 torch.set_num_threads(1)  # keep theirs: fp8 decode 106 -> 150 tok/s, 2 cores)
                 raw = self._local.raw = aligned_empty(1, self.expert_nbytes, torch.uint8)[0]
-            got = self.read_into(m, e, raw)
+            got = self.read_into(m, e, raw, pause)
             dequantize_expert(self.layout, raw, out_flat)
             return got
         start, end = self._offsets[_name(m, e)]
@@ -300,7 +303,7 @@ class ExpertStore:
         offset = self._data_start + start
         try:
             if self.cfg.io == "direct":
-                got = self._read_direct(out_flat, offset, nbytes)
+                got = self._read_direct(out_flat, offset, nbytes, pause)
             else:  # (the kernel copies, with the interpreter lock released)
                 got = os.preadv(self._fd, [memoryview(out_flat.view(torch.uint8).numpy())], offset)
                 if self.cfg.io == "fadvise":
@@ -332,7 +335,7 @@ class ExpertStore:
         with self._wire_lock:
             return self._wire.book(time.perf_counter(), nbytes)
 
-    def _read_direct(self, out_flat: torch.Tensor, offset: int, nbytes: int) -> int:
+    def _read_direct(self, out_flat: torch.Tensor, offset: int, nbytes: int, pause=None) -> int:
         """O_DIRECT. Into an aligned buffer: the expert's whole blocks straight into it, its last
         partial block into a one-block bounce buffer, in one preadv (the expert starts on a
         block: format 2), then that block's few bytes copied. Otherwise: the expert's blocks into
@@ -343,6 +346,17 @@ class ExpertStore:
         assert offset % _ALIGN == 0, "format 2 stores start every expert on a block"
         if out.data_ptr() % _ALIGN == 0:
             body = nbytes - nbytes % _ALIGN
+            if pause is not None and body > PAUSE_CHUNK:  # the leading parts, then the rest
+                for at in range(0, body - PAUSE_CHUNK, PAUSE_CHUNK):
+                    if at:
+                        pause()
+                    got = os.preadv(self._fd, [memoryview(out[at : at + PAUSE_CHUNK].numpy())],
+                                    offset + at)  # fmt: skip
+                    if got < PAUSE_CHUNK:
+                        return at + got
+                    done = at + PAUSE_CHUNK
+                pause()
+                return done + self._read_direct(out[done:], offset + done, nbytes - done)
             iov = [memoryview(out[:body].numpy())] if body else []
             tail = nbytes - body
             if tail:
@@ -365,6 +379,12 @@ class ExpertStore:
             mm = mmap.mmap(-1, n)  # page-aligned
             bounce = self._local.bounce = (mm, torch.frombuffer(mm, dtype=torch.uint8))
         return bounce
+
+
+PAUSE_CHUNK = 4 << 20
+"""Bytes of a paused (prefetch) direct read between two `pause` calls: large enough that the
+disk keeps its pace (a 4 MiB O_DIRECT read streams as a whole expert does), small enough that
+a demand read arriving meanwhile waits for at most that much of a prefetch."""
 
 
 def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
