@@ -190,14 +190,13 @@ bench-headline: bench-traces
 		--link-speedups 1 --out docs/results/bench/headline_default_b4 \
 		--doc docs/results/headline_default_b4.md > /dev/null
 
-# zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link and three
-# cache sizes (4 prompts x 24 tokens: the model
-# decodes ~4x slower); then batch 4.
+# zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link, 25% cache,
+# 5 repeats (4 prompts x 24 tokens: the model decodes ~4x slower; ~40 min); then batch 4.
 bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
 		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
-		--fracs 0.125,0.25,0.5 --foresights all --repeats 3 --max-prompts 4 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 \
 		--max-new-tokens 24 --link-speedups 1 --out docs/results/bench/headline_deep \
 		--doc docs/results/headline_deep.md > /dev/null
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \

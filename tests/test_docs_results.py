@@ -94,12 +94,16 @@ def test_readme_is_a_product_page():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 10_000
     opening = text[: text.index("## Quick start")] + text[text.index("The expert cache is") :]
-    acc = json.loads((DOCS / "bench" / "serve_accelerate.json").read_text())
+    acc = json.loads((DOCS / "bench" / "serve_memory.json").read_text())  # (accelerate in it)
+    if not any(r.get("engine") == "accelerate" for r in acc["results"]):
+        acc = json.loads((DOCS / "bench" / "serve_accelerate.json").read_text())
     best = next(r for r in acc["results"] if r["policy"] == acc["best_no_prediction"])
     [a] = [r for r in acc["results"] if r["engine"] == "accelerate"]
     ratios = sorted(b / x for b, x in zip(best["decode_tok_s_repeats"], a["decode_tok_s_repeats"],
                                           strict=True))  # fmt: skip
-    assert f"{ratios[1]:.0f}x faster than transformers + accelerate" in " ".join(opening.split())
+    median = ratios[len(ratios) // 2]
+    assert len(ratios) % 2 == 1
+    assert f"{median:.1f}x faster than transformers + accelerate" in " ".join(opening.split())
     assert f"about {best['bytes_read_per_token'] / 1e6:.0f} MB per token" in opening
     assert f"streams {a['bytes_read_per_token'] / 1e9:.1f} GB" in opening
     runs = [r for r in _headline_x1() if abs(r["cache_frac"] - 0.25) < 0.01]
@@ -113,7 +117,7 @@ def test_readme_is_a_product_page():
     lo, hi = top[f"{key}_range"]
     said = " ".join(opening.split())
     if lo <= 1 <= hi:
-        assert "a tie with it in real serving" in said
+        assert "a tie with the best cache in real serving" in said
     elif hi < 1:  # a loss in every repeat, said as one, against the peer the JSON names
         assert "slower than the best peer" in said and "in every repeat" in said
         assert f"`{serve['best_peer'].split('/')[0]}`" in said
