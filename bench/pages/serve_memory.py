@@ -174,7 +174,13 @@ def _peer_notes(res: dict) -> list[str]:
         f"MB from disk / token: storage reads per decode token (/proc/self/io). Stall share: of "
         f"decode time, the compute thread waiting on expert loads. TTFT: time to first token "
         f"(the prefill forward) of one prompt of {p['tokens']} tokens, held-out prose (test "
-        f"prompts {', '.join(p['ids'])} joined), a run of its own per row and repeat.",
+        f"prompts {', '.join(p['ids'])} joined), a run of its own per row and repeat"
+        + (
+            ", all of them after every decode run (a long prefill's reads slowed the decode run "
+            "that came next)."
+            if res.get("ttft_pass") == "after"
+            else ", right after that row's decode run (it can slow the decode run that comes next)."
+        ),
     ]
 
 
