@@ -135,10 +135,16 @@ def _serving(rep: dict) -> str:
         if rep.get("memory_cap_bytes")
         else ""
     )
+    over_cache = ""
+    if key == "vs_best_peer":  # the same row over the best cache too, as the emulated row
+        c_lo, c_hi = top["vs_best_cache_range"]
+        c_verdict = "a tie" if c_lo <= 1 <= c_hi else "faster" if c_lo > 1 else "slower"
+        over_cache = (f"{top['vs_best_cache']:.2f}x [{c_lo:.2f}, {c_hi:.2f}] over the best "
+                      f"cache (**{c_verdict}**); ")  # fmt: skip
     return (
         f"| real disk | {_setup(rep)}{cap} (serve_memory.md) | {acc_cell} | "
         f"{best['policy']}: {_tok_s(best)}, {same} | best of {len(ours)} rows, "
-        f"{top['policy'].removeprefix('ours: ')}: {_tok_s(top)}, "
+        f"{top['policy'].removeprefix('ours: ')}: {_tok_s(top)}, {over_cache}"
         f"{top[key]:.2f}x [{lo:.2f}, {hi:.2f}]: **{verdict}**{peer} |"
     )
 

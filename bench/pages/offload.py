@@ -143,9 +143,18 @@ def _against_peers(runs: list[dict], frac: float) -> list[str]:
         + ("" if v["charged"] is None else f", {v['charged']:.2f}x charged")
         for k, v in summ["ours"].items()
     )
-    return ["", f"Best peer (fastest row that is neither ours nor an oracle): "
-            f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (medians): "
-            f"{cells}."]  # fmt: skip
+    lines = ["", f"Best peer (fastest row that is neither ours nor an oracle): "
+             f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (medians): "
+             f"{cells}."]  # fmt: skip
+    if not any(_predicting_peer(r) for r in runs):
+        lines.append("**No peer that predicts is in this run** (spec_gate and the seed's MLP "
+                     "as prefetchers): ours is compared only with caches that predict nothing.")  # fmt: skip
+    return lines
+
+
+def _predicting_peer(row: dict) -> bool:
+    """A row of the peers users would pick as a prefetcher: spec_gate or the seed's MLP."""
+    return not ours(row) and row.get("predictor") in ("spec_gate", "seed_mlp")
 
 
 def _predict_ms(r: dict) -> str:
