@@ -206,12 +206,12 @@ bench-headline-deep: bench-traces
 		--batch 4 --link-speedups 1 --out docs/results/bench/headline_deep_b4 \
 		--doc docs/results/headline_deep_b4.md > /dev/null
 
-# zoo:dsv3-deep at 25% cache on the 4x faster link.
+# zoo:dsv3-deep at 25% cache on the 4x faster link, 5 repeats (~12 min; run alone).
 bench-headline-deep-x4: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
 		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 4 --out docs/results/bench/headline_deep_x4 --doc docs/results/headline_deep_x4.md > /dev/null
 
 # zoo:dsv3-deep on held-out topics (runs/bench/deep_domain: its horizon from bench-accuracy).
