@@ -7,7 +7,7 @@ Usage:
 `offload.store.ExpertStore.read_into` with io=direct, on one thread, reading `--reads` experts
 of the store (random (layer, expert) pairs, the same in every condition: O_DIRECT, so every
 byte comes from the disk) into one slot. Two conditions, interleaved `--repeats` times:
-`aligned` (a 4096-aligned slot, `store.aligned_empty`, as the cache's are: the expert's whole
+`aligned` (a 4096-aligned slot, `blocks.aligned_empty`, as the cache's are: the expert's whole
 blocks land in the slot, no copy) and `bounce` (the same slot one element off alignment: the
 read lands in the thread's bounce buffer and a `Tensor.copy_` moves it, what every direct read
 did before format 2 of the store). Per condition: the median GB/s (wall) and CPU seconds per
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from bench.record import command, emit
-from tensorbend.offload.store import ExpertStore, StoreConfig, aligned_empty
+from tensorbend.offload.blocks import aligned_empty
+from tensorbend.offload.store import ExpertStore, StoreConfig
 
 CONDITIONS = ("aligned", "bounce")
 

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ttft-pass", choices=("after", "interleaved"), default="after",
                     help="time-to-first-token runs after every decode run (default: a 3.5 GB "
-                         "prefill read slowed the decode run that came next, prefetching rows "
-                         "most), or each right after its row's decode run")  # fmt: skip
+                         "prefill's reads cannot slow the decode run that comes next), or each "
+                         "right after its row's decode run")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=3, help="test prompts per run")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")

@@ -325,11 +325,11 @@ def test_a_prefetch_read_waits_while_a_demand_read_is_on_the_disk(tmp_path, monk
     from tiny_models import build
 
     from tensorbend.models import describe_model, moe_block
-    from tensorbend.offload import store as store_mod
+    from tensorbend.offload import blocks
     from tensorbend.offload.loader import Loader
     from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
 
-    monkeypatch.setattr(store_mod, "PAUSE_CHUNK", 4096)
+    monkeypatch.setattr(blocks, "PAUSE_CHUNK", 4096)
     model = build("deepseek_v3", moe_intermediate_size=128)  # experts of 48 KB: 12 blocks
     spec = describe_model(model)
     experts = [getattr(moe_block(model, spec, m), spec.experts_attr)

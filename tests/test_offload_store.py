@@ -10,14 +10,8 @@ from tiny_models import build
 from tensorbend.cache.transfers import Link, parse_link, real_link
 from tensorbend.errors import StoreError
 from tensorbend.models import describe_model, moe_block
-from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
-    StoreConfig,
-    aligned_empty,
-    stride,
-    write_store,
-)
+from tensorbend.offload.blocks import aligned_empty, stride
+from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
 
 
 def _experts(family):
@@ -147,7 +141,7 @@ def test_a_paused_direct_read_goes_in_parts_and_reads_the_same_bytes(tmp_path, m
     """A prefetch's direct read (a `pause` given) reads PAUSE_CHUNK bytes at a time (one block
     here) and calls `pause` between parts: ceil(whole blocks / part) - 1 times, the bytes
     equal to the expert's (experts of 48 KB + a partial block: 13 parts)."""
-    from tensorbend.offload import store as store_mod
+    from tensorbend.offload import blocks
 
     model = build("deepseek_v3", moe_intermediate_size=130)
     spec = describe_model(model)
@@ -155,7 +149,7 @@ def test_a_paused_direct_read_goes_in_parts_and_reads_the_same_bytes(tmp_path, m
                for m in range(spec.num_moe_layers)]  # fmt: skip
     layout = ExpertLayout.of(experts[0])
     path = write_store(experts, layout, tmp_path / "experts.safetensors", {"fingerprint": "t"})
-    monkeypatch.setattr(store_mod, "PAUSE_CHUNK", 4096)
+    monkeypatch.setattr(blocks, "PAUSE_CHUNK", 4096)
     try:
         store = ExpertStore.open(path, StoreConfig("direct"))
     except StoreError as e:

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 import tensorbend
 from tensorbend.cli import main
 from tensorbend.models import describe_model, moe_block
+from tensorbend.offload.blocks import stride
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.offload.store import stride
 from tensorbend.placement import build_without_experts
 
 _SERVE = textwrap.dedent("""

@@ -176,8 +176,8 @@ def _peer_notes(res: dict) -> list[str]:
         f"(the prefill forward) of one prompt of {p['tokens']} tokens, held-out prose (test "
         f"prompts {', '.join(p['ids'])} joined), a run of its own per row and repeat"
         + (
-            ", all of them after every decode run (a long prefill's reads slowed the decode run "
-            "that came next)."
+            ", all of them after every decode run (so that a long prefill's reads cannot slow "
+            "the decode run that comes next)."
             if res.get("ttft_pass") == "after"
             else ", right after that row's decode run (it can slow the decode run that comes next)."
         ),

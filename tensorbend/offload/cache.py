@@ -43,7 +43,7 @@ from tensorbend.cache.policies import INF, Key
 from tensorbend.cache.resident import ResidentSet
 from tensorbend.cache.slots import CacheStats, SlotTable
 from tensorbend.errors import StoreError
-from tensorbend.offload.store import aligned_empty
+from tensorbend.offload.blocks import aligned_empty
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,10 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload import mxfp4
+from tensorbend.offload.blocks import stride
 from tensorbend.offload.precision import block_grid
 from tensorbend.offload.shards import Checkpoint, TensorRef
-from tensorbend.offload.store import ExpertLayout, expert_offset, store_header, stride
+from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
 
 
 @dataclass

@@ -20,7 +20,7 @@ goes first). Whether a prefetch may evict, and what, is the cache's question
 A real disk has no booked wire, so there idle bandwidth is kept by thread count: at most
 `prefetch_threads` (default: threads - 1 on an uncapped link, all of them on an emulated one)
 reads are prefetches at once, so a demand load finds a thread of its own; and a prefetch reads
-in parts (`store.PAUSE_CHUNK`), waiting between them while a demand read is in flight, so the
+in parts (`blocks.PAUSE_CHUNK`), waiting between them while a demand read is in flight, so the
 demand has the disk to itself (the waits: `prefetch_paused`). A `PrefetchGuard` turns prefetching off while it wastes: with predictions
 that are all wrong, at most `slack` + threads prefetched experts are read in a run.
 

@@ -21,17 +21,13 @@ A `cache.transfers.Link` caps the transfer: every read is booked on one `Wire` (
 simulator books in event time; here with the wall clock, serialised over all I/O threads) and
 returns when the booking ends, so a CPU machine reproduces the transfer/compute ratio of a real
 system. `io` chooses how to read past the page cache: `buffered` (plain reads),
-`fadvise` (drop the pages after each read) or `direct` (O_DIRECT). A direct read into a
-4096-aligned buffer (`aligned_empty`: the cache's slots are) lands in it with no copy: the
-expert's whole 4096-byte blocks go straight into the buffer and its last partial block
-through a one-block bounce buffer, in one `preadv`; into any other buffer the read goes
-through a bounce buffer and a tensor copy (`bounced_reads` counts those).
+`fadvise` (drop the pages after each read) or `direct` (O_DIRECT, offload/blocks.py: into a
+4096-aligned buffer, as the cache's slots are, with no copy; `bounced_reads` counts the others).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import threading
@@ -45,13 +41,13 @@ import torch
 from tensorbend.atomic import atomic_write
 from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
+from tensorbend.offload.blocks import ALIGN, DirectReader, aligned_empty, stride
 from tensorbend.offload.precision import block_meta, block_of_meta, dequantize_expert, stored_nbytes
 
 FORMAT_VERSION = "2"  # 2: experts on 4096-byte boundaries (1 had no padding)
 IOMode = Literal["buffered", "fadvise", "direct"]
 IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-_ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 
 
 @dataclass(frozen=True)
@@ -116,15 +112,6 @@ class ExpertLayout:
         return out
 
 
-def stride(nbytes: int) -> int:
-    """Bytes from one expert's start in the store to the next's: nbytes rounded up to 4096.
-
-    >>> stride(4096), stride(4097), stride(10)
-    (4096, 8192, 4096)
-    """
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 def expert_offset(header_len: int, m: int, e: int, num_experts: int, nbytes: int) -> int:
     """Where expert e of MoE layer m starts in the store file (header_len: `store_header`'s)."""
     return header_len + (m * num_experts + e) * stride(nbytes)
@@ -158,7 +145,7 @@ def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: 
         **block_meta(layout.block),
     }
     blob = json.dumps(header).encode()
-    blob += b" " * (-(8 + len(blob)) % _ALIGN)  # (spaces: safetensors' own header padding)
+    blob += b" " * (-(8 + len(blob)) % ALIGN)  # (spaces: safetensors' own header padding)
     return struct.pack("<Q", len(blob)) + blob
 
 
@@ -211,7 +198,7 @@ class ExpertStore:
         self._wire_lock = threading.Lock()
         self._wire = Wire(link)
         self._local = threading.local()
-        self.bounced_reads = 0  # direct reads that went through a bounce buffer and a copy
+        self._direct = DirectReader(self._fd) if cfg.io == "direct" else None
 
     @classmethod
     def open(
@@ -283,11 +270,11 @@ class ExpertStore:
 
     def read_into(self, m: int, e: int, out_flat: torch.Tensor, pause=None) -> int:
         """Read expert e of MoE layer m into the contiguous CPU tensor `out_flat`; returns bytes.
-        With io=direct, into a 4096-aligned `out_flat` (`aligned_empty`) it is no copy. A quantized
-        store's expert is read into a staging buffer and dequantized into `out_flat`.
-        pause: called between PAUSE_CHUNK-byte parts of a direct read (a prefetch's: it returns
-        once no demand read is in flight, so a prefetch never shares the disk with one for
-        more than a part)."""
+        With io=direct, into a 4096-aligned `out_flat` (`blocks.aligned_empty`) it is no copy.
+        A quantized store's expert is read into a staging buffer and dequantized into
+        `out_flat`. pause: called between `blocks.PAUSE_CHUNK`-byte parts of a direct read (a
+        prefetch's: it returns once no demand read is in flight, so a prefetch never shares the
+        disk with one for more than a part)."""
         if self.layout and out_flat.dtype != torch.uint8:
             raw = getattr(self._local, "raw", None)
             if raw is None:  # (this I/O thread's torch ops on one core, the model's threads
@@ -302,8 +289,8 @@ class ExpertStore:
         done_at = self._reserve_wire(nbytes)
         offset = self._data_start + start
         try:
-            if self.cfg.io == "direct":
-                got = self._read_direct(out_flat, offset, nbytes, pause)
+            if self._direct is not None:
+                got = self._direct.read(out_flat, offset, nbytes, pause)
             else:  # (the kernel copies, with the interpreter lock released)
                 got = os.preadv(self._fd, [memoryview(out_flat.view(torch.uint8).numpy())], offset)
                 if self.cfg.io == "fadvise":
@@ -324,6 +311,11 @@ class ExpertStore:
             time.sleep(wait)  # the emulated link is still busy with these bytes
         return nbytes
 
+    @property
+    def bounced_reads(self) -> int:
+        """Direct reads that went through a bounce buffer and a copy (0 unless io=direct)."""
+        return self._direct.bounced_reads if self._direct else 0
+
     def backlog_s(self) -> float:
         """Seconds until the emulated wire is free (0 when uncapped or idle)."""
         return self._wire.backlog(time.perf_counter())
@@ -334,73 +326,6 @@ class ExpertStore:
             return 0.0
         with self._wire_lock:
             return self._wire.book(time.perf_counter(), nbytes)
-
-    def _read_direct(self, out_flat: torch.Tensor, offset: int, nbytes: int, pause=None) -> int:
-        """O_DIRECT. Into an aligned buffer: the expert's whole blocks straight into it, its last
-        partial block into a one-block bounce buffer, in one preadv (the expert starts on a
-        block: format 2), then that block's few bytes copied. Otherwise: the expert's blocks into
-        a bounce buffer, then into `out_flat` by a tensor copy, which releases the interpreter
-        lock (a memoryview slice copy holds it: an 18 MB expert stalled the compute thread's
-        Python for its ~3 ms copy)."""
-        out = out_flat.view(torch.uint8)
-        assert offset % _ALIGN == 0, "format 2 stores start every expert on a block"
-        if out.data_ptr() % _ALIGN == 0:
-            body = nbytes - nbytes % _ALIGN
-            if pause is not None and body > PAUSE_CHUNK:  # the leading parts, then the rest
-                for at in range(0, body - PAUSE_CHUNK, PAUSE_CHUNK):
-                    if at:
-                        pause()
-                    got = os.preadv(self._fd, [memoryview(out[at : at + PAUSE_CHUNK].numpy())],
-                                    offset + at)  # fmt: skip
-                    if got < PAUSE_CHUNK:
-                        return at + got
-                    done = at + PAUSE_CHUNK
-                pause()
-                return done + self._read_direct(out[done:], offset + done, nbytes - done)
-            iov = [memoryview(out[:body].numpy())] if body else []
-            tail = nbytes - body
-            if tail:
-                mm, mm_t = self._bounce(_ALIGN)
-                iov.append(memoryview(mm)[:_ALIGN])
-            got = os.preadv(self._fd, iov, offset)
-            if tail and got > body:
-                out[body:nbytes].copy_(mm_t[: min(tail, got - body)])
-            return min(got, nbytes)
-        self.bounced_reads += 1
-        mm, mm_t = self._bounce(stride(nbytes))
-        got = min(nbytes, os.preadv(self._fd, [memoryview(mm)[: stride(nbytes)]], offset))
-        out[:got].copy_(mm_t[:got])
-        return got
-
-    def _bounce(self, n: int) -> tuple[mmap.mmap, torch.Tensor]:
-        """This thread's page-aligned bounce buffer of at least n bytes (and a tensor on it)."""
-        bounce = getattr(self._local, "bounce", None)
-        if bounce is None or len(bounce[0]) < n:
-            mm = mmap.mmap(-1, n)  # page-aligned
-            bounce = self._local.bounce = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        return bounce
-
-
-PAUSE_CHUNK = 4 << 20
-"""Bytes of a paused (prefetch) direct read between two `pause` calls: large enough that the
-disk keeps its pace (a 4 MiB O_DIRECT read streams as a whole expert does), small enough that
-a demand read arriving meanwhile waits for at most that much of a prefetch."""
-
-
-def aligned_empty(rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, numel] of `dtype` whose every row starts on a 4096-byte boundary (rows are
-    `stride` bytes apart): direct reads land in each row with no copy.
-
-    >>> t = aligned_empty(3, 5, torch.float32)
-    >>> t.shape, [t[i].data_ptr() % 4096 for i in range(3)], t[1].is_contiguous()
-    (torch.Size([3, 5]), [0, 0, 0], True)
-    """
-    itemsize = dtype.itemsize
-    assert _ALIGN % itemsize == 0, dtype
-    row = stride(numel * itemsize) // itemsize
-    raw = torch.empty(rows * row + _ALIGN // itemsize, dtype=dtype)
-    skip = (-raw.data_ptr() % _ALIGN) // itemsize
-    return raw[skip : skip + rows * row].view(rows, row)[:, :numel]
 
 
 def _items(d: dict, keys: list[str]) -> str:
