@@ -139,15 +139,9 @@ bench-timing: bench-traces
 		$(PY) -m bench.offload_sweep --model $$model --trace $(BENCH)/$$m/trace \
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
-			--baselines spec_gate,transition,random --max-prompts 6 --max-new-tokens 48 \
+			$(call peers,$$m),transition,random --max-prompts 6 --max-new-tokens 48 \
 			--out docs/results/bench/offload_$$m --doc docs/results/offload_$$m.md > /dev/null; \
 	done
-	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
-		--predictor $(BENCH)/default/ours_d1.safetensors \
-		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
-		--baselines spec_gate,transition,random --max-prompts 8 --max-new-tokens 48 --batch 4 \
-		--fracs 0.25,0.5 --link-speedups 1 --out docs/results/bench/offload_default_b4 \
-		--doc docs/results/offload_default_b4.md > /dev/null
 	$(PY) -m bench.simulate_validate --model zoo:default --max-prompts 5 --max-new-tokens 32 \
 		--predictor $(BENCH)/default/ours_d1.safetensors --baseline transition \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
