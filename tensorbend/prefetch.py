@@ -56,7 +56,7 @@ what per-expert token counts are predicted from (engines/vllm_counters.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -211,12 +211,9 @@ class Prefetcher:
         layer: int,
         hidden_TD: torch.Tensor | None = None,
         routed_ids_TK: torch.Tensor | None = None,
-        defer=None,
     ) -> list[Prediction]:
         """What to prefetch now: before layer `layer`'s attention (hidden_TD = its input, no
-        routed ids) or right after its router (hidden_TD = the router's input, its ids).
-        defer(m, src, when): a one-token within-token prediction at a router is not scored
-        here but handed over, its inputs taken now (`score` makes it, on any thread)."""
+        routed ids) or right after its router (hidden_TD = the router's input, its ids)."""
         if self._new_forward:
             if self._own_clock:
                 self.clock.begin_forward()
@@ -232,19 +229,9 @@ class Prefetcher:
         out = []
         if self.horizon is not None and layer == self._L - 1:
             out = self._foresee(hidden_TD.reshape(-1, self._D))
-        fires = self._fires[layer]
-        if defer is not None and fires and self.ahead is None and hidden_TD.numel() == self._D:
-            for m in fires:
-                src, when = self._source(m, hidden_TD)
-                defer(m, replace(src, hidden_TD=src.hidden_TD.clone()), when)
-            return out
-        for m in fires:
+        for m in self._fires[layer]:
             out += self._within(layer, m, hidden_TD)
         return out
-
-    def score(self, m: int, src: SourceBatch, when: int) -> list[Prediction]:
-        """A deferred prediction (`observe(defer=...)`), made now; not counted in score_s."""
-        return self._score(m, src, when, count=False)
 
     # ------------------------------------------------------------ helpers
 
@@ -275,10 +262,6 @@ class Prefetcher:
     def _predict(self, m: int, hidden_TD: torch.Tensor) -> list[Prediction]:
         """Score target layer m from its source point, as sources_from_rows does offline
         (hidden_TD: any leading shape, [..., D])."""
-        return self._score(m, *self._source(m, hidden_TD))
-
-    def _source(self, m: int, hidden_TD: torch.Tensor):
-        """Target layer m's inputs at its source point: (SourceBatch, step wanted)."""
         D, K = self._D, self.spec.top_k
         T = hidden_TD.numel() // D
         p = self.predictor
@@ -299,21 +282,17 @@ class Prefetcher:
             has_prev_T[1:] = True
         hidden = hidden_TD.detach().float().cpu()
         src = SourceBatch(hidden, src_ids_TK, prev_TK, has_prev_T, route_layer)
-        return src, self.clock.step(m)
-
-    def _score(self, m: int, src: SourceBatch, when: int, count: bool = True) -> list[Prediction]:
-        K, T = self.spec.top_k, len(src)
         t0 = time.perf_counter()
-        with self._no_grad if count else torch.no_grad():  # (one context per thread)
-            scores_TE = self.predictor.scores(m, src).float()
-        if count:
-            self.score_s += time.perf_counter() - t0
+        with self._no_grad:
+            scores_TE = p.scores(m, src).float()
+        self.score_s += time.perf_counter() - t0
         if T == 1:
             experts = _token_list(scores_TE, K + self.extra)
             self.token_topk[m] = experts[:K]
         else:
             self.token_topk[m] = ranked = ranked_ids(scores_TE, K)
             experts = prefetch_list(ranked, K, self.extra)
+        when = self.clock.step(m)
         return [Prediction(m, e, when, r) for r, e in enumerate(experts)]
 
     def _foresee(self, hidden_TD) -> list[Prediction]:

@@ -24,9 +24,6 @@ d1's prediction is mostly overlapped, yet its runs are slower than `prefetch:non
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
 import time
 
 import torch
@@ -91,15 +88,6 @@ class PredictionHooks:
         self.decode_score_s = 0.0  # the part of decode_predict_s scoring (`Prefetcher.score_s`)
         self.decode_queue_s = 0.0  # the part of decode_predict_s in queue_s
         self._unsettled = 0.0  # decode prediction seconds since the last MoE layer settled
-        self.worker_s = 0.0  # PROTOTYPE
-        self.worker_late = 0
-        self.worker_jobs = 0
-        self._error = None
-        self._jobs = None
-        if os.environ.get("TB_WORKER") == "1" and loader is not None:
-            self._jobs = queue.SimpleQueue()
-            self._worker = threading.Thread(target=self._work, daemon=True, name="tb-predict")
-            self._worker.start()
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
             model, spec, on_route=self._route,
@@ -112,33 +100,6 @@ class PredictionHooks:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._worker.join()
-            self._jobs = None
-
-    def _defer(self, m, src, when) -> None:
-        self._jobs.put((m, src, when))
-
-    def _work(self) -> None:
-        pf = self.prefetcher
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            m, src, when = job
-            t0 = time.perf_counter()
-            if self.cache is not None and self.cache.now >= when:
-                self.worker_late += 1
-                continue
-            try:
-                preds = pf.score(m, src, when)
-                if preds:
-                    self._queue(preds)
-            except BaseException as e:  # noqa: BLE001
-                self._error = e
-            self.worker_s += time.perf_counter() - t0
-            self.worker_jobs += 1
 
     def _route(self, call: RouterCall) -> None:
         if self.on_route is not None:
@@ -186,8 +147,7 @@ class PredictionHooks:
         pf = self.prefetcher
         before = pf.forecast  # (observe rolls no history, the Recorder does: `first` holds)
         first = self.observed is not None and not pf.history.prev
-        defer = self._defer if self._jobs is not None and self.phase == "decode" else None
-        preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK, defer=defer)
+        preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK)
         if self.observed is not None:  # tests: replay these through a standalone Prefetcher
             inputs = (m, hidden.detach().cpu().clone(),
                       None if ids_TK is None else ids_TK.detach().cpu().clone())  # fmt: skip
