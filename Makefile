@@ -130,6 +130,11 @@ bench-accuracy: bench-traces
 		--json docs/results/projections.json --doc docs/results/projections.md > /dev/null
 	$(PY) -m bench.zoo_card $(BENCH)/default/trace $(BENCH)/qwen/trace $(BENCH)/deep/trace \
 		--json docs/results/zoo_card.json --doc docs/results/zoo_card.md > /dev/null
+	$(PY) -m bench.prefetch_width --trace $(BENCH)/default/trace \
+		--predictor $(BENCH)/default/ours_d1.safetensors --trace $(BENCH)/qwen/trace \
+		--predictor $(BENCH)/qwen/ours_d1.safetensors --trace $(BENCH)/deep/trace \
+		--predictor $(BENCH)/deep/ours_d1.safetensors --json docs/results/bench/prefetch_width.json \
+		--doc docs/results/bench/prefetch_width.md > /dev/null
 	$(PY) -m bench.train_memory --trace $(BENCH)/default/trace \
 		--json docs/results/bench/train_memory.json --doc docs/results/bench/train_memory.md > /dev/null
 

@@ -32,6 +32,7 @@ PAGES = (
       for n in ("offload_default", "offload_qwen", *_HEADLINES)],
     ("bench.pages.train_memory", "bench/train_memory.json", "bench/train_memory.md"),
     ("bench.replay_speed", "bench/replay_speed.json", "bench/replay_speed.md"),
+    ("bench.prefetch_width", "bench/prefetch_width.json", "bench/prefetch_width.md"),
     ("bench.pages.zoo_card", "zoo_card.json", "zoo_card.md"),
     ("bench.pages.zoo_card", "zoo_probe.json", "zoo_probe.md"),
     *[("bench.pages.serve_memory", f"bench/{n}.json", f"{n}.md")
