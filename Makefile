@@ -246,8 +246,8 @@ bench-headline-domain: bench-accuracy
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 # The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
-# ours on zoo:default x184 (~35 min), then llama.cpp beside tensorbend on qwen3moe-tiny x184,
-# the checkpoint llama.cpp loads (needs `make llama-cpp`; ~10 min).
+# ours on zoo:default x184 (~35 min), then every peer and llama.cpp beside ours on
+# qwen3moe-tiny x184, the checkpoint llama.cpp loads (needs `make llama-cpp`; ~43 min).
 SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$'
 bench-serve: bench-traces
 	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
@@ -256,8 +256,10 @@ bench-serve: bench-traces
 		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --only $(SERVE_ROWS) \
 		--json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md > /dev/null
 	$(PY) -m bench.serve_memory --model zoo:qwen3moe-tiny --factor 184 --max-memory 1GB \
-		--repeats 3 --prompts 2 --max-new-tokens 16 --memory-cap --llama-cpp \
-		--only '^lru$$|^lfru/adm=frequency$$|page cache|^spec_gate/adm=predicted/extra=-2$$|llama' \
+		--repeats 5 --prompts 3 --max-new-tokens 24 --memory-cap --llama-cpp --accelerate \
+		--accelerate-tokens 4 --predictor $(BENCH)/qwen/ours_d1.safetensors \
+		--horizon $(BENCH)/qwen/horizon_routing_hidden.safetensors \
+		--seed-mlp $(BENCH)/qwen/seed_mlp_d1.safetensors --only $(SERVE_ROWS)'|llama' \
 		--json docs/results/bench/serve_llama_cpp.json --doc docs/results/serve_llama_cpp.md > /dev/null
 
 # tensorbend beside transformers + accelerate offloading (the baseline without tensorbend), every
