@@ -66,9 +66,11 @@ def width_report(trace: Path, checkpoint: Path) -> dict:
     """Calibration, fixed widths and thresholds of one checkpoint on its trace's test decode."""
     tr = Trace.open(trace)
     p = load_predictor(checkpoint)
-    if p.kind != "tensorbend":
-        raise SystemExit(f"{checkpoint}: expected ours (kind tensorbend, a listwise loss), "
-                         f"found kind {p.kind!r}: its scores are no distribution to threshold")  # fmt: skip
+    loss = getattr(getattr(p, "cfg", None), "loss", None)
+    if p.kind != "tensorbend" or loss != "listwise":
+        raise SystemExit(f"{checkpoint}: expected ours trained with the listwise loss (kind "
+                         f"tensorbend), found kind {p.kind!r}, loss {loss!r}: K x softmax of its "
+                         "scores is no estimate of P(routed); retrain with the default loss")  # fmt: skip
     K = tr.spec.top_k
     rows = tr.load(KINDS[p.kind].features(p.lookahead), split="test", phase="decode")
     ids_TLK = rows["expert_ids_TLK"].long()
