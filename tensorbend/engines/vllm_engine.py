@@ -28,7 +28,11 @@ DeepSeek MLA models (zoo:dsv3-vllm) need one fix on vLLM 0.32's CPU build: its i
 rotary op, handed the query's rotary slice as a strided [T, H, R] view, rotates query row
 (t, h) by position t*H + h instead of t (measured: the attention output 1.3% off on a random
 checkpoint, routing 38% equal to transformers' on the trained one). `flat_mla_rope` hands it
-contiguous [T, H*R] copies instead; attention then equals transformers' to 5e-8.
+contiguous [T, H*R] copies instead; attention then equals transformers' to 5e-8. On CPU the
+engine asks for vLLM's reference MLA backend (CPU_MLA), the one these numbers were measured
+with: on a CPU with AMX tiles vLLM would otherwise pick AMX_MLA, which refuses fp32 weights
+("expect weight to be bfloat16, float16, int8 ...") and was never checked against
+transformers here.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class VllmEngine:
             max_num_batched_tokens=max(max_len, 2048),
             enable_prefix_caching=False,  # every forward must hold all of a prompt's tokens
             seed=decode.seed,
+            **_attention_backend(path),
         )
         models = self.llm.apply_model(lambda m: m)
         assert len(models) == 1 and isinstance(models[0], torch.nn.Module), "model not in-process"
@@ -230,6 +235,18 @@ def routers_only(path: Path) -> torch.nn.Module:
         )
     model.load_state_dict(state, strict=False, assign=True)
     return model
+
+
+def _attention_backend(path: Path) -> dict:
+    """LLM kwargs pinning CPU_MLA for an MLA checkpoint on vLLM's CPU platform (module note)."""
+    import json
+
+    from vllm.platforms import current_platform
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if current_platform.is_cpu() and config.get("kv_lora_rank") is not None:
+        return {"attention_backend": "CPU_MLA"}
+    return {}
 
 
 def flat_mla_rope(model: torch.nn.Module) -> None:
