@@ -228,3 +228,20 @@ def test_a_sweep_page_says_when_no_peer_predicts(name):
                    for r in runs)  # fmt: skip
     md = (DOCS / f"{name}.md").read_text()
     assert ("No peer that predicts is in this run" in md) == (not has_peer)
+
+
+def test_a_sweep_page_has_the_io_cpu_column_exactly_when_its_json_does():
+    """The I/O threads' CPU per token (`io_cpu_s_per_token`, JSON since 2026-12-06) gets a
+    column, in ms, on a page whose JSON has it, '-' in rows without it; older pages have none."""
+    from bench.pages.offload import markdown
+
+    rep = json.loads((DOCS / "bench" / "headline_deep_x4.json").read_text())
+    assert "I/O CPU ms/token" not in markdown(rep)
+    runs = rep["links"][0]["runs"]
+    row = next(r for r in runs if r["policy"] != "resident" and r["cache_frac"] == 0.25)
+    row["io_cpu_s_per_token"] = 0.00123
+    md = markdown(rep)
+    table = _tables(md)[next(k for k in _tables(md) if k.startswith("Cache 0.250"))]
+    cells = {r[0]: r[-1] for r in table}
+    assert cells.pop(run_label(row)) == "1.23"
+    assert set(cells.values()) == {"-"}

@@ -151,6 +151,10 @@ def test_counters_by_hand_on_demand_and_full_oracle():
         assert c["hits"] == 0 and c["misses"] == needed and c["bytes_read"] == needed * nbytes
         assert r["bytes_read_per_token"] == K * L * nbytes  # batch-1 decode: K distinct per layer
         assert r["demand_hit_rate"] == 0.0
+        # the I/O threads spent CPU on those reads; decode's share is part of the run's total
+        decode_io_cpu = r["io_cpu_s_per_token"] * r["tokens"]["decode"]
+        assert 0 < decode_io_cpu < c["io_cpu_s"] + 1e-9
+        assert sess.resident_result().to_json()["io_cpu_s_per_token"] is None  # no I/O threads
 
         r = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=1.0)))
         c = r["counters"]

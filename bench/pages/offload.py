@@ -63,6 +63,11 @@ def markdown(report: dict) -> str:
         ),
     ]
     runs = [r for e in report["links"] for r in e["runs"]]
+    io_cpu = any(r.get("io_cpu_s_per_token") is not None for r in runs)  # (JSON since 2026-12-06)
+    if io_cpu:
+        lines[-1] += (" `I/O CPU ms/token`: the I/O threads' CPU time per decode token (victim "
+                      "search, the read's own CPU, bookkeeping; on CPython mostly Python holding "
+                      "the interpreter lock the compute thread needs between torch ops).")  # fmt: skip
     lines += ["", f"**{regime_line(runs).capitalize()}.**"]
     if report.get("host_warning"):
         lines += ["", f"**Warning: {report['host_warning']}.**"]
@@ -90,8 +95,8 @@ def markdown(report: dict) -> str:
                       f"{summ['best_no_prediction_by_bytes']}.", *_against_peers(entry["runs"], float(frac)), "",
                       "| run | decode tok/s | vs best cache | stall ms/token | KB read/token | "
                       "gap closed (bytes) | gap closed (s) | demand hit rate | wasted KB | "
-                      "predict ms/token (exposed) |",
-                      "|" + "---|" * 10]  # fmt: skip
+                      "predict ms/token (exposed) |" + (" I/O CPU ms/token |" if io_cpu else ""),
+                      "|" + "---|" * (10 + io_cpu)]  # fmt: skip
             for r in entry["runs"]:
                 if r["policy"] == "resident" or abs(r["cache_frac"] - float(frac)) > 0.01:
                     continue
@@ -102,6 +107,7 @@ def markdown(report: dict) -> str:
                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {_fmt_pct(row.get('gap_closed_bytes'))} | "
                     f"{_fmt_pct(row.get('gap_closed_seconds'))} | {r['demand_hit_rate']:.3f} | "
                     f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {_predict_ms(r)} |"
+                    + (f" {_ms(r.get('io_cpu_s_per_token'))} |" if io_cpu else "")
                 )
     return "\n".join(lines) + "\n"
 
@@ -166,6 +172,10 @@ def _predict_ms(r: dict) -> str:
     if total is None:
         return "-"
     return f"{total * 1e3:.2f}" + ("" if exposed is None else f" ({exposed * 1e3:.2f})")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def _batch_note(batch: int) -> str:

@@ -205,7 +205,7 @@ def median_row(rows: list[dict]) -> dict:
     if len(rows) == 1:
         return out
     for key in ("decode_tok_s", "prefill_tok_s", "stall_s_per_token", "predict_s_per_token",
-                "bytes_read_per_token", "demand_hit_rate"):  # fmt: skip
+                "bytes_read_per_token", "demand_hit_rate", "io_cpu_s_per_token"):  # fmt: skip
         xs = [r[key] for r in rows if r.get(key) is not None]
         if xs:
             out[key] = statistics.median(xs)

@@ -69,6 +69,7 @@ class CacheStats:
     prefetch_paused: int = 0  # waits of a prefetch read for a demand read (real disk)
     evictions: int = 0
     stall_s: float = 0.0  # compute thread waiting for experts
+    io_cpu_s: float = 0.0  # I/O threads' CPU time per load (victim search, read, bookkeeping)
     peak_entries: int = 0  # resident entries (<= capacity)
 
     @property

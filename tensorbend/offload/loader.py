@@ -31,6 +31,7 @@ the slot; the copy waits for the compute stream to finish with the slot's previo
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,7 @@ class Loader:
                     return
                 demand = req.kind == DEMAND
                 self._demanding += demand
+            cpu0 = time.thread_time()  # (this thread's CPU: not its waits for locks or the disk)
             try:
                 slot = self.cache.start_load(req.key, demand=demand, block=demand, when=req.when)
                 if slot is None:
@@ -167,6 +169,7 @@ class Loader:
                 self.cache.fail_load(req.key, e)
             finally:
                 with self._lock:
+                    self.cache.stats.io_cpu_s += time.thread_time() - cpu0
                     if demand:
                         self._demanding -= 1
                         self._demand_done.notify_all()

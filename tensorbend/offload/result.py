@@ -56,7 +56,10 @@ class RunResult:
     that pass; null where not measurable), cpus}} and host_busy (either pass had other_cores >
     host_load.BUSY_CORES: its tok/s are not reliable, and the link is scaled to the reference's
     layer time).
-    oracle_beyond (oracle: its rule past its foresight, else null); time_model (the regime and
+    io_cpu_s_per_token (CPU seconds of the I/O threads per decode token, `time.thread_time`
+    around each load: victim search, the read's own CPU, bookkeeping; on CPython mostly
+    Python that holds the interpreter lock the compute thread needs; null for the resident
+    row); oracle_beyond (oracle: its rule past its foresight, else null); time_model (the regime and
     what each cost is charged as, `offload.time_model.declare`). `cache.report.run_label`
     names a row.
     """
@@ -106,6 +109,7 @@ class RunResult:
     host_load: dict | None = None
     host_busy: bool = False
     time_model: dict | None = None
+    io_cpu_s_per_token: float | None = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -135,4 +139,5 @@ def phase_numbers(stats: CacheStats, tokens: int) -> dict:
         "stall_s_per_token": stats.stall_s / n,
         "bytes_read_per_token": stats.bytes_read / n,
         "demand_hit_rate": stats.demand_hit_rate,
+        "io_cpu_s_per_token": stats.io_cpu_s / n,
     }

@@ -256,6 +256,7 @@ class OffloadSession:
             stall_s_per_token=dec["stall_s_per_token"],
             bytes_read_per_token=dec["bytes_read_per_token"],
             demand_hit_rate=dec["demand_hit_rate"],
+            io_cpu_s_per_token=None if cache is None else dec["io_cpu_s_per_token"],
             wasted_prefetch_bytes=total.prefetch_wasted_bytes,
             output_matches_resident=None if cache is None else matches,
             max_logit_abs_diff=None if cache is None else diff,
