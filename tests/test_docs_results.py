@@ -235,7 +235,11 @@ def test_a_sweep_page_has_the_io_cpu_column_exactly_when_its_json_does():
     column, in ms, on a page whose JSON has it, '-' in rows without it; older pages have none."""
     from bench.pages.offload import markdown
 
-    rep = json.loads((DOCS / "bench" / "headline_deep_x4.json").read_text())
+    for name in _SWEEPS:
+        rep = json.loads((DOCS / "bench" / f"{name}.json").read_text())
+        has = any(r.get("io_cpu_s_per_token") is not None for e in rep["links"] for r in e["runs"])
+        assert ("I/O CPU ms/token" in (DOCS / f"{name}.md").read_text()) == has, name
+    rep = json.loads((DOCS / "bench" / "headline_deep.json").read_text())
     assert "I/O CPU ms/token" not in markdown(rep)
     runs = rep["links"][0]["runs"]
     row = next(r for r in runs if r["policy"] != "resident" and r["cache_frac"] == 0.25)
