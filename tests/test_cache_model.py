@@ -277,7 +277,8 @@ def _calibration(root: Path, name: str | None) -> Path | None:
 
 
 def _row(r: dict) -> dict:
-    counters = {k: v for k, v in r["counters"].items() if v}  # zeros left out: a shorter file
+    counters = {k: v for k, v in r["counters"].items() if v and k != "io_cpu_s"}  # zeros left
+    # out: a shorter file; io_cpu_s is CPU time, as variable as the wall clock
     return {**{k: r[k] for k in ROW_KEYS}, "counters": counters, "tokens": r["tokens"]}
 
 
@@ -287,9 +288,10 @@ def _counters(stats) -> dict:
 
 def _sim_counters(stats) -> dict:
     """The counters but prefetch_paused, a real disk's: the simulator and the emulated link
-    never pause (asserted)."""
+    never pause (asserted); and io_cpu_s, the runtime's I/O-thread CPU time (the simulator
+    has no threads: 0)."""
     assert stats.prefetch_paused == 0
-    return {k: v for k, v in vars(stats).items() if k != "prefetch_paused"}
+    return {k: v for k, v in vars(stats).items() if k not in ("prefetch_paused", "io_cpu_s")}
 
 
 def _steps(work: list[list[dict]]) -> dict:
