@@ -66,8 +66,8 @@ def markdown(report: dict) -> str:
     io_cpu = any(r.get("io_cpu_s_per_token") is not None for r in runs)  # (JSON since 2026-12-06)
     if io_cpu:
         lines[-1] += (" `I/O CPU ms/token`: the I/O threads' CPU time per decode token (victim "
-                      "search, the read's own CPU, bookkeeping; on CPython mostly Python holding "
-                      "the interpreter lock the compute thread needs between torch ops).")  # fmt: skip
+                      "search, the read's own CPU, on an emulated link also the wake-up from its "
+                      "timed wait, and bookkeeping).")  # fmt: skip
     lines += ["", f"**{regime_line(runs).capitalize()}.**"]
     if report.get("host_warning"):
         lines += ["", f"**Warning: {report['host_warning']}.**"]

@@ -37,6 +37,7 @@ transformers here.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -239,8 +240,6 @@ def routers_only(path: Path) -> torch.nn.Module:
 
 def _attention_backend(path: Path) -> dict:
     """LLM kwargs pinning CPU_MLA for an MLA checkpoint on vLLM's CPU platform (module note)."""
-    import json
-
     from vllm.platforms import current_platform
 
     config = json.loads((Path(path) / "config.json").read_text())
