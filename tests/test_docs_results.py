@@ -249,3 +249,28 @@ def test_a_sweep_page_has_the_io_cpu_column_exactly_when_its_json_does():
     cells = {r[0]: r[-1] for r in table}
     assert cells.pop(run_label(row)) == "1.23"
     assert set(cells.values()) == {"-"}
+
+
+def test_the_serving_page_bounds_prediction_by_the_disks_rate_by_hand():
+    """serve_memory.md's disk bound, by hand from its JSON: the most bytes per second any row
+    drew while decoding (MB from disk per token x tok/s), the best cache's bytes per token, and
+    the tok/s no prefetcher reading those bytes can pass at that rate."""
+    from bench.pages.serve_memory import markdown
+
+    res = json.loads((DOCS / "bench" / "serve_memory.json").read_text())
+    rates = [(r["disk_read_bytes_per_token"] * r["decode_tok_s"], r["policy"])
+             for r in res["results"] if r["disk_read_bytes_per_token"] is not None]  # fmt: skip
+    rate, who = max(rates)
+    best = next(r for r in res["results"] if r["policy"] == res["best_no_prediction"])
+    cap = rate / best["disk_read_bytes_per_token"]
+    page = " ".join(markdown(res).split())
+    assert f"the most, {rate / 1e9:.2f} GB/s ({who})" in page
+    assert f"decodes at most {cap:.2f} tok/s here, {cap / best['decode_tok_s']:.2f}x" in page
+    # a row's disk column is its own product: a row that drew half the rate shows half
+    half = json.loads(json.dumps(res))
+    half["results"][0]["decode_tok_s"] /= 2
+    lines = [x for x in markdown(half).splitlines() if x.startswith("| ")]
+    col = [c.strip() for c in lines[0].strip("|").split("|")].index("disk GB/s")
+    cell = [c.strip() for c in lines[1].strip("|").split("|")][col]
+    r0 = res["results"][0]
+    assert cell == f"{r0['disk_read_bytes_per_token'] * r0['decode_tok_s'] / 2e9:.2f}"

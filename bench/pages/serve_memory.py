@@ -34,13 +34,17 @@ def markdown(res: dict) -> str:
         f"numba's compiled kernels, whose memory then goes to the cache).",
         "",
         "| policy | decode tok/s [range] | vs best | "
-        + ("vs best peer | MB from disk / token | stall share | TTFT s [range] | " if peers else "")
+        + (
+            "vs best peer | MB from disk / token | disk GB/s | stall share | TTFT s [range] | "
+            if peers
+            else ""
+        )
         + "MB read / token | hit rate | "
         + ("stall ms / token | no-stall ceiling | " if stalls else "")
         + "prediction ms / token | cache slots | peak RSS (MB) | RSS - baseline (MB) | "
         "budget (MB) |",
         "|---|---|---|"
-        + ("---|---|---|---|" if peers else "")
+        + ("---|---|---|---|---|" if peers else "")
         + "---|---|"
         + ("---|---|" if stalls else "")
         + "---|---|---|---|---|",
@@ -120,6 +124,8 @@ def markdown(res: dict) -> str:
             f"{best['no_stall_ceiling']:.2f}x: no prediction can make this setup faster than "
             "that without reading fewer bytes.",
         ]
+        if peers:
+            lines += _disk_bound(res, best)
     plan = res.get("memory_plan")
     if plan:
         mb = {k: f"{v / 1e6:.0f} MB" for k, v in plan.items()}
@@ -148,12 +154,49 @@ def _peer_cells(r: dict) -> str:
     lo, hi = r["vs_best_peer_range"]
     disk, share = r["disk_read_bytes_per_token"], r["stall_share"]
     t_lo, t_hi = r["ttft_s_range"]
+    rate = _disk_rate(r)
     disk = "-" if disk is None else f"{disk / 1e6:.1f}"
+    rate = "-" if rate is None else f"{rate / 1e9:.2f}"
     share = "-" if share is None else f"{share:.0%}"
     return (
-        f"{r['vs_best_peer']:.2f}x [{lo:.2f}, {hi:.2f}] | {disk} | {share} | "
+        f"{r['vs_best_peer']:.2f}x [{lo:.2f}, {hi:.2f}] | {disk} | {rate} | {share} | "
         f"{r['ttft_s']:.2f} [{t_lo:.2f}, {t_hi:.2f}] | "
     )
+
+
+def _disk_rate(r: dict) -> float | None:
+    """Bytes per second a row drew from the disk while decoding: its median MB from disk per
+    token x its median tok/s (the medians of one run's repeats, not one repeat's product)."""
+    disk = r.get("disk_read_bytes_per_token")
+    return None if disk is None else disk * r["decode_tok_s"]
+
+
+def _disk_bound(res: dict, best: dict) -> list[str]:
+    """How close the run came to the disk's bandwidth, and what that bandwidth leaves a
+    prefetcher: at most `rate_max` / (the best cache's disk bytes per token) tok/s, where
+    rate_max is the most any row drew (a lower bound on what the disk can give)."""
+    rows = [r for r in res["results"] if _disk_rate(r) is not None]
+    if not rows or best.get("disk_read_bytes_per_token") is None:
+        return []
+    top = max(rows, key=_disk_rate)
+    rate = _disk_rate(top)
+    cap = rate / best["disk_read_bytes_per_token"]
+    peer = next(r for r in res["results"] if r["policy"] == res["best_peer"])
+    rates = sorted(_disk_rate(r) / 1e9 for r in rows)
+    return [
+        "",
+        f"Disk GB/s: MB from disk / token x decode tok/s (medians), what a row drew from the disk "
+        f"while decoding. The rows drew {rates[0]:.2f}-{rates[-1]:.2f} GB/s; the most, "
+        f"{rate / 1e9:.2f} GB/s ({top['policy']}), is a lower bound on what this disk gives "
+        f"(`bench/direct_read.py` measures it alone). At that rate a token that reads the best "
+        f"cache's {best['disk_read_bytes_per_token'] / 1e6:.1f} MB from the disk takes at least "
+        f"{best['disk_read_bytes_per_token'] / rate * 1e3:.0f} ms: however well it predicts, a "
+        f"prefetcher that reads no more bytes than the best cache decodes at most {cap:.2f} tok/s "
+        f"here, {cap / best['decode_tok_s']:.2f}x the best cache and "
+        f"{cap / peer['decode_tok_s']:.2f}x the best peer ({peer['policy']}, medians), unless "
+        f"the disk gives more than {rate / 1e9:.2f} GB/s. Beyond that, only fewer bytes per "
+        f"token (better eviction) make decode faster.",
+    ]
 
 
 def _peer_notes(res: dict) -> list[str]:
