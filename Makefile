@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-accelerate llama-cpp clean
+.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-staging bench-serve-accelerate llama-cpp clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -261,6 +261,17 @@ bench-serve: bench-traces
 		--horizon $(BENCH)/qwen/horizon_routing_hidden.safetensors \
 		--seed-mlp $(BENCH)/qwen/seed_mlp_d1.safetensors --only $(SERVE_ROWS)'|llama' \
 		--json docs/results/bench/serve_llama_cpp.json --doc docs/results/serve_llama_cpp.md > /dev/null
+
+# The staging slots' share of the budget given to the cache (`--staging-slots 1`): the best
+# cache, the best peer and ours, each with top-k staging slots and with one (~35 min, alone).
+STAGING_ROWS := '^lfru/adm=frequency(/staging=1)?$$|^seed_mlp/adm=predicted/extra=-2(/staging=1)?$$|^ours: horizon\+d1/adm=predicted(/staging=1)?$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2(/staging=1)?$$'
+bench-serve-staging: bench-traces
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
+		--max-new-tokens 32 --predictor $(BENCH)/default/ours_d1.safetensors \
+		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --staging-slots 1 \
+		--only $(STAGING_ROWS) \
+		--json docs/results/bench/serve_staging.json --doc docs/results/serve_staging.md > /dev/null
 
 # tensorbend beside transformers + accelerate offloading (the baseline without tensorbend), every
 # run in a memory cgroup of import baseline + budget (needs root; run alone, ~30 min).

@@ -64,6 +64,7 @@ from bench.serve_rows import (
     external_row,
     is_ours,
     policies,
+    predicts_nothing,
     prefill_prompt,
 )
 from tensorbend.atomic import write_generated
@@ -112,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-cpp", action="store_true",
                     help="add the row 'llama.cpp' (bench.llama_cpp: a GGUF of the same "
                          "checkpoint, mmap on, cold runs; needs `make llama-cpp`)")  # fmt: skip
+    ap.add_argument("--staging-slots", type=int, default=None,
+                    help="also run each tensorbend row that keeps experts with `generate "
+                         "--staging-slots N` (rows named .../staging=N)")  # fmt: skip
     ap.add_argument("--only", default=None,
                     help="regex: run only the rows whose name it finds (at least one row "
                          "without prediction: the best of those is the reference)")  # fmt: skip
@@ -128,10 +132,12 @@ def main(argv=None) -> int:
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     long = args.workdir / "prefill.jsonl"
     prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
-    rows = policies(args.predictor, args.horizon, args.seed_mlp, args.accelerate)
+    rows = policies(
+        args.predictor, args.horizon, args.seed_mlp, args.accelerate, args.staging_slots
+    )
     if args.only:
         rows = {k: v for k, v in rows.items() if re.search(args.only, k)}
-        if not any(k in NO_PREDICTION for k in rows):
+        if not any(predicts_nothing(k) for k in rows):
             raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
                              f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
     store = args.workdir / ("store" if args.model == "zoo:default" else f"store-{tag}")
@@ -237,7 +243,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None 
             "cache_slots": rs[0]["cache_slots"],
             "decode_tokens": rs[0]["decode_tokens"],
         })  # fmt: skip
-    best = max((r for r in rows if r["policy"] in NO_PREDICTION), key=lambda r: r["decode_tok_s"])
+    best = max((r for r in rows if predicts_nothing(r["policy"])), key=lambda r: r["decode_tok_s"])
     for r in rows:  # greedy text: every run's stdout against the best cache's first run's
         if r["policy"] in EXTERNAL:  # its own stdout format (llama.cpp's greedy tokens are
             continue  # compared with transformers' in tests/test_llama_cpp.py instead)

@@ -24,7 +24,8 @@ Rows (every tensorbend row but the page cache reads with `--io direct`, from the
   The store's pages are dropped before each of its runs (posix_fadvise DONTNEED), so every
   run starts cold, as the O_DIRECT rows' caches do; without --memory-cap the page cache is
   bounded only by the machine's RAM and the row measures that machine, not the budget;
-- ours (`ours: ...`), and `--accelerate`'s ACCELERATE.
+- ours (`ours: ...`), and `--accelerate`'s ACCELERATE;
+- with `staging`, each tensorbend row that keeps experts again with `--staging-slots N`.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ EXTERNAL: dict[str, Callable[[str, dict, bool], dict]] = {}
 
 
 def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None,
-             accelerate: bool) -> dict[str, list[str]]:  # fmt: skip
-    """Row name -> `tensorbend generate` flags beside the shared ones."""
+             accelerate: bool, staging: int | None = None) -> dict[str, list[str]]:  # fmt: skip
+    """Row name -> `tensorbend generate` flags beside the shared ones. staging: also each
+    tensorbend row that keeps experts with `--staging-slots N` (named `.../staging=N`)."""
     rows = dict(NO_PREDICTION)
     rows[PAGE_CACHE] = ["--policy", "on_demand", "--io", "buffered"]
     peers = {"spec_gate": ["--baseline", "spec_gate"]}
@@ -86,6 +88,9 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
     for extra in (-2, -3):  # a narrower prefetch (top-2, top-1) than the K routed + 2
         for name in [n for n in rows if "/adm=predicted" in n and "/extra=" not in n]:
             rows[f"{name}/extra={extra}"] = rows[name] + ["--prefetch-extra", str(extra)]
+    if staging is not None:
+        for name in [n for n in rows if n != PAGE_CACHE]:
+            rows[f"{name}/staging={staging}"] = rows[name] + ["--staging-slots", str(staging)]
     if accelerate:
         rows[ACCELERATE] = ["--engine", "accelerate"]
     for name in EXTERNAL:
@@ -95,6 +100,11 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
 
 def is_ours(name: str) -> bool:
     return name.startswith("ours")
+
+
+def predicts_nothing(name: str) -> bool:
+    """A cache without prediction (NO_PREDICTION), with its staging variant."""
+    return name.split("/staging=")[0] in NO_PREDICTION
 
 
 def external_row(name: str, ctx: dict, prefill: bool) -> dict:

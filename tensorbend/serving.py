@@ -18,7 +18,7 @@ What happens, in order, and what lives in memory at each step:
    other bytes, fingerprint or headers is built again).
 3. The cache gets what the budget leaves: `max_memory` - the model without its experts (its
    tensors, or on CPU what loading it and the predictors added to the resident set, if more:
-   modeling code, Python objects, the predictors' weights) - the top-k staging slots -
+   modeling code, Python objects, the predictors' weights) - the staging slots (top-k) -
    `reserve` (KV cache and activations), in whole experts; or `cache_frac` of all routed
    experts. `offload/handle.py` attaches it, with the I/O threads, the policy and
    the predictors, to the model in place; counters are on `model.tensorbend`.
@@ -203,8 +203,8 @@ def memory_plan(
     """Where --max-memory goes, in bytes: {budget, non_expert, model, staging, reserve, cache};
     `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
     when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
-    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the top-k slots a
-    bypassed miss is computed from (`--io direct` reads land in the aligned slots themselves:
+    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the slots a
+    bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads land in the aligned slots themselves:
     its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
     on CPU, how much the process's resident set grew while the model was built without its
     experts and the predictors loaded (the model's modeling code and Python objects, the
@@ -218,7 +218,7 @@ def memory_plan(
         what += f"{_mb(non_expert_bytes)})"
     auto = 2048 * kv_bytes + RESERVE_FIXED
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
-    staging = spec.top_k * expert_bytes
+    staging = cfg.offload.staging(spec) * expert_bytes
     need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
     minimum = model + staging + reserve + need * expert_bytes
     if budget < minimum:

@@ -56,6 +56,7 @@ def no_model_load(monkeypatch):
         (["--policy", "prefetch", "--predictor", "nope.safetensors"], "expected a checkpoint"),
         (["--cache-frac", "1.5"], "--cache-frac 1.5: expected a fraction in (0, 1]"),
         (["--io-threads", "0"], "--io-threads 0: expected a count >= 1"),
+        (["--staging-slots", "0"], "--staging-slots 0: expected a number >= 1"),
         (["--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
     ],
 )

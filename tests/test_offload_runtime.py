@@ -156,6 +156,12 @@ def test_counters_by_hand_on_demand_and_full_oracle():
         assert 0 < decode_io_cpu < c["io_cpu_s"] + 1e-9
         assert sess.resident_result().to_json()["io_cpu_s_per_token"] is None  # no I/O threads
 
+        # one staging slot: a layer's K misses load one after another through it (each
+        # computed and dropped before the next is read), the same reads, the same output
+        r1 = _check(sess.run_policy(PolicyConfig("on_demand", cache_frac=0.5, staging_slots=1)))
+        assert r1["counters"]["bytes_read"] == c["bytes_read"]
+        assert r1["counters"]["bypassed"] == c["bypassed"]
+
         r = _check(sess.run_policy(PolicyConfig("oracle", cache_frac=1.0)))
         c = r["counters"]
         used = {

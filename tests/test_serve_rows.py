@@ -47,3 +47,20 @@ def test_external_row_must_give_every_key(monkeypatch):
     monkeypatch.setitem(serve_rows.EXTERNAL, "engine-x", lambda name, ctx, prefill: short)
     with pytest.raises(AssertionError, match="decode_tok_s"):
         external_row("engine-x", {}, prefill=True)
+
+
+def test_staging_variants_are_the_same_rows_with_one_flag_more():
+    """--staging-slots N: every tensorbend row that keeps experts again, with the flag and
+    nothing else changed; the page cache (keeps none) and accelerate get none; a cache's
+    variant still counts as a cache without prediction (the best-cache reference)."""
+    from bench.serve_rows import ACCELERATE, predicts_nothing
+
+    plain = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True)
+    rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True, staging=1)
+    variants = {n: f for n, f in rows.items() if n not in plain}
+    keeps = [n for n in plain if n not in (PAGE_CACHE, ACCELERATE)]
+    assert sorted(variants) == sorted(f"{n}/staging=1" for n in keeps)
+    for name in keeps:
+        assert variants[f"{name}/staging=1"] == plain[name] + ["--staging-slots", "1"]
+    assert predicts_nothing("lfru/adm=frequency/staging=1") and predicts_nothing("lru")
+    assert not predicts_nothing("spec_gate/adm=predicted/staging=1")

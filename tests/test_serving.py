@@ -364,6 +364,10 @@ def test_memory_plan_charges_the_measured_model_part():
     plan = memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=30 * mb)
     assert (plan["cache"], plan["model"], plan["non_expert"]) == (58 * mb, 30 * mb, 5 * mb)
     assert memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=3 * mb)["cache"] == 83 * mb
+    # one staging slot instead of top-k (2): its other 1 MB goes to the cache
+    one = ServeConfig(max_memory="100MB", reserve="10MB", offload=PolicyConfig(staging_slots=1))
+    plan = memory_plan(one, 5 * mb, spec, mb, 0)
+    assert (plan["staging"], plan["cache"]) == (1 * mb, 84 * mb)
     with pytest.raises(tensorbend.TensorbendError) as e:
         memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=90 * mb)
     assert str(e.value) == (

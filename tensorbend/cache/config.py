@@ -162,11 +162,21 @@ class PolicyConfig:
     token_ahead_layers: int = 1
     """With --horizon: during a forward's last MoE layer, prefetch the likeliest experts of the
     next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""
+    staging_slots: int | None = None
+    """Staging slots beside the cache, each one expert: a miss the admission refuses (or that
+    finds every slot pinned) is read into one, computed, and dropped; default the model's top-k
+    (a layer's refused misses all load at once). Fewer leave their bytes to the cache (with
+    --max-memory) at the cost of loading more than that many refused misses of a layer one
+    after another."""
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str) and self.policy.lower() in POLICIES:  # "LRU" from Python
             object.__setattr__(self, "policy", self.policy.lower())
         _check_policy(self)
+
+    def staging(self, spec: RoutingSpec) -> int:
+        """Staging slots for this model (`staging_slots`, default its top-k)."""
+        return spec.top_k if self.staging_slots is None else self.staging_slots
 
     def slots(self, spec: RoutingSpec, expert_bytes: int) -> int:
         """Cache slots for this model: where a byte budget becomes slots (sizes stay in bytes
@@ -230,8 +240,10 @@ def _check_policy(pc: PolicyConfig) -> None:
             f"oracle (a policy that predicts); use --admission frequency for "
             f"{', '.join(no_prediction())}"
         )
-    for name in ("admission_window", "prefetch_backlog", "token_ahead_layers"):
-        low = 1 if name == "admission_window" else 0
+    for name in ("admission_window", "prefetch_backlog", "token_ahead_layers", "staging_slots"):
+        low = 1 if name in ("admission_window", "staging_slots") else 0
+        if getattr(pc, name) is None:
+            continue
         if not getattr(pc, name) >= low:
             flag = "--" + name.replace("_", "-")
             raise TensorbendError(f"{flag} {getattr(pc, name)}: expected a number >= {low}")
