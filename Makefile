@@ -262,14 +262,14 @@ bench-serve: bench-traces
 		--seed-mlp $(BENCH)/qwen/seed_mlp_d1.safetensors --only $(SERVE_ROWS)'|llama' \
 		--json docs/results/bench/serve_llama_cpp.json --doc docs/results/serve_llama_cpp.md > /dev/null
 
-# The staging slots' share of the budget given to the cache (`--staging-slots 1`): the best
-# cache, the best peer and ours, each with top-k staging slots and with one (~35 min, alone).
-STAGING_ROWS := '^lfru/adm=frequency(/staging=1)?$$|^seed_mlp/adm=predicted/extra=-2(/staging=1)?$$|^ours: horizon\+d1/adm=predicted(/staging=1)?$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2(/staging=1)?$$'
+# The staging slots' share of the budget given to the cache (`--staging-slots`): the best
+# cache, the best peer and ours, each with top-k staging slots, with one and with two (~30 min, alone).
+STAGING_ROWS := '^lfru/adm=frequency(/staging=[12])?$$|^seed_mlp/adm=predicted/extra=-2(/staging=[12])?$$|^ours: horizon\+d1/adm=predicted(/staging=[12])?$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2(/staging=[12])?$$'
 bench-serve-staging: bench-traces
 	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
 		--max-new-tokens 32 --predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
-		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --staging-slots 1 \
+		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --staging-slots 1 2 \
 		--only $(STAGING_ROWS) \
 		--json docs/results/bench/serve_staging.json --doc docs/results/serve_staging.md > /dev/null
 

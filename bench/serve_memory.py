@@ -113,9 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-cpp", action="store_true",
                     help="add the row 'llama.cpp' (bench.llama_cpp: a GGUF of the same "
                          "checkpoint, mmap on, cold runs; needs `make llama-cpp`)")  # fmt: skip
-    ap.add_argument("--staging-slots", type=int, default=None,
+    ap.add_argument("--staging-slots", type=int, nargs="+", default=(),
                     help="also run each tensorbend row that keeps experts with `generate "
-                         "--staging-slots N` (rows named .../staging=N)")  # fmt: skip
+                         "--staging-slots N`, for each N given (rows named .../staging=N)")  # fmt: skip
     ap.add_argument("--only", default=None,
                     help="regex: run only the rows whose name it finds (at least one row "
                          "without prediction: the best of those is the reference)")  # fmt: skip

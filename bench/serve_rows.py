@@ -25,7 +25,8 @@ Rows (every tensorbend row but the page cache reads with `--io direct`, from the
   run starts cold, as the O_DIRECT rows' caches do; without --memory-cap the page cache is
   bounded only by the machine's RAM and the row measures that machine, not the budget;
 - ours (`ours: ...`), and `--accelerate`'s ACCELERATE;
-- with `staging`, each tensorbend row that keeps experts again with `--staging-slots N`.
+- with `staging`, each tensorbend row that keeps experts again with `--staging-slots N`,
+  for each N.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ EXTERNAL: dict[str, Callable[[str, dict, bool], dict]] = {}
 
 
 def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None,
-             accelerate: bool, staging: int | None = None) -> dict[str, list[str]]:  # fmt: skip
+             accelerate: bool, staging: tuple[int, ...] = ()) -> dict[str, list[str]]:  # fmt: skip
     """Row name -> `tensorbend generate` flags beside the shared ones. staging: also each
-    tensorbend row that keeps experts with `--staging-slots N` (named `.../staging=N`)."""
+    tensorbend row that keeps experts with `--staging-slots N`, for each N (`.../staging=N`)."""
     rows = dict(NO_PREDICTION)
     rows[PAGE_CACHE] = ["--policy", "on_demand", "--io", "buffered"]
     peers = {"spec_gate": ["--baseline", "spec_gate"]}
@@ -88,9 +89,10 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
     for extra in (-2, -3):  # a narrower prefetch (top-2, top-1) than the K routed + 2
         for name in [n for n in rows if "/adm=predicted" in n and "/extra=" not in n]:
             rows[f"{name}/extra={extra}"] = rows[name] + ["--prefetch-extra", str(extra)]
-    if staging is not None:
-        for name in [n for n in rows if n != PAGE_CACHE]:
-            rows[f"{name}/staging={staging}"] = rows[name] + ["--staging-slots", str(staging)]
+    keeps = [n for n in rows if n != PAGE_CACHE]
+    for n_slots in staging:
+        for name in keeps:
+            rows[f"{name}/staging={n_slots}"] = rows[name] + ["--staging-slots", str(n_slots)]
     if accelerate:
         rows[ACCELERATE] = ["--engine", "accelerate"]
     for name in EXTERNAL:

@@ -274,3 +274,21 @@ def test_the_serving_page_bounds_prediction_by_the_disks_rate_by_hand():
     cell = [c.strip() for c in lines[1].strip("|").split("|")][col]
     r0 = res["results"][0]
     assert cell == f"{r0['disk_read_bytes_per_token'] * r0['decode_tok_s'] / 2e9:.2f}"
+
+
+def test_the_staging_rows_are_compared_with_their_own_row_by_hand():
+    """serve_staging.md: each /staging=N row against the same row with top-k staging slots,
+    the median of per-repeat tok/s ratios and its range, a tie when the range holds 1.00, and
+    the ratio of bytes read from the disk, by hand from its JSON."""
+    res = json.loads((DOCS / "bench" / "serve_staging.json").read_text())
+    by = {r["policy"]: r for r in res["results"]}
+    row = by["lfru/adm=frequency/staging=1"]
+    base = by["lfru/adm=frequency"]
+    assert row["cache_slots"] > base["cache_slots"]  # the staging slots' bytes went to the cache
+    ratios = sorted(a / b for a, b in zip(row["decode_tok_s_repeats"],
+                                         base["decode_tok_s_repeats"], strict=True))  # fmt: skip
+    verdict = "faster" if ratios[0] > 1 else "slower" if ratios[-1] < 1 else "tie"
+    disk = row["disk_read_bytes_per_token"] / base["disk_read_bytes_per_token"]
+    cells = (f"| lfru/adm=frequency/staging=1 | {ratios[2]:.2f}x [{ratios[0]:.2f}, "
+             f"{ratios[-1]:.2f}] | {verdict} | {disk:.3f} |")  # fmt: skip
+    assert cells in (DOCS / "serve_staging.md").read_text()

@@ -56,11 +56,12 @@ def test_staging_variants_are_the_same_rows_with_one_flag_more():
     from bench.serve_rows import ACCELERATE, predicts_nothing
 
     plain = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True)
-    rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True, staging=1)
+    rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=True, staging=(1, 2))
     variants = {n: f for n, f in rows.items() if n not in plain}
     keeps = [n for n in plain if n not in (PAGE_CACHE, ACCELERATE)]
-    assert sorted(variants) == sorted(f"{n}/staging=1" for n in keeps)
+    assert sorted(variants) == sorted(f"{n}/staging={k}" for n in keeps for k in (1, 2))
     for name in keeps:
-        assert variants[f"{name}/staging=1"] == plain[name] + ["--staging-slots", "1"]
+        for k in (1, 2):
+            assert variants[f"{name}/staging={k}"] == plain[name] + ["--staging-slots", str(k)]
     assert predicts_nothing("lfru/adm=frequency/staging=1") and predicts_nothing("lru")
     assert not predicts_nothing("spec_gate/adm=predicted/staging=1")

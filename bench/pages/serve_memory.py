@@ -112,6 +112,7 @@ def markdown(res: dict) -> str:
             f"OOM kills: {sum(r.get('oom_kills', 0) for r in res['results'])}. Same text: "
             + _same_text(res["results"]),
         ]
+    lines += _staging_notes(res["results"])
     if stalls:
         best = next(r for r in res["results"] if r["policy"] == res["best_no_prediction"])
         lines += [
@@ -162,6 +163,37 @@ def _peer_cells(r: dict) -> str:
         f"{r['vs_best_peer']:.2f}x [{lo:.2f}, {hi:.2f}] | {disk} | {rate} | {share} | "
         f"{r['ttft_s']:.2f} [{t_lo:.2f}, {t_hi:.2f}] | "
     )
+
+
+def _staging_notes(results: list[dict]) -> list[str]:
+    """Rows ending /staging=N (`generate --staging-slots N`) beside the same row with top-k
+    staging slots: per-repeat tok/s ratios (repeats run interleaved) and the bytes ratio."""
+    by = {r["policy"]: r for r in results}
+    pairs = [(r, by[r["policy"].rsplit("/staging=", 1)[0]]) for r in results
+             if "/staging=" in r["policy"] and r["policy"].rsplit("/staging=", 1)[0] in by]  # fmt: skip
+    if not pairs:
+        return []
+    out = [
+        "",
+        "Rows ending /staging=N run with `--staging-slots N`: N staging slots (a refused miss is "
+        "read into one, computed, dropped) instead of top-k, the rest of the budget given to "
+        "the cache (cache slots column); more than N refused misses of a layer load one after "
+        "another. Against the same row with top-k staging slots, per repeat:",
+        "",
+        "| row | tok/s ratio, median [range] | every repeat | MB from disk / token, ratio |",
+        "|---|---|---|---|",
+    ]
+    for r, base in pairs:
+        ratios = sorted(a / b for a, b in zip(r["decode_tok_s_repeats"],
+                                             base["decode_tok_s_repeats"], strict=True))  # fmt: skip
+        verdict = "faster" if ratios[0] > 1 else "slower" if ratios[-1] < 1 else "tie"
+        disk, disk0 = r.get("disk_read_bytes_per_token"), base.get("disk_read_bytes_per_token")
+        bytes_ratio = "-" if disk is None or not disk0 else f"{disk / disk0:.3f}"
+        out.append(
+            f"| {r['policy']} | {ratios[len(ratios) // 2]:.2f}x [{ratios[0]:.2f}, "
+            f"{ratios[-1]:.2f}] | {verdict} | {bytes_ratio} |"
+        )
+    return out
 
 
 def _disk_rate(r: dict) -> float | None:
