@@ -204,8 +204,9 @@ def memory_plan(
     `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
     when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
     kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the slots a
-    bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads land in the aligned slots themselves:
-    its bounce buffers hold one 4 KB block per I/O thread, inside the reserve). loaded_bytes:
+    bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads
+    land in the aligned slots themselves: its bounce buffers hold one 4 KB block per I/O
+    thread, inside the reserve). loaded_bytes:
     on CPU, how much the process's resident set grew while the model was built without its
     experts and the predictors loaded (the model's modeling code and Python objects, the
     predictors' weights, beside its tensors): charged as the model's part when it exceeds the
@@ -218,7 +219,7 @@ def memory_plan(
         what += f"{_mb(non_expert_bytes)})"
     auto = 2048 * kv_bytes + RESERVE_FIXED
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
-    staging = cfg.offload.staging(spec) * expert_bytes
+    staging = cfg.offload.staging(spec.top_k) * expert_bytes
     need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
     minimum = model + staging + reserve + need * expert_bytes
     if budget < minimum:

@@ -174,9 +174,9 @@ class PolicyConfig:
             object.__setattr__(self, "policy", self.policy.lower())
         _check_policy(self)
 
-    def staging(self, spec: RoutingSpec) -> int:
-        """Staging slots for this model (`staging_slots`, default its top-k)."""
-        return spec.top_k if self.staging_slots is None else self.staging_slots
+    def staging(self, top_k: int) -> int:
+        """Staging slots for a model routing top_k experts (`staging_slots`, default top_k)."""
+        return top_k if self.staging_slots is None else self.staging_slots
 
     def slots(self, spec: RoutingSpec, expert_bytes: int) -> int:
         """Cache slots for this model: where a byte budget becomes slots (sizes stay in bytes

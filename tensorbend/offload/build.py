@@ -35,5 +35,5 @@ def build_cache(
     steps = predictor.steps_by_key if policy.recorded_routing else None
     rs = make_resident_set(pc.policy, slots, L, pc.pool, pc.admission, pc.admission_window, steps,
                            pc.foresight, horizon is not None, pc.oracle_beyond)  # fmt: skip
-    cfg = CacheConfig(scratch=pc.staging(spec), device=device)
+    cfg = CacheConfig(scratch=pc.staging(spec.top_k), device=device)
     return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.stored_nbytes)

@@ -56,7 +56,7 @@ def run_one(
     times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
                   forecast_s)  # fmt: skip
     link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
-    run = EventRun(rs, link, times, scratch=o.staging_slots or K, unit_bytes=costs.unit_bytes)
+    run = EventRun(rs, link, times, scratch=o.staging(K), unit_bytes=costs.unit_bytes)
     if not bounded:
         run.preload([(g, e) for g in range(L) for e in range(mapping.trace_experts)])
     run.run(work)
