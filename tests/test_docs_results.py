@@ -287,7 +287,7 @@ def test_the_staging_rows_are_compared_with_their_own_row_by_hand():
     assert row["cache_slots"] > base["cache_slots"]  # the staging slots' bytes went to the cache
     ratios = sorted(a / b for a, b in zip(row["decode_tok_s_repeats"],
                                          base["decode_tok_s_repeats"], strict=True))  # fmt: skip
-    verdict = "faster" if ratios[0] > 1 else "slower" if ratios[-1] < 1 else "tie"
+    verdict = "faster" if ratios[0] > 1 else "slower" if ratios[-1] < 1 else "a tie"
     disk = row["disk_read_bytes_per_token"] / base["disk_read_bytes_per_token"]
     cells = (f"| lfru/adm=frequency/staging=1 | {ratios[2]:.2f}x [{ratios[0]:.2f}, "
              f"{ratios[-1]:.2f}] | {verdict} | {disk:.3f} |")  # fmt: skip

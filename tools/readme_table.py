@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.pages.offload import peer_summary
 from bench.pages.projections import sim_regime
 from tensorbend.atomic import write_generated
-from tensorbend.cache.report import compare, format_ratio, run_label
+from tensorbend.cache.report import compare, format_ratio, ratio_verdict, run_label
 from tensorbend.offload.time_model import regime_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def _serving(rep: dict) -> str:
     key = "vs_best_peer" if "best_peer" in rep else "vs_best_cache"  # (older JSON: caches only)
     top = max(ours, key=lambda r: r[key])
     lo, hi = top[f"{key}_range"]
-    verdict = _verdict(lo, hi)
+    verdict = ratio_verdict(lo, hi)
     link = " with" if verdict == "a tie" else " than"
     peer = f"{link} the best peer ({rep['best_peer']})" if key == "vs_best_peer" else ""
     acc = _acc_row(rep)
@@ -139,18 +139,13 @@ def _serving(rep: dict) -> str:
     if key == "vs_best_peer":  # the same row over the best cache too, as the emulated row
         c_lo, c_hi = top["vs_best_cache_range"]
         over_cache = (f"{top['vs_best_cache']:.2f}x [{c_lo:.2f}, {c_hi:.2f}] over the best "
-                      f"cache (**{_verdict(c_lo, c_hi)}**); ")  # fmt: skip
+                      f"cache (**{ratio_verdict(c_lo, c_hi)}**); ")  # fmt: skip
     return (
         f"| real disk | {_setup(rep)}{cap} (serve_memory.md) | {acc_cell} | "
         f"{best['policy']}: {_tok_s(best)}, {same} | best of {len(ours)} rows, "
         f"{top['policy'].removeprefix('ours: ')}: {_tok_s(top)}, {over_cache}"
         f"{top[key]:.2f}x [{lo:.2f}, {hi:.2f}]: **{verdict}**{peer} |"
     )
-
-
-def _verdict(lo: float, hi: float) -> str:
-    """A ratio's range [lo, hi] over repeats: a gain or a loss only in every repeat."""
-    return "a tie" if lo <= 1 <= hi else "faster" if lo > 1 else "slower"
 
 
 def _acc_row(rep: dict) -> dict | None:

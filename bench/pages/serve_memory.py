@@ -6,6 +6,10 @@ Usage:
 
 from __future__ import annotations
 
+import statistics
+
+from tensorbend.cache.report import ratio_verdict, repeat_ratios
+
 
 def markdown(res: dict) -> str:
     gb = 1e9
@@ -169,8 +173,9 @@ def _staging_notes(results: list[dict]) -> list[str]:
     """Rows ending /staging=N (`generate --staging-slots N`) beside the same row with top-k
     staging slots: per-repeat tok/s ratios (repeats run interleaved) and the bytes ratio."""
     by = {r["policy"]: r for r in results}
-    pairs = [(r, by[r["policy"].rsplit("/staging=", 1)[0]]) for r in results
-             if "/staging=" in r["policy"] and r["policy"].rsplit("/staging=", 1)[0] in by]  # fmt: skip
+    pairs = [(r, by.get(r["policy"].rsplit("/staging=", 1)[0])) for r in results
+             if "/staging=" in r["policy"]]  # fmt: skip
+    pairs = [(r, base) for r, base in pairs if base is not None]
     if not pairs:
         return []
     out = [
@@ -184,14 +189,12 @@ def _staging_notes(results: list[dict]) -> list[str]:
         "|---|---|---|---|",
     ]
     for r, base in pairs:
-        ratios = sorted(a / b for a, b in zip(r["decode_tok_s_repeats"],
-                                             base["decode_tok_s_repeats"], strict=True))  # fmt: skip
-        verdict = "faster" if ratios[0] > 1 else "slower" if ratios[-1] < 1 else "tie"
+        ratios = repeat_ratios(r, base)
         disk, disk0 = r.get("disk_read_bytes_per_token"), base.get("disk_read_bytes_per_token")
         bytes_ratio = "-" if disk is None or not disk0 else f"{disk / disk0:.3f}"
         out.append(
-            f"| {r['policy']} | {ratios[len(ratios) // 2]:.2f}x [{ratios[0]:.2f}, "
-            f"{ratios[-1]:.2f}] | {verdict} | {bytes_ratio} |"
+            f"| {r['policy']} | {statistics.median(ratios):.2f}x [{ratios[0]:.2f}, "
+            f"{ratios[-1]:.2f}] | {ratio_verdict(ratios[0], ratios[-1])} | {bytes_ratio} |"
         )
     return out
 

@@ -259,6 +259,15 @@ def repeat_ratios(row: dict, best: dict) -> list[float] | None:
     return sorted(x / b for x, b in zip(xs, bs, strict=True))
 
 
+def ratio_verdict(lo: float, hi: float) -> str:
+    """A ratio's range [lo, hi] over repeats: a gain or a loss only in every repeat.
+
+    >>> ratio_verdict(0.97, 1.16), ratio_verdict(1.04, 1.2), ratio_verdict(0.8, 0.99)
+    ('a tie', 'faster', 'slower')
+    """
+    return "a tie" if lo <= 1 <= hi else "faster" if lo > 1 else "slower"
+
+
 def shown_ratio(one: dict) -> float:
     """The ratio a page claims: the median of the repeats' ratios, else the single run's."""
     xs = one.get("vs_best_cache_repeats")

@@ -58,7 +58,8 @@ class RunResult:
     layer time).
     io_cpu_s_per_token (CPU seconds of the I/O threads per decode token, `time.thread_time`
     around each load: victim search, the read's own CPU, on an emulated link also the
-    wake-up from its timed wait, and bookkeeping; null for the resident row); oracle_beyond (oracle: its rule past its foresight, else null); time_model (the regime and
+    wake-up from its timed wait, and bookkeeping; null for the resident row); oracle_beyond
+    (oracle: its rule past its foresight, else null); time_model (the regime and
     what each cost is charged as, `offload.time_model.declare`). `cache.report.run_label`
     names a row.
     """
