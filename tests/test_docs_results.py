@@ -292,3 +292,32 @@ def test_the_staging_rows_are_compared_with_their_own_row_by_hand():
     cells = (f"| lfru/adm=frequency/staging=1 | {ratios[2]:.2f}x [{ratios[0]:.2f}, "
              f"{ratios[-1]:.2f}] | {verdict} | {disk:.3f} |")  # fmt: skip
     assert cells in (DOCS / "serve_staging.md").read_text()
+
+
+def test_the_link_bound_is_bandwidth_over_bytes_by_hand():
+    """headline_default.md's link bound at x1, by hand from its JSON: the emulated wire carries
+    one transfer at a time, so no row can decode faster than bandwidth / its bytes per token;
+    the page gives that at the best cache's bytes and at the fewest bytes of any non-oracle
+    row, over the fastest peer's tok/s, and the bytes 1.3x that peer would allow."""
+    rep = json.loads((DOCS / "bench" / "headline_default.json").read_text())
+    [entry] = [e for e in rep["links"] if e["speedup"] == 1]
+    runs = [r for r in entry["runs"] if abs(r["cache_frac"] - 0.25) < 0.01]
+    bw = entry["link"]["bandwidth_MBps"] * 1e6
+    for r in runs:  # the bound holds for every row the run measured (a wire at 100% at most)
+        assert r["decode_tok_s"] * r["bytes_read_per_token"] <= bw * 1.001, run_label(r)
+    ours = lambda r: r["predictor"] == "tensorbend" or bool(r.get("horizon"))  # noqa: E731
+    real = [r for r in runs if r["policy"] not in ("oracle", "resident")]
+    peer = max((r for r in real if not ours(r)), key=lambda r: r["decode_tok_s"])
+    cache = compare(entry["runs"])[0.25]["best_no_prediction_cache"]
+    [best] = [r for r in real if run_label(r) == cache]
+    least = min(real, key=lambda r: r["bytes_read_per_token"])
+    page = " ".join((DOCS / "headline_default.md").read_text().split())
+    cap = bw / best["bytes_read_per_token"]
+    assert (f"At the best cache's {best['bytes_read_per_token'] / 1e3:.1f} KB per token that is "
+            f"at most {cap:.1f} tok/s, {cap / peer['decode_tok_s']:.2f}x the best peer") in page  # fmt: skip
+    cap = bw / least["bytes_read_per_token"]
+    assert (
+        f"({run_label(least)}, {least['bytes_read_per_token'] / 1e3:.1f} KB) {cap:.1f} tok/s"
+        in page
+    )
+    assert f"needs at most {bw / (1.3 * peer['decode_tok_s']) / 1e3:.0f} KB read per token" in page

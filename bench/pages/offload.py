@@ -92,7 +92,8 @@ def markdown(report: dict) -> str:
             lines += ["", f"### Cache {float(frac):.3f} of the routed experts", "",
                       f"Best no-prediction cache: {summ['best_no_prediction_cache']} "
                       f"({summ['best_no_prediction_decode_tok_s']:.1f} tok/s); fewest bytes: "
-                      f"{summ['best_no_prediction_by_bytes']}.", *_against_peers(entry["runs"], float(frac)), "",
+                      f"{summ['best_no_prediction_by_bytes']}.", *_against_peers(entry["runs"], float(frac)),
+                      *_link_bound(entry["runs"], float(frac), link, summ), "",
                       "| run | decode tok/s | vs best cache | stall ms/token | KB read/token | "
                       "gap closed (bytes) | gap closed (s) | demand hit rate | wasted KB | "
                       "predict ms/token (exposed) |" + (" I/O CPU ms/token |" if io_cpu else ""),
@@ -156,6 +157,52 @@ def _against_peers(runs: list[dict], frac: float) -> list[str]:
         lines.append("**No peer that predicts is in this run** (spec_gate and the seed's MLP "
                      "as prefetchers): ours is compared only with caches that predict nothing.")  # fmt: skip
     return lines
+
+
+def link_bound(runs: list[dict], frac: float, link: dict, summ: dict) -> dict | None:
+    """What the emulated link's bandwidth leaves at one cache fraction: the wire carries one
+    transfer at a time (`cache.transfers.Wire`), so a decode token that reads B bytes takes at
+    least B / bandwidth, whatever overlaps it. In tok/s: that bound at the best cache's bytes,
+    at the fewest bytes of any row that is not an oracle, and for ours' fastest row, each over
+    the best peer's tok/s (as run); `need_bytes`: the most a token may read for 1.3x the best
+    peer. None without a bandwidth (no link) or without ours and a peer."""
+    peers = peer_summary(runs, frac)
+    if not link.get("bandwidth_MBps") or peers is None:
+        return None
+    bw = link["bandwidth_MBps"] * 1e6
+    at = {run_label(r): r for r in runs if r["policy"] != "resident"
+          and abs(r["cache_frac"] - frac) < 0.01 and r.get("decode_tok_s")}  # fmt: skip
+    rows = [r for r in at.values() if not POLICIES[r["policy"]].recorded_routing]
+    least = min(rows, key=lambda r: r["bytes_read_per_token"])
+    fastest = max((r for r in rows if ours(r)), key=lambda r: r["decode_tok_s"])
+    peer = peers["best_peer_tok_s"]
+
+    def bound(r: dict) -> dict:
+        cap = bw / r["bytes_read_per_token"]
+        return {"label": run_label(r), "bytes": r["bytes_read_per_token"], "tok_s": cap,
+                "vs_peer": cap / peer, "busy": r["decode_tok_s"] / cap}  # fmt: skip
+
+    return {"bandwidth_Bps": bw, "best_cache": bound(at[summ["best_no_prediction_cache"]]),
+            "least_bytes": bound(least), "ours_fastest": bound(fastest),
+            "need_bytes": bw / (1.3 * peer)}  # fmt: skip
+
+
+def _link_bound(runs: list[dict], frac: float, link: dict, summ: dict) -> list[str]:
+    b = link_bound(runs, frac, link, summ)
+    if b is None:
+        return []
+    c, le, o = b["best_cache"], b["least_bytes"], b["ours_fastest"]
+    return ["", f"Link bound: the wire carries one transfer at a time at "
+            f"{b['bandwidth_Bps'] / 1e6:g} MB/s, so a decode token that reads B bytes takes at "
+            f"least B / {b['bandwidth_Bps'] / 1e6:g} MB/s however well its loads overlap compute. "
+            f"At the best cache's {c['bytes'] / 1e3:.1f} KB per token that is at most "
+            f"{c['tok_s']:.1f} tok/s, {c['vs_peer']:.2f}x the best peer (as run); at the fewest "
+            f"bytes of any row that is not an oracle ({le['label']}, {le['bytes'] / 1e3:.1f} KB) "
+            f"{le['tok_s']:.1f} tok/s, {le['vs_peer']:.2f}x. Ours' fastest row ({o['label']}) "
+            f"reads {o['bytes'] / 1e3:.1f} KB: at most {o['tok_s']:.1f} tok/s "
+            f"({o['vs_peer']:.2f}x the best peer), and it ran at {o['busy']:.0%} of that (the "
+            f"link's busy share). 1.3x the best peer needs at most {b['need_bytes'] / 1e3:.0f} KB "
+            f"read per token, every transfer hidden."]  # fmt: skip
 
 
 def _predicting_peer(row: dict) -> bool:
