@@ -36,12 +36,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+ALL = ["--admission", "all"]  # (generate's default admission is auto: a row names its own)
 NO_PREDICTION = {
-    "lru": [],
-    "lfu": ["--policy", "lfu"],
-    "lfru": ["--policy", "lfru"],
+    "lru": ["--policy", "lru", *ALL],
+    "lfu": ["--policy", "lfu", *ALL],
+    "lfru": ["--policy", "lfru", *ALL],
     "lfru/adm=frequency": ["--policy", "lfru", "--admission", "frequency"],
-    "lru/per_layer": ["--pool", "per_layer"],
+    "lru/per_layer": ["--policy", "lru", "--pool", "per_layer", *ALL],
 }
 PAGE_CACHE = "page cache (on_demand, --io buffered)"
 ACCELERATE = "accelerate (device_map, rest on disk)"
@@ -72,7 +73,8 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
         rows[f"{name}/adm=predicted"] = PREFETCH + flags
         rows[f"{name}/per_layer/adm=predicted"] = PREFETCH + flags + ["--pool", "per_layer"]
     if horizon:  # the forecast as eviction alone: no prefetch, no within-token predictor
-        evict = ["--policy", "prefetch", "--horizon", str(horizon), "--token-ahead-layers", "0"]
+        evict = ["--policy", "prefetch", "--horizon", str(horizon), "--token-ahead-layers", "0",
+                 *ALL]  # fmt: skip
         rows["ours: horizon(evict only)"] = evict
         rows["ours: horizon(evict only)/per_layer"] = evict + ["--pool", "per_layer"]
         if predictor:  # + within-token prefetches only (no next-forward prefetch), each pool

@@ -146,6 +146,7 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
     return {
         "engine": "tensorbend",
         "policy": serve.offload.policy,
+        "admission": serve.offload.admission_rule,
         "decode_tokens": dec["tokens"],
         "decode_tok_s": dec["tok_s"],
         "prefill_tok_s": c["prefill"]["tok_s"],
@@ -180,7 +181,7 @@ def format_summary(s: dict) -> str:
         f"{s['expert_bytes'] / 1e6:.2f} MB | experts stored in {s['expert_dtype']}, computed "
         f"in {s['compute_dtype']} | "
         f"peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
-        f"policy {s['policy']}{_plan_line(s.get('memory_plan'))}"
+        f"policy {s['policy']}, admission {s['admission']}{_plan_line(s.get('memory_plan'))}"
     )
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from tensorbend.cache.config import POLICIES, PolicyConfig, min_slots
+from tensorbend.cache.config import POLICIES, SERVING, PolicyConfig, min_slots
 from tensorbend.errors import StoreError, TensorbendError, TensorbendWarning
 from tensorbend.memory import (
     check_device,
@@ -114,8 +114,9 @@ class ServeConfig:
     --prefetch-extra)."""
     progress: bool = field(default=True, metadata={"cli": False})
     """Progress bar while the store is built."""
-    offload: PolicyConfig = field(default_factory=PolicyConfig)
-    """Policy and cache options (--policy, --cache-frac, --pool, --admission, ...)."""
+    offload: PolicyConfig = field(default_factory=lambda: SERVING)
+    """Policy and cache options (--policy, --cache-frac, --pool, --admission, ...); default
+    `cache.config.SERVING`: lfru with frequency admission (auto)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # (torch.bfloat16 -> name)

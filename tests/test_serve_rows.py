@@ -28,7 +28,7 @@ def test_peers_share_ours_cache_and_admission():
     assert within[within.index("--token-ahead-layers") + 1] == "0"  # prefetch, top-2 within
     assert {"--horizon", "h.st", "--predictor", "d1.st", "predicted", "-2"} <= set(within)
     assert rows[PAGE_CACHE] == ["--policy", "on_demand", "--io", "buffered"]
-    assert "lru" in rows and rows["lru"] == []  # the plain cache: generate's defaults
+    assert rows["lru"] == ["--policy", "lru", "--admission", "all"]  # the plain cache
     assert not any("/extra=" in n for n in rows if "adm=predicted" not in n)
 
 
@@ -65,3 +65,28 @@ def test_staging_variants_are_the_same_rows_with_one_flag_more():
             assert variants[f"{name}/staging={k}"] == plain[name] + ["--staging-slots", str(k)]
     assert predicts_nothing("lfru/adm=frequency/staging=1") and predicts_nothing("lru")
     assert not predicts_nothing("spec_gate/adm=predicted/staging=1")
+
+
+def test_every_row_runs_the_admission_its_name_says():
+    """generate's default admission is auto (lfru keeps frequency, prefetch predicted), so a
+    row's flags, parsed by `tensorbend generate`'s own parser into its cache config (the
+    ServeConfig default instance's fields, as `generate` builds it), must give the admission
+    its name says: adm=X where it names one, else all; and generate alone gives lfru/frequency."""
+    from tensorbend.cache.config import SERVING, PolicyConfig
+    from tensorbend.cli import _build_parser
+    from tensorbend.flags import config_from_args
+
+    def offload(flags):
+        args = _build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flags])
+        return config_from_args(PolicyConfig, args, _base=SERVING)
+
+    rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=False)
+    for name, flags in rows.items():
+        want = next((p[4:] for p in name.split("/") if p.startswith("adm=")), "all")
+        assert offload(flags).admission_rule == want, name
+    plain = offload([])
+    assert (plain.policy, plain.admission_rule) == ("lfru", "frequency")
+    assert offload(["--policy", "prefetch"]).admission_rule == "predicted"
+    from tensorbend.serving import ServeConfig
+
+    assert ServeConfig().offload is SERVING  # load_offloaded's default is generate's

@@ -435,7 +435,8 @@ def test_cuda_generate_equals_resident(tmp_path):
 def test_same_entry_reproduces_run_bytes(policy, tmp_path):
     """`tensorbend run` (resident reference, then the handle per policy) and load_offloaded +
     transformers' generate() read exactly the same expert bytes on the same prompts (greedy:
-    the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards)."""
+    the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards),
+    load_offloaded with its default admission (auto: frequency for these)."""
     from tensorbend.cache.config import PolicyConfig
     from tensorbend.hf import DecodeConfig
     from tensorbend.offload.runner import RunConfig, run
@@ -446,7 +447,7 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
     n = 6
     session = SessionConfig(decode=DecodeConfig(decode="greedy", max_new_tokens=n))
     ran = run(RunConfig(model="zoo:default", max_prompts=2, link="none", session=session,
-                        offload=PolicyConfig(policy, cache_frac=0.25)))  # fmt: skip
+                        offload=PolicyConfig(policy, cache_frac=0.25, admission="auto")))  # fmt: skip
     from transformers import AutoTokenizer
 
     path = resolve_model("zoo:default")

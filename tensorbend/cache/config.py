@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from tensorbend.models import RoutingSpec
 
 PolicyName = Literal["resident", "on_demand", "lru", "lfu", "lfru", "prefetch", "oracle"]
+AdmissionChoice = Literal["all", "frequency", "predicted", "auto"]
+"""`--admission`: a rule (cache/admission.py), or auto: the policy's own (`PolicySpec.admission`)."""
 BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
 """What the bounded oracle ranks by beyond its sight: a rule that reads no prediction."""
 
@@ -60,6 +62,7 @@ class PolicySpec:
     keeps_experts: bool = True
     bounded: bool = True
     recorded_routing: bool = False  # its rule reads the resident run's routing (steps_by_key)
+    admission: AdmissionName = "all"  # what `--admission auto` keeps with it
 
 
 _BEYOND: dict[str, Callable[[int], LRU]] = {
@@ -78,11 +81,14 @@ def _oracle(L, steps, foresight, horizon, beyond) -> NextUse:
 POLICIES: dict[str, PolicySpec] = {
     "resident": PolicySpec("resident", lambda L, *_: LRU(), False, bounded=False),
     "on_demand": PolicySpec("on_demand", lambda L, *_: LRU(), False, keeps_experts=False),
-    "lru": PolicySpec("lru", lambda L, *_: LRU(), False),
-    "lfu": PolicySpec("lfu", lambda L, *_: LFU(), False),
-    "lfru": PolicySpec("lfru", lambda L, *_: LFRU(), False),
+    "lru": PolicySpec("lru", lambda L, *_: LRU(), False, admission="frequency"),
+    "lfu": PolicySpec("lfu", lambda L, *_: LFU(), False, admission="frequency"),
+    "lfru": PolicySpec("lfru", lambda L, *_: LFRU(), False, admission="frequency"),
     "prefetch": PolicySpec(
-        "prefetch", lambda L, s, f, horizon, b: Reuse(L) if horizon else Predicted(L), True
+        "prefetch",
+        lambda L, s, f, horizon, b: Reuse(L) if horizon else Predicted(L),
+        True,
+        admission="predicted",
     ),
     "oracle": PolicySpec("oracle", _oracle, True, recorded_routing=True),
 }
@@ -141,10 +147,12 @@ class PolicyConfig:
     """Cache capacity in bytes (overrides --cache-frac)."""
     pool: PoolName = "global"
     """One slot pool for all layers (global), or capacity split evenly per MoE layer."""
-    admission: AdmissionName = "all"
+    admission: AdmissionChoice = "all"
     """Which misses the cache keeps: all; frequency (TinyLFU-style: used more often than the
     victim within --admission-window forwards); predicted (not if predicted back later than the
-    victim; prefetch and oracle only). A refused miss is computed from a staging slot."""
+    victim; prefetch and oracle only); auto: frequency for lru, lfu and lfru, predicted for
+    prefetch, all otherwise (what measured best). A refused miss is computed from a staging
+    slot."""
     admission_window: int = 8
     """Forwards of use counts for --admission frequency."""
     foresight: int | None = None
@@ -174,6 +182,11 @@ class PolicyConfig:
             object.__setattr__(self, "policy", self.policy.lower())
         _check_policy(self)
 
+    @property
+    def admission_rule(self) -> AdmissionName:
+        """The admission rule this config runs (`auto` resolved for its policy)."""
+        return admission_rule(self.admission, self.policy)
+
     def staging(self, top_k: int) -> int:
         """Staging slots for a model routing top_k experts (`staging_slots`, default top_k)."""
         return top_k if self.staging_slots is None else self.staging_slots
@@ -193,6 +206,15 @@ class PolicyConfig:
         if not POLICIES[self.policy].keeps_experts:
             return slots
         return check_slots(slots, what, spec.top_k, spec.num_moe_layers, self.pool)
+
+
+def admission_rule(admission: str, policy: str) -> AdmissionName:
+    """`admission`, or for `auto` the admission policy `policy` runs with (`PolicySpec`).
+
+    >>> admission_rule("auto", "lfru"), admission_rule("auto", "prefetch"), admission_rule("all", "lfru")
+    ('frequency', 'predicted', 'all')
+    """
+    return POLICIES[policy].admission if admission == "auto" else admission
 
 
 def min_slots(top_k: int, num_layers: int, pool: str) -> int:
@@ -234,6 +256,10 @@ def _check_policy(pc: PolicyConfig) -> None:
         raise TensorbendError(
             f"--oracle-beyond {pc.oracle_beyond}: expected one of {', '.join(_BEYOND)}"
         )
+    if pc.admission not in get_args(AdmissionChoice):
+        raise TensorbendError(
+            f"--admission {pc.admission!r}: expected one of {', '.join(get_args(AdmissionChoice))}"
+        )
     if pc.admission == "predicted" and not POLICIES[pc.policy].uses_prediction:
         raise TensorbendError(
             f"--admission predicted with --policy {pc.policy}: expected --policy prefetch or "
@@ -247,3 +273,9 @@ def _check_policy(pc: PolicyConfig) -> None:
         if not getattr(pc, name) >= low:
             flag = "--" + name.replace("_", "-")
             raise TensorbendError(f"{flag} {getattr(pc, name)}: expected a number >= {low}")
+
+
+SERVING = PolicyConfig("lfru", admission="auto")
+"""`tensorbend generate`'s and `load_offloaded`'s cache (`serving.ServeConfig.offload`): the
+fastest cache without prediction on the real disk (lfru with frequency admission: 1.23x lru
+there, docs/results/serve_memory.md); with `--policy P`, P's own admission (auto)."""

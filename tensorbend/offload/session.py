@@ -264,7 +264,7 @@ class OffloadSession:
             predictor_checkpoint=None if predictor is None else predictor.checkpoint,
             lookahead=la and la.name,
             pool=pc.pool,
-            admission=pc.admission,
+            admission=pc.admission_rule,
             foresight=pc.foresight if POLICIES[pc.policy].recorded_routing else None,
             oracle_beyond=pc.oracle_beyond if POLICIES[pc.policy].recorded_routing else None,
             link=link.to_dict(),

@@ -17,6 +17,7 @@ import math
 
 from tensorbend.cache.config import (
     POLICIES,
+    admission_rule,
     check_slots,
     make_resident_set,
 )
@@ -48,7 +49,8 @@ def run_one(
         steps = plan.steps_by_key(work)
         ranked = Ranked("oracle", la.name, la.distance, None, None)
     o = cfg.offload
-    rs = make_resident_set(policy, units, L, o.pool, o.admission, o.admission_window, steps,
+    adm = admission_rule(o.admission, policy)
+    rs = make_resident_set(policy, units, L, o.pool, adm, o.admission_window, steps,
                            o.foresight, forecasts is not None, beyond)  # fmt: skip
     backlog = cfg.offload.prefetch_backlog * costs.transfer_s()
     predict_s = predict_call_s(costs, ranked, hw) if policy == "prefetch" else 0.0
@@ -106,7 +108,7 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
         "fits_fast_memory": cfg.calibration is not None
         or cache_bytes + resident_bytes(geo) <= hw.mem_capacity.value,
         "pool": cfg.offload.pool,
-        "admission": cfg.offload.admission,
+        "admission": admission_rule(cfg.offload.admission, policy),
         "foresight": cfg.offload.foresight if POLICIES[policy].recorded_routing else None,
         "tokens": {"prefill": run.tokens[0], "decode": run.tokens[1]},
         "prefill": {
