@@ -534,3 +534,20 @@ def test_generate_flags_build_the_nested_decode_config(monkeypatch):
     assert got[0].decode == DecodeConfig("greedy", max_new_tokens=64) and got[0].top_p == 1.0
     assert got[1].decode == DecodeConfig("sample", max_new_tokens=64, seed=3)
     assert got[1].top_p == 0.5
+
+
+def test_the_serving_guides_zoo_budget_fits(tmp_path):
+    """docs/guide/serving.md's zoo:default command, with its own --max-memory, serves (a budget
+    below the model without experts + staging + reserve + a layer's top-k is refused): run as
+    written but for the predictor files it names, which need training (the lfru default then)."""
+    import re
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[1] / "docs" / "guide" / "serving.md").read_text()
+    [budget] = re.findall(r"--model zoo:default --prompts \S+ --max-memory (\S+)", guide)
+    cmd = [sys.executable, "-m", "tensorbend", "generate", "--model", "zoo:default", "--prompt",
+           "The river", "--max-new-tokens", "2", "--max-memory", budget, "--quiet",
+           "--store-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "policy lfru, admission frequency" in done.stderr  # generate's default cache
