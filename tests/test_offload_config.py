@@ -197,3 +197,16 @@ def test_run_describes_the_model_once(tmp_path, monkeypatch):
                                       prediction=PredictorSpec(baseline="spec_gate"),
                                       session=SessionConfig(DecodeConfig(max_new_tokens=2))))  # fmt: skip
     assert res.output_matches_resident and len(calls) == 1
+
+
+def test_admission_auto_is_the_policys_own_and_a_bad_one_is_refused():
+    """`--admission auto` resolves per policy from the policy table (what generate runs by
+    default); from Python, a value that is no admission is one clear error."""
+    from tensorbend.errors import TensorbendError
+
+    policies = ("lru", "lfu", "lfru", "prefetch", "on_demand", "oracle", "resident")
+    rules = [PolicyConfig(p, admission="auto").admission_rule for p in policies]
+    assert rules == ["frequency", "frequency", "frequency", "predicted", "all", "all", "all"]
+    assert PolicyConfig("lfru", admission="all").admission_rule == "all"  # a named rule stays
+    with pytest.raises(TensorbendError, match="--admission 'sometimes': expected one of all, "):
+        PolicyConfig(admission="sometimes")

@@ -23,9 +23,11 @@ Usage:
   keeps_experts    it holds experts in slots (on_demand keeps nothing: capacity 0)
   bounded          its capacity is the configured cache (resident holds every expert)
   recorded_routing its rule reads the resident run's routing (the oracle's steps_by_key)
+  admission        the admission rule `--admission auto` gives it (frequency for the caches
+                   without prediction, predicted for prefetch, all otherwise)
 Pool and admission apply to every policy that keeps experts. `PolicyConfig` (the `run` flags)
 is the one home of the policy and cache-option defaults; `tensorbend simulate` takes its
-defaults from it.
+defaults from it, and `SERVING` (lfru, admission auto) is `tensorbend generate`'s.
 """
 
 from __future__ import annotations
