@@ -155,7 +155,8 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     PolicyConfig (`policy`, `cache_frac`, `pool`, `admission`, ...) and PredictorSpec
     (`predictor`, `baseline`, `horizon`, `prefetch_extra`) directly:
     `load_offloaded(path, max_memory="8GB", policy="prefetch", predictor="d1.safetensors")`,
-    or `baseline="spec_gate"` (the next layer's router on the current router input).
+    or `baseline="spec_gate"` (the next layer's router on the current router input). Without
+    them the cache is `cache.config.SERVING`: lfru with frequency admission.
     """
     cfg = _with_overrides(cfg or ServeConfig(), overrides)
     _warn_above_physical(cfg)
