@@ -125,8 +125,7 @@ def peer_summary(runs: list[dict], frac: float) -> dict | None:
     """Ours against the best peer at one cache fraction: the fastest row that is neither ours
     nor an oracle (caches, prefetch:none, spec_gate, the seed's MLP, ...), as run and with
     prediction charged as the target pays it (`time_model`; None where not recorded)."""
-    at = [r for r in runs if r["policy"] != "resident" and abs(r["cache_frac"] - frac) < 0.01
-          and not POLICIES[r["policy"]].recorded_routing and r.get("decode_tok_s")]  # fmt: skip
+    at = _measured(runs, frac)
     peers, mine = [r for r in at if not ours(r)], [r for r in at if ours(r)]
     if not peers or not mine:
         return None
@@ -173,9 +172,7 @@ def link_bound(runs: list[dict], frac: float, link: dict, summ: dict) -> dict | 
     if not link.get("bandwidth_MBps") or peers is None:
         return None
     bw = link["bandwidth_MBps"] * 1e6
-    at = {run_label(r): r for r in runs if r["policy"] != "resident"
-          and abs(r["cache_frac"] - frac) < 0.01 and r.get("decode_tok_s")}  # fmt: skip
-    rows = [r for r in at.values() if not POLICIES[r["policy"]].recorded_routing]
+    rows = _measured(runs, frac)
     least = min(rows, key=lambda r: r["bytes_read_per_token"])
     fastest = max((r for r in rows if ours(r)), key=lambda r: r["decode_tok_s"])
     peer = peers["best_peer_tok_s"]
@@ -185,9 +182,16 @@ def link_bound(runs: list[dict], frac: float, link: dict, summ: dict) -> dict | 
         return {"label": run_label(r), "bytes": r["bytes_read_per_token"], "tok_s": cap,
                 "vs_peer": cap / peer, "busy": r["decode_tok_s"] / cap}  # fmt: skip
 
-    return {"bandwidth_Bps": bw, "best_cache": bound(at[summ["best_no_prediction_cache"]]),
+    [cache] = [r for r in rows if run_label(r) == summ["best_no_prediction_cache"]]
+    return {"bandwidth_Bps": bw, "best_cache": bound(cache),
             "least_bytes": bound(least), "ours_fastest": bound(fastest),
             "need_bytes": bw / (TARGET * peer)}  # fmt: skip
+
+
+def _measured(runs: list[dict], frac: float) -> list[dict]:
+    """The rows at cache fraction `frac` that ran offloaded and timed, oracles left out."""
+    return [r for r in runs if r["policy"] != "resident" and abs(r["cache_frac"] - frac) < 0.01
+            and not POLICIES[r["policy"]].recorded_routing and r.get("decode_tok_s")]  # fmt: skip
 
 
 def _link_bound(runs: list[dict], frac: float, link: dict, summ: dict) -> list[str]:
