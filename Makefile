@@ -127,6 +127,7 @@ bench-accuracy: bench-traces
 	$(PY) -m bench.projections --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors \
+		--peer spec_gate --peer $(BENCH)/default/seed_mlp_d1.safetensors \
 		--json docs/results/projections.json --doc docs/results/projections.md > /dev/null
 	$(PY) -m bench.zoo_card $(BENCH)/default/trace $(BENCH)/qwen/trace $(BENCH)/deep/trace \
 		--json docs/results/zoo_card.json --doc docs/results/zoo_card.md > /dev/null

@@ -11,7 +11,8 @@ For each (hardware, geometry) pair of `--pairs` it runs `tensorbend simulate` on
 every cache without prediction (lru, lfu, lfru and prefetch with no predictor, x admission all /
 frequency, x pool global, or also per_layer with `--pools global,per_layer`), prefetch with
 transition / ours (each also driven by the horizon's forecasts; admission all and predicted,
-Belady's bypass), and the oracle; the cache is the largest that fits beside the resident
+Belady's bypass), each `--peer` (spec_gate, the seed's MLP: prefetchers with ours' admission,
+without the horizon), and the oracle; the cache is the largest that fits beside the resident
 weights. Per pair it reports decode tok/s, stall, GB read per token and hit rate, and each
 run's speed over the best no-prediction cache of the same pair (`cache.report.compare`: every
 cache that reads no predictor, `prefetch:none` included). Every number is a projection;
@@ -65,17 +66,24 @@ def main(argv=None) -> int:
         ]
         passes += [(pool, adm, what) for pool in _names(a.pools) if pool != "global"
                    for adm in ("all", "frequency") for what in (caches, blind)]  # fmt: skip
+        peers = dict(policies=("prefetch",), predictors=tuple(a.peer), prediction=PredictorSpec())
+        passes += [("global", adm, peers) for adm in ("all", "predicted") if a.peer]
         old = _previous(a, hardware, geometry)
         rows, head = [], old and {k: old[k] for k in _HEAD}
         for pool, adm, what in passes:
             offload = replace(base.offload, lookahead="d1", pool=pool, admission=adm)
             cfg = replace(base, offload=offload, **what)
+            is_peers = what is peers
             kept = [r for r in (old or {}).get("results", []) if r["pool"] == pool
-                    and r["admission"] == adm and r["policy"] in cfg.policies]  # fmt: skip
-            if {r["policy"] for r in kept} == set(cfg.policies):
+                    and r["admission"] == adm and r["policy"] in cfg.policies
+                    and not r.get("peer")]  # fmt: skip
+            if not is_peers and {r["policy"] for r in kept} == set(cfg.policies):
                 rows += kept  # the same simulation, already in --reuse's JSON
                 continue
             res = simulate(cfg).to_json()
+            if is_peers:  # (prefetch:none runs beside them: the passes above have it)
+                res["results"] = [{**r, "peer": True} for r in res["results"]
+                                  if r["predictor"] not in (None, "none")]  # fmt: skip
             rows += res["results"]
             head = {k: res[k] for k in _HEAD}
         (c,) = compare(rows).values()  # one cache size per pair
@@ -131,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True)
     p.add_argument("--predictor", action="append", default=[], help="within-token checkpoint")
     p.add_argument("--horizon", default=None, help="cross-token checkpoint")
+    p.add_argument("--peer", action="append", default=[],
+                   help="a peer that predicts (a name, e.g. spec_gate, or a checkpoint, e.g. the "
+                   "seed's MLP), run as a prefetcher without the horizon, admission all and "
+                   "predicted; simulated every time (its rows carry peer: true)")  # fmt: skip
     p.add_argument("--pairs", default="dgx-spark:kimi-k2.5,h100-pcie5:deepseek-v3")
     p.add_argument(
         "--pools",

@@ -177,11 +177,15 @@ def _simulated(rep: dict) -> str:
     p = rep["pairs"][0]
     res = {r["label"]: r for r in p["results"]}
     best, mine = res[p["best_no_prediction"]], res["horizon+d1:tensorbend/adm=predicted"]
+    summ = peer_summary(p["results"], mine["cache_frac"])
+    peer = (f"; over the best peer ({summ['best_peer']}): "
+            f"{summ['ours'][mine['label']]['as_run']:.2f}x"
+            if summ and any(r.get("peer") for r in p["results"]) else "")  # fmt: skip
     return (
         f"| simulated | {p['geometry']} on {p['hardware']}, zoo:default's routing; "
         f"{sim_regime(mine)} (projections.md) | not run | {best['label']}: {best['decode_tok_s']:.2f} "
         f"tok/s | {mine['label']}: {mine['decode_tok_s']:.2f} tok/s, "
-        f"{mine['vs_best_cache']:.2f}x |"
+        f"{mine['vs_best_cache']:.2f}x{peer} |"
     )
 
 

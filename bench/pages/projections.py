@@ -6,6 +6,7 @@ Usage:
 
 from __future__ import annotations
 
+from bench.pages.offload import peer_summary
 from tensorbend.offload.time_model import label
 
 
@@ -50,6 +51,12 @@ def markdown(out: dict) -> str:
             )
         lines.append("")
         lines.append(f"Best no-prediction cache: {p['best_no_prediction']}.")
+        summ = peer_summary(res, frac)
+        if summ and any(r.get("peer") for r in res):
+            cells = ", ".join(f"{k} {v['as_run']:.2f}x" for k, v in summ["ours"].items())
+            lines.append(f"Best peer (fastest row that is neither ours nor an oracle: caches, "
+                         f"transition, spec_gate, the seed's MLP): {summ['best_peer']} "
+                         f"({summ['best_peer_tok_s']:.2f} tok/s). Ours over it: {cells}.")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
