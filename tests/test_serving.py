@@ -537,9 +537,10 @@ def test_generate_flags_build_the_nested_decode_config(monkeypatch):
 
 
 def test_the_serving_guides_zoo_budget_fits(tmp_path):
-    """docs/guide/serving.md's zoo:default command, with its own --max-memory, serves (a budget
-    below the model without experts + staging + reserve + a layer's top-k is refused): run as
-    written but for the predictor files it names, which need training (the lfru default then)."""
+    """docs/guide/serving.md's zoo:default command's --max-memory serves zoo:default (a budget
+    below the model without experts + staging + reserve + a layer's top-k is refused): generate
+    with that budget and one prompt, on its default cache (the guide's predictor files would
+    need training first)."""
     import re
     from pathlib import Path
 

@@ -175,7 +175,8 @@ def _staging_notes(results: list[dict]) -> list[str]:
     by = {r["policy"]: r for r in results}
     pairs = [(r, by.get(r["policy"].rsplit("/staging=", 1)[0])) for r in results
              if "/staging=" in r["policy"]]  # fmt: skip
-    pairs = [(r, base) for r, base in pairs if base is not None]
+    pairs = [(r, base, repeat_ratios(r, base)) for r, base in pairs if base is not None]
+    pairs = [p for p in pairs if p[2] is not None]  # (per-repeat tok/s in the JSON)
     if not pairs:
         return []
     out = [
@@ -188,8 +189,7 @@ def _staging_notes(results: list[dict]) -> list[str]:
         "| row | tok/s ratio, median [range] | every repeat | MB from disk / token, ratio |",
         "|---|---|---|---|",
     ]
-    for r, base in pairs:
-        ratios = repeat_ratios(r, base)
+    for r, base, ratios in pairs:
         disk, disk0 = r.get("disk_read_bytes_per_token"), base.get("disk_read_bytes_per_token")
         bytes_ratio = "-" if disk is None or not disk0 else f"{disk / disk0:.3f}"
         out.append(
