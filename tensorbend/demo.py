@@ -14,16 +14,19 @@ Steps, each skipped when its output already exists (a re-run resumes; --overwrit
              foresight metrics and cache replay
  4. run      offloaded generation of test prompts at 25% cache over the `h100-pcie5-kimi` link:
              caches without prediction (lru, lfru with TinyLFU-style admission, and the
-             Predicted eviction fed no predictions, `prefetch:none`), ours (horizon + d1,
-             predicted admission) and the oracle; outputs checked bit-identical; each row's
-             `vs_best_cache` against the fastest of those caches (`cache.report.compare`).
+             Predicted eviction fed no predictions, `prefetch:none`), the peers that predict
+             (spec_gate and the seed's MLP as d1 prefetchers, with ours' predicted admission),
+             ours (horizon + d1, predicted admission) and the oracle; outputs checked
+             bit-identical; each row's `vs_best_cache` against the fastest of those caches
+             (`cache.report.compare`), and ours' `vs_best_peer` against the fastest row that
+             is neither ours nor the oracle (`cache.report.best_peer`), per repeat.
              The link is scaled to the fastest resident decode forward (a busy machine only
              slows forwards down: the median stretched the link, and the demo to 32 minutes);
              repeats stop after the step's time budget; a busy reference or forwards varying
              more than SPREAD x are warned about, before the runs and in the summary
- 5. project  the same policies simulated on Kimi-K2.5 on a DGX Spark (`tensorbend simulate`;
-             each prediction call charged its modelled cost there: kernel launches + the
-             predictor's weights read once, `offload.time_model.PredictorCost`)
+ 5. project  the same policies and peers simulated on Kimi-K2.5 on a DGX Spark (`tensorbend
+             simulate`; each prediction call charged its modelled cost there: kernel launches
+             + the predictor's weights read once, `offload.time_model.PredictorCost`)
 and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
 timings are this machine's, each step's wall time among them, and it states the sizes used
 (`DemoConfig.size`: the full demo collects 168 of the 336 shipped prompts, every split kept,
@@ -35,6 +38,7 @@ prompts and tokens) is for the test suite.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -83,6 +87,7 @@ class DemoSummary:
     foresight: dict  # gap closed, best cache and ours' experts per token (replay)
     runs: list  # per offloaded run: label, decode tok/s, bytes/token, hit rate, matches
     projection: list  # per simulated run: label, decode tok/s
+    peers: dict = field(default_factory=dict)  # "run"/"project" -> ours against the best peer
     step_seconds: dict = field(default_factory=dict)  # step -> wall seconds (reused: ~0)
     sizes: dict = field(default_factory=dict)  # DemoConfig.size and the trace's prompts per split
     host_warning: str | None = None  # other processes disturbed the timed runs (host_load.py)
@@ -119,6 +124,7 @@ def demo(cfg: DemoConfig) -> DemoSummary:
         out=str(out), seconds=round(time.perf_counter() - t0, 1), step_seconds=steps,
         sizes=sizes,
         recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs, projection=proj,
+        peers={"run": _against_peer(runs), "project": _against_peer(proj)},
         host_warning=host_warning(runs) or next((r["timing_note"] for r in runs
                                                   if r.get("timing_note")), None),
     )  # fmt: skip
@@ -131,10 +137,14 @@ def demo(cfg: DemoConfig) -> DemoSummary:
 # ---------------------------------------------------------------- steps
 
 
-def _done(path: Path, cfg: DemoConfig, what: str) -> bool:
+def _done(path: Path, cfg: DemoConfig, what: str, current=None) -> bool:
+    """Whether the step's output exists and is reused; `current(path)` False: the output of an
+    older demo that lacks what this one reports, so the step runs again."""
     if path.exists() and not cfg.overwrite:
-        _say(cfg, f"{what}: reusing {path}")
-        return True
+        if current is None or current(path):
+            _say(cfg, f"{what}: reusing {path}")
+            return True
+        _say(cfg, f"{what}: {path} predates the peers that predict; running it again")
     _say(cfg, f"{what} ...")
     return False
 
@@ -215,7 +225,14 @@ def _eval(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict, report: Path) ->
 
 def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
     from tensorbend.cache.config import PolicyConfig
-    from tensorbend.cache.report import compare, format_ratio, median_row, run_label, what_ran
+    from tensorbend.cache.report import (
+        compare,
+        format_ratio,
+        is_ours,
+        median_row,
+        run_label,
+        what_ran,
+    )
     from tensorbend.hf import DecodeConfig, load_model
     from tensorbend.host_load import warning
     from tensorbend.offload.hooks import NoPredictor
@@ -225,7 +242,7 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
     from tensorbend.prompts import load_prompts
 
     path = out / "report" / "run.json"
-    if _done(path, cfg, "offloaded generation (25% cache, h100-pcie5-kimi link)"):
+    if _done(path, cfg, "offloaded generation (25% cache, h100-pcie5-kimi link)", _has_peers):
         return json.loads(path.read_text())
     size = cfg.size
     model, tok = load_model(cfg.model)
@@ -249,11 +266,16 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
     ours = build_predictor(model, ckpts["tensorbend"], None, "d1", None, sess.spec)
     horizon = build_predictor(model, ckpts["horizon"], None, "d1", None, sess.spec)
     none = NoPredictor(sess.spec.num_experts, get_lookahead("d1"))
+    spec_gate = build_predictor(model, None, "spec_gate", "d1", None, sess.spec)
+    seed_mlp = build_predictor(model, ckpts["seed_mlp"], None, "d1", None, sess.spec)
+    predicted = PolicyConfig("prefetch", admission="predicted")
     plan = [
         (PolicyConfig("lru"), None, None),
         (PolicyConfig("lfru", admission="frequency"), None, None),
         (PolicyConfig("prefetch"), none, None),  # Predicted eviction fed no predictions
-        (PolicyConfig("prefetch", admission="predicted"), ours, horizon),
+        (predicted, spec_gate, None),  # the peers that predict, with ours' admission
+        (predicted, seed_mlp, None),
+        (predicted, ours, horizon),
         (PolicyConfig("oracle", admission="predicted"), None, None),
     ]
     reps: dict[str, list[dict]] = {}  # what ran -> one row per repeat, interleaved
@@ -280,33 +302,73 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
                      "ratio": format_ratio(one), "repeats": len(r.get("decode_tok_s_repeats", [1])),
                      "host_other_cores_repeats": r.get("host_other_cores_repeats"),
                      "policy": r["policy"], "timing_note": "; ".join(notes) or None,
-                     **{k: r.get(k) for k in _RUN_KEYS}})  # fmt: skip
+                     "ours": is_ours(r), **{k: r.get(k) for k in _RUN_KEYS}})  # fmt: skip
     atomic_write_text(path, json.dumps(rows, indent=1))
     return rows
 
 
-_RUN_KEYS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
-             "output_matches_resident", "link", "host_load", "host_busy", "time_model")  # fmt: skip
+_RUN_KEYS = ("decode_tok_s", "decode_tok_s_repeats", "stall_s_per_token", "bytes_read_per_token",
+             "demand_hit_rate", "output_matches_resident", "link", "host_load", "host_busy",
+             "time_model")  # fmt: skip
 SPREAD = 1.5  # median / fastest resident decode forward above this: timing was disturbed
 
 
 def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
+    from dataclasses import replace
+
+    from tensorbend.cache.report import compare, is_ours, vs_best_cache
     from tensorbend.predictors.spec import PredictorSpec
     from tensorbend.simulate import SimulateConfig, simulate
 
     path = out / "report" / "simulate.json"
-    if not _done(path, cfg, "project onto Kimi-K2.5 on a DGX Spark (simulated)"):
-        res = simulate(SimulateConfig(
+    if not _done(path, cfg, "project onto Kimi-K2.5 on a DGX Spark (simulated)", _has_peers):
+        base = SimulateConfig(
             trace=trace, hardware="dgx-spark", geometry="kimi-k2.5", progress=False,
             policies=("lru", "lfru", "prefetch", "oracle"),
             predictors=("none", str(ckpts["tensorbend"])),
             prediction=PredictorSpec(horizon=ckpts["horizon"]),
             max_prompts=cfg.size["sim_prompts"],
-        )).to_json()  # fmt: skip
+        )  # fmt: skip
+        res = simulate(base).to_json()
+        peers = replace(base, policies=("prefetch",), prediction=PredictorSpec(),
+                        predictors=("spec_gate", str(ckpts["seed_mlp"])))  # fmt: skip
+        res["results"] += [{**r, "peer": True} for r in simulate(peers).to_json()["results"]
+                           if r["predictor"] not in (None, "none")]  # fmt: skip
+        res["results"].sort(key=lambda r: r["policy"] == "oracle")  # the oracle last
+        (c,) = compare(res["results"]).values()
+        best = next(r for r in res["results"] if r["label"] == c["best_no_prediction_cache"])
+        for r in res["results"]:
+            r["vs_best_cache"] = vs_best_cache(r, best)
         atomic_write_text(path, json.dumps(res, indent=1))
     res = json.loads(path.read_text())
-    return [{k: r.get(k) for k in ("label", "decode_tok_s", "vs_best_cache", "predictor",
-                                   "time_model")} for r in res["results"]]  # fmt: skip
+    return [{**{k: r.get(k) for k in ("label", "policy", "decode_tok_s", "vs_best_cache",
+                                      "predictor", "time_model")}, "ours": is_ours(r)}
+            for r in res["results"]]  # fmt: skip
+
+
+def _has_peers(path: Path) -> bool:
+    """A run or projection JSON written since the demo runs the peers that predict."""
+    res = json.loads(path.read_text())
+    if isinstance(res, dict):  # simulate.json: the peers' rows are marked
+        return any(r.get("peer") for r in res["results"])
+    return all("ours" in r for r in res)  # run.json: every row says whether it is ours
+
+
+def _against_peer(rows: list[dict]) -> dict | None:
+    """Ours' fastest row over the best peer (`cache.report.best_peer`) of the same run: the
+    median of the repeats' ratios [range] where the run repeated, else the single ratio."""
+    from tensorbend.cache.report import best_peer, repeat_ratios
+
+    peer = best_peer([r for r in rows if not r["ours"]])
+    mine = [r for r in rows if r["ours"] and r.get("decode_tok_s")]
+    if peer is None or not mine:
+        return None
+    top = max(mine, key=lambda r: r["decode_tok_s"])
+    xs = repeat_ratios(top, peer)
+    return {"ours": top["label"], "best_peer": peer["label"],
+            "best_peer_tok_s": peer["decode_tok_s"],
+            "vs_best_peer": statistics.median(xs) if xs else top["decode_tok_s"] / peer["decode_tok_s"],
+            "repeats": xs}  # fmt: skip
 
 
 # ---------------------------------------------------------------- summary
@@ -361,6 +423,7 @@ def _text(s: DemoSummary, cfg: DemoConfig) -> str:
             f"{r['bytes_read_per_token'] / 1e3:7.1f} "
             f"KB/token  hit {r['demand_hit_rate']:.2f}  identical output: {r['output_matches_resident']}"
         )
+    lines += _peer_line(s.peers.get("run"))
     if s.host_warning:
         lines.append(f"  WARNING: {s.host_warning}")
     pred = [r for r in s.projection if r.get("predictor") not in (None, "none")]
@@ -370,6 +433,7 @@ def _text(s: DemoSummary, cfg: DemoConfig) -> str:
         lines.append(
             f"  {r['label']:<40} {r['decode_tok_s']:6.2f} tok/s ({_x(r['vs_best_cache'])} best cache)"
         )
+    lines += _peer_line(s.peers.get("project"))
     n = max((r.get("repeats", 1) for r in s.runs), default=1)
     lines.append(
         "  (measured ratios: over the fastest cache without prediction, "
@@ -381,6 +445,15 @@ def _text(s: DemoSummary, cfg: DemoConfig) -> str:
         + "\n  (projected ratios: one simulation each)"
     )
     return "\n".join(lines)
+
+
+def _peer_line(p: dict | None) -> list[str]:
+    if p is None:
+        return []
+    xs = p["repeats"]
+    rng = f" [{xs[0]:.2f}, {xs[-1]:.2f}]" if xs else ""
+    return [f"  ours ({p['ours']}) over the best peer, the fastest row neither ours nor the "
+            f"oracle ({p['best_peer']}): {p['vs_best_peer']:.2f}x{rng}"]  # fmt: skip
 
 
 def _sizes_line(z: dict) -> str:

@@ -25,9 +25,12 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
         "lru",
         "lfru/adm=frequency",
         "prefetch:none",
+        "d1:spec_gate/adm=predicted",  # the peers that predict, with ours' admission
+        "d1:seed_mlp/adm=predicted",
         "horizon+d1:tensorbend/adm=predicted",
         "oracle@h=all/adm=predicted",
     }
+    _check_peers(summary, text)
     best = max(runs[k]["decode_tok_s"] for k in ("lru", "lfru/adm=frequency", "prefetch:none"))
     for r in runs.values():  # the ratio over the best of the three caches without prediction
         assert r["vs_best_cache"] == r["decode_tok_s"] / best
@@ -42,6 +45,46 @@ def test_quick_demo_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert {p: p.stat().st_mtime_ns for p in stamps if p.name != "summary.json"} == {
         p: t for p, t in stamps.items() if p.name != "summary.json"
     }
+    # the report of a demo from before the peers: its run and projection run again, with them
+    run, sim = out / "report" / "run.json", out / "report" / "simulate.json"
+    old = [{k: v for k, v in r.items() if k != "ours"} for r in json.loads(run.read_text())
+           if "spec_gate" not in r["label"] and "seed_mlp" not in r["label"]]  # fmt: skip
+    run.write_text(json.dumps(old))
+    res = json.loads(sim.read_text())
+    sim.write_text(json.dumps({**res, "results": [r for r in res["results"] if not r.get("peer")]}))
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.count("reusing") == 5 and cap.err.count("predates the peers that predict") == 2
+    assert len(json.loads(run.read_text())) == len(runs)
+    _check_peers(json.loads((out / "report" / "summary.json").read_text()), cap.out)
+
+
+def _check_peers(summary: dict, text: str) -> None:
+    """Ours is claimed against the fastest row that is neither ours nor the oracle, by hand:
+    the three caches and the two peers that predict, measured and simulated alike."""
+    for step, rows, peers in (("run", summary["runs"], 5), ("project", summary["projection"], 0)):
+        mine = [r for r in rows if r["ours"]]
+        others = [r for r in rows if not r["ours"] and not r["label"].startswith("oracle")]
+        assert {r["label"] for r in mine} <= {
+            "horizon+d1:tensorbend/adm=predicted",
+            "d1:tensorbend",
+            "horizon",
+            "horizon+d1:tensorbend",
+        }
+        assert len(others) >= peers and {"d1:spec_gate", "d1:seed_mlp"} <= {
+            r["label"].split("/")[0] for r in others
+        }, step
+        peer = max(others, key=lambda r: r["decode_tok_s"])
+        top = max(mine, key=lambda r: r["decode_tok_s"])
+        p = summary["peers"][step]
+        assert (p["best_peer"], p["ours"]) == (peer["label"], top["label"])
+        assert p["repeats"] is None  # --quick runs once: the ratio is the single run's
+        assert math.isclose(p["vs_best_peer"], top["decode_tok_s"] / peer["decode_tok_s"])
+        line = (
+            f"ours ({top['label']}) over the best peer, the fastest row neither ours nor the "
+            f"oracle ({peer['label']}): {p['vs_best_peer']:.2f}x"
+        )
+        assert line in text, (line, text)
 
 
 def _check_numbers(summary: dict, text: str, spec) -> None:

@@ -230,6 +230,21 @@ def test_a_sweep_page_says_when_no_peer_predicts(name):
     assert ("No peer that predicts is in this run" in md) == (not has_peer)
 
 
+_SERVES = sorted(p.stem for p in (DOCS / "bench").glob("serve_*.json"))
+
+
+@pytest.mark.parametrize("name", _SERVES)
+def test_a_serving_page_says_when_ours_met_no_peer_that_predicts(name):
+    """A real-disk serving page warns that ours met only caches exactly when its JSON has rows
+    of ours and none of spec_gate or the seed's MLP (serve_memory_narrow predates them)."""
+    res = json.loads((DOCS / "bench" / f"{name}.json").read_text())
+    names = [r["policy"] for r in res["results"]]
+    has_ours = any(n.startswith("ours") for n in names)
+    has_peer = any(n.startswith(("spec_gate", "seed_mlp")) for n in names)
+    md = (DOCS / f"{name}.md").read_text()
+    assert ("No peer that predicts is in this run" in md) == (has_ours and not has_peer), name
+
+
 def test_a_sweep_page_has_the_io_cpu_column_exactly_when_its_json_does():
     """The I/O threads' CPU per token (`io_cpu_s_per_token`, JSON since 2026-12-06) gets a
     column, in ms, on a page whose JSON has it, '-' in rows without it; older pages have none."""

@@ -10,7 +10,8 @@ Usage:
 from __future__ import annotations
 
 from tensorbend.cache.config import POLICIES
-from tensorbend.cache.report import compare, format_ratio, run_label
+from tensorbend.cache.report import best_peer, compare, format_ratio, run_label
+from tensorbend.cache.report import is_ours as ours
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.offload.time_model import charged_tok_s, regime_line
 
@@ -116,21 +117,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def ours(row: dict) -> bool:
-    """A row of ours: our within-token predictor (kind tensorbend) or our horizon."""
-    return row.get("predictor") == "tensorbend" or bool(row.get("horizon"))
-
-
 def peer_summary(runs: list[dict], frac: float) -> dict | None:
     """Ours against the best peer at one cache fraction: the fastest row that is neither ours
     nor an oracle (caches, prefetch:none, spec_gate, the seed's MLP, ...), as run and with
     prediction charged as the target pays it (`time_model`; None where not recorded)."""
     at = _measured(runs, frac)
-    peers, mine = [r for r in at if not ours(r)], [r for r in at if ours(r)]
-    if not peers or not mine:
+    best, mine = best_peer(at), [r for r in at if ours(r)]
+    if best is None or not mine:
         return None
-    best = max(peers, key=lambda r: r["decode_tok_s"])
-    charged = [x for x in map(charged_tok_s, peers) if x]
+    charged = [x for x in map(charged_tok_s, (r for r in at if not ours(r))) if x]
     best_charged = max(charged) if charged else None
     out = {"best_peer": run_label(best), "best_peer_tok_s": best["decode_tok_s"],
            "best_peer_charged_tok_s": best_charged, "ours": {}}  # fmt: skip

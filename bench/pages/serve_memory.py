@@ -80,6 +80,10 @@ def markdown(res: dict) -> str:
     ours = [r for r in res["results"] if r.get("engine", "tensorbend") == "tensorbend"]
     if peers:
         lines += _peer_notes(res)
+    elif any(r["policy"].startswith("ours") for r in res["results"]):
+        lines += ["", "**No peer that predicts is in this run** (it predates them: spec_gate and "
+                  "the seed's MLP as prefetchers): ours is compared only with caches that "
+                  "predict nothing. serve_memory.md runs them beside ours."]  # fmt: skip
     for r in res["results"]:
         if r.get("engine") != "accelerate":
             continue

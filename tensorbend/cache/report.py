@@ -111,6 +111,20 @@ def best_no_prediction(rows: list[dict], metric: str = "decode_tok_s") -> dict |
     return max(peers, key=lambda r: sign * r[metric])
 
 
+def is_ours(row: dict) -> bool:
+    """A row of ours: our within-token predictor (kind tensorbend) or our horizon."""
+    return row.get("predictor") == "tensorbend" or bool(row.get("horizon"))
+
+
+def best_peer(rows: list[dict]) -> dict | None:
+    """The fastest row that is neither ours nor an oracle nor resident: a cache without
+    prediction, `prefetch:none`, or a peer's predictor (spec_gate, the seed's MLP, ...) used
+    as a prefetcher. What ours is claimed against; None when no such row has a tok/s."""
+    peers = [r for r in rows if r.get("decode_tok_s") and not is_ours(r)
+             and POLICIES[r["policy"]].bounded and not POLICIES[r["policy"]].recorded_routing]  # fmt: skip
+    return max(peers, key=lambda r: r["decode_tok_s"], default=None)
+
+
 def best_rule(rows: list[dict], metric: str = "bytes_read_per_token") -> str:
     """The eviction rule (`--oracle-beyond`) of the best no-prediction cache on `metric`: the
     rule the bounded oracle ranks by beyond its sight (lru when there is none)."""
