@@ -16,6 +16,8 @@ Usage:
     ['lru', 'prefetch:none', 'horizon+d1:tensorbend/adm=predicted', 'oracle@h=all']
     >>> best_no_prediction(rows)["policy"]          # Predicted eviction fed no predictions counts
     'prefetch'
+    >>> run_label(best_peer(rows))                  # neither ours nor the oracle
+    'prefetch:none'
     >>> c = compare(rows)[0.25]
     >>> round(c["runs"]["horizon+d1:tensorbend/adm=predicted"]["vs_best_cache"], 3), c["runs"][
     ...     "horizon+d1:tensorbend/adm=predicted"]["gap_closed_bytes"]
@@ -36,7 +38,9 @@ The comparison, per cache fraction: the best no-prediction cache (every bounded 
 reads no predictor, `prefetch` with none included) by decode tok/s and by bytes, the full
 oracle (every future routing, fewest bytes), and per run `vs_best_cache` (tok/s over the best
 cache's) and `gap_closed_bytes` / `gap_closed_seconds` ((best - run) / (best - full oracle),
-bytes or decode seconds per token).
+bytes or decode seconds per token). What ours is claimed against: `best_peer`, the fastest row
+that is neither ours (`is_ours`: our within-token predictor or our horizon) nor an oracle:
+every cache, and the peers' predictors (spec_gate, the seed's MLP) used as prefetchers.
 """
 
 from __future__ import annotations
