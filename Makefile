@@ -42,7 +42,8 @@ test-vllm: vllm-env
 
 # The main job on the bundled default model (tensorbend/demo.py): capture routing, train ours
 # (within and across tokens) and the seed's MLP, score them with every peer on held-out prompts,
-# run offloaded generation against the best caches and the oracle, project onto Kimi-K2.5.
+# run offloaded generation against the best caches, the peers that predict (spec_gate, the
+# seed's MLP) and the oracle, project onto Kimi-K2.5.
 demo: setup
 	$(PY) -m tensorbend demo --out $(DEMO_OUT)
 
