@@ -38,7 +38,7 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, no_prediction
 from tensorbend.cache.report import compare, run_label, vs_best_cache
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.simulate import SimulateConfig, simulate
+from tensorbend.simulate import SimulateConfig, simulate, simulate_peers
 
 NO_PREDICTION = no_prediction()
 
@@ -66,24 +66,23 @@ def main(argv=None) -> int:
         ]
         passes += [(pool, adm, what) for pool in _names(a.pools) if pool != "global"
                    for adm in ("all", "frequency") for what in (caches, blind)]  # fmt: skip
-        peers = dict(policies=("prefetch",), predictors=tuple(a.peer), prediction=PredictorSpec())
-        passes += [("global", adm, peers) for adm in ("all", "predicted") if a.peer]
+        passes += [("global", adm, None) for adm in ("all", "predicted") if a.peer]  # peers
         old = _previous(a, hardware, geometry)
         rows, head = [], old and {k: old[k] for k in _HEAD}
         for pool, adm, what in passes:
             offload = replace(base.offload, lookahead="d1", pool=pool, admission=adm)
+            if what is None:  # the peers, simulated every time (prefetch:none: passes above)
+                only = replace(base, offload=offload, policies=("prefetch",))
+                rows += simulate_peers(only, tuple(a.peer))
+                continue
             cfg = replace(base, offload=offload, **what)
-            is_peers = what is peers
             kept = [r for r in (old or {}).get("results", []) if r["pool"] == pool
                     and r["admission"] == adm and r["policy"] in cfg.policies
                     and not r.get("peer")]  # fmt: skip
-            if not is_peers and {r["policy"] for r in kept} == set(cfg.policies):
+            if {r["policy"] for r in kept} == set(cfg.policies):
                 rows += kept  # the same simulation, already in --reuse's JSON
                 continue
             res = simulate(cfg).to_json()
-            if is_peers:  # (prefetch:none runs beside them: the passes above have it)
-                res["results"] = [{**r, "peer": True} for r in res["results"]
-                                  if r["predictor"] not in (None, "none")]  # fmt: skip
             rows += res["results"]
             head = {k: res[k] for k in _HEAD}
         (c,) = compare(rows).values()  # one cache size per pair

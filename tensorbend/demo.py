@@ -27,24 +27,25 @@ Steps, each skipped when its output already exists (a re-run resumes; --overwrit
  5. project  the same policies and peers simulated on Kimi-K2.5 on a DGX Spark (`tensorbend
              simulate`; each prediction call charged its modelled cost there: kernel launches
              + the predictor's weights read once, `offload.time_model.PredictorCost`)
-and writes OUT/report/: summary.md, the eval plots, and every step's JSON. The summary's
-timings are this machine's, each step's wall time among them, and it states the sizes used
-(`DemoConfig.size`: the full demo collects 168 of the 336 shipped prompts, every split kept,
-and trains the seed's MLP on a 4,000-row sample, to stay under 10 minutes beside a busy process
-on 2 cores); torch runs one thread per core other processes leave free. `--quick` (fewer
+and writes OUT/report/: summary.md (`demo_summary.py`), the eval plots, and every step's
+JSON. The summary's timings are this machine's, each step's wall time among them, and it
+states the sizes used (`DemoConfig.size`: the full demo collects 168 of the 336 shipped
+prompts, every split kept, and trains the seed's MLP on a 4,000-row sample, to stay under 10
+minutes beside a busy process on 2 cores); torch runs one thread per core other processes
+leave free. `--quick` (fewer
 prompts and tokens) is for the test suite.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
+from tensorbend.demo_summary import DemoSummary
 from tensorbend.errors import TensorbendError
 
 
@@ -77,30 +78,9 @@ class DemoConfig:
                 "sim_prompts": 8}  # fmt: skip
 
 
-@dataclass
-class DemoSummary:
-    """What the demo measured; `text` is what the CLI prints, `to_json()` the report's JSON."""
-
-    out: str
-    seconds: float
-    recall_d1: dict  # predictor -> held-out decode recall@k at d1
-    foresight: dict  # gap closed, best cache and ours' experts per token (replay)
-    runs: list  # per offloaded run: label, decode tok/s, bytes/token, hit rate, matches
-    projection: list  # per simulated run: label, decode tok/s
-    peers: dict = field(default_factory=dict)  # "run"/"project" -> ours against the best peer
-    step_seconds: dict = field(default_factory=dict)  # step -> wall seconds (reused: ~0)
-    sizes: dict = field(default_factory=dict)  # DemoConfig.size and the trace's prompts per split
-    host_warning: str | None = None  # other processes disturbed the timed runs (host_load.py)
-    text: str = ""
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "text"}
-
-
 def demo(cfg: DemoConfig) -> DemoSummary:
     import torch
 
-    from tensorbend.cache.report import host_warning
     from tensorbend.trace import Trace
 
     t0 = time.perf_counter()
@@ -120,15 +100,8 @@ def demo(cfg: DemoConfig) -> DemoSummary:
                  "torch_threads": torch.get_num_threads()}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    summary = DemoSummary(
-        out=str(out), seconds=round(time.perf_counter() - t0, 1), step_seconds=steps,
-        sizes=sizes,
-        recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs, projection=proj,
-        peers={"run": _against_peer(runs), "project": _against_peer(proj)},
-        host_warning=host_warning(runs) or next((r["timing_note"] for r in runs
-                                                  if r.get("timing_note")), None),
-    )  # fmt: skip
-    summary.text = _text(summary, cfg)
+    summary = DemoSummary.of(out, round(time.perf_counter() - t0, 1), steps, sizes, ev, runs, proj)
+    summary.text = summary.render(cfg.model, cfg.quick)
     atomic_write_text(report / "summary.md", summary.text + "\n")
     atomic_write_text(report / "summary.json", json.dumps(summary.to_json(), indent=1))
     return summary
@@ -314,11 +287,10 @@ SPREAD = 1.5  # median / fastest resident decode forward above this: timing was 
 
 
 def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
-    from dataclasses import replace
-
-    from tensorbend.cache.report import compare, is_ours, vs_best_cache
+    from tensorbend.cache.report import is_ours
     from tensorbend.predictors.spec import PredictorSpec
-    from tensorbend.simulate import SimulateConfig, simulate
+    from tensorbend.simulate import SimulateConfig, simulate, simulate_peers
+    from tensorbend.simulate.runs import relative
 
     path = out / "report" / "simulate.json"
     if not _done(path, cfg, "project onto Kimi-K2.5 on a DGX Spark (simulated)", _has_peers):
@@ -330,15 +302,9 @@ def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]
             max_prompts=cfg.size["sim_prompts"],
         )  # fmt: skip
         res = simulate(base).to_json()
-        peers = replace(base, policies=("prefetch",), prediction=PredictorSpec(),
-                        predictors=("spec_gate", str(ckpts["seed_mlp"])))  # fmt: skip
-        res["results"] += [{**r, "peer": True} for r in simulate(peers).to_json()["results"]
-                           if r["predictor"] not in (None, "none")]  # fmt: skip
+        res["results"] += simulate_peers(base, ("spec_gate", str(ckpts["seed_mlp"])))
         res["results"].sort(key=lambda r: r["policy"] == "oracle")  # the oracle last
-        (c,) = compare(res["results"]).values()
-        best = next(r for r in res["results"] if r["label"] == c["best_no_prediction_cache"])
-        for r in res["results"]:
-            r["vs_best_cache"] = vs_best_cache(r, best)
+        relative(res["results"])  # vs_best_cache over the best cache of all the rows
         atomic_write_text(path, json.dumps(res, indent=1))
     res = json.loads(path.read_text())
     return [{**{k: r.get(k) for k in ("label", "policy", "decode_tok_s", "vs_best_cache",
@@ -352,121 +318,3 @@ def _has_peers(path: Path) -> bool:
     if isinstance(res, dict):  # simulate.json: the peers' rows are marked
         return any(r.get("peer") for r in res["results"])
     return all("ours" in r for r in res)  # run.json: every row says whether it is ours
-
-
-def _against_peer(rows: list[dict]) -> dict | None:
-    """Ours' fastest row over the best peer (`cache.report.best_peer`) of the same run: the
-    median of the repeats' ratios [range] where the run repeated, else the single ratio."""
-    from tensorbend.cache.report import best_peer, repeat_ratios
-
-    peer = best_peer([r for r in rows if not r["ours"]])
-    mine = [r for r in rows if r["ours"] and r.get("decode_tok_s")]
-    if peer is None or not mine:
-        return None
-    top = max(mine, key=lambda r: r["decode_tok_s"])
-    xs = repeat_ratios(top, peer)
-    return {"ours": top["label"], "best_peer": peer["label"],
-            "best_peer_tok_s": peer["decode_tok_s"],
-            "vs_best_peer": statistics.median(xs) if xs else top["decode_tok_s"] / peer["decode_tok_s"],
-            "repeats": xs}  # fmt: skip
-
-
-# ---------------------------------------------------------------- summary
-
-
-def _recalls(ev: dict) -> dict:
-    return {r["predictor"]: r["recall_at_k"] for r in ev["results"]
-            if r["phase"] == "decode" and r["lookahead"] == "d1"}  # fmt: skip
-
-
-def _foresight(ev: dict) -> dict:
-    f = ev["foresight"][0]
-    rp = f["replay"]
-    return {
-        "best_no_prediction": f["best_no_prediction"],
-        "best_no_prediction_experts_per_token": rp[f["best_no_prediction"]]["experts_per_token"],
-        "ours_experts_per_token": rp[f["best_reuse"]]["experts_per_token"],
-        "full_oracle_experts_per_token": rp[f["full_oracle"]]["experts_per_token"],
-        "gap_closed": f["gap_closed"],
-    }
-
-
-def _text(s: DemoSummary, cfg: DemoConfig) -> str:
-    from tensorbend.offload.time_model import label, regime_line
-
-    lines = [
-        f"tensorbend demo on {cfg.model}{' (quick)' if cfg.quick else ''}: {s.seconds:.0f} s, "
-        f"report in {s.out}/report",
-        _sizes_line(s.sizes),
-        "Step wall times (s, 0 = reused): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in s.step_seconds.items()),
-        "",
-        "Held-out decode recall@k at d1 (one MoE layer ahead):",
-    ]
-    for kind, x in sorted(s.recall_d1.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {kind:<12} {x:.3f}")
-    f = s.foresight
-    gap = "-" if f["gap_closed"] is None else f"{f['gap_closed']:.0%}"
-    lines += [
-        "",
-        "Across tokens (replay at 25% cache, experts read per decode token): best cache "
-        f"{f['best_no_prediction']} {f['best_no_prediction_experts_per_token']:.2f}, ours "
-        f"{f['ours_experts_per_token']:.2f}, full oracle {f['full_oracle_experts_per_token']:.2f} "
-        f"(gap closed {gap})",
-        "",
-        "Offloaded generation, 25% cache, h100-pcie5-kimi link (measured here):",
-        f"  {regime_line(s.runs)}",
-    ]
-    for r in s.runs:
-        lines.append(
-            f"  {r['label']:<40} {r['decode_tok_s']:7.1f} tok/s ({r.get('ratio') or _x(r['vs_best_cache'])} best cache)  "
-            f"{r['bytes_read_per_token'] / 1e3:7.1f} "
-            f"KB/token  hit {r['demand_hit_rate']:.2f}  identical output: {r['output_matches_resident']}"
-        )
-    lines += _peer_line(s.peers.get("run"))
-    if s.host_warning:
-        lines.append(f"  WARNING: {s.host_warning}")
-    pred = [r for r in s.projection if r.get("predictor") not in (None, "none")]
-    lines += ["", "Projected on Kimi-K2.5 / DGX Spark (simulated, not measured):",
-              "  regime: " + label((pred or [{}])[0].get("time_model"))]  # fmt: skip
-    for r in s.projection:
-        lines.append(
-            f"  {r['label']:<40} {r['decode_tok_s']:6.2f} tok/s ({_x(r['vs_best_cache'])} best cache)"
-        )
-    lines += _peer_line(s.peers.get("project"))
-    n = max((r.get("repeats", 1) for r in s.runs), default=1)
-    lines.append(
-        "  (measured ratios: over the fastest cache without prediction, "
-        + (
-            f"medians of {n} interleaved repeats [range]; a range holding 1.00 is no gain)"
-            if n > 1
-            else "one run each, no repeats: within 0.95-1.05x is a tie)"
-        )  # fmt: skip
-        + "\n  (projected ratios: one simulation each)"
-    )
-    return "\n".join(lines)
-
-
-def _peer_line(p: dict | None) -> list[str]:
-    if p is None:
-        return []
-    xs = p["repeats"]
-    rng = f" [{xs[0]:.2f}, {xs[-1]:.2f}]" if xs else ""
-    return [f"  ours ({p['ours']}) over the best peer, the fastest row neither ours nor the "
-            f"oracle ({p['best_peer']}): {p['vs_best_peer']:.2f}x{rng}"]  # fmt: skip
-
-
-def _sizes_line(z: dict) -> str:
-    sp = z.get("splits", {})
-    rows = "" if z.get("seed_mlp_rows") is None else f", seed_mlp on {z['seed_mlp_rows']} rows"
-    return (
-        f"Sizes: {sum(sp.values())} prompts collected (train/val/test "
-        f"{sp.get('train')}/{sp.get('val')}/{sp.get('test')}), {z['tokens']} decode tokens each"
-        f"{rows}; run: {z['run_prompts']} test prompts x {z['run_tokens']} tokens, up to "
-        f"{z['run_repeats']} repeats within {z['run_budget_s']} s; projection: "
-        f"{z['sim_prompts']} prompts; {z.get('torch_threads')} torch thread(s) (the free cores)"
-    )
-
-
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"

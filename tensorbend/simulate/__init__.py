@@ -20,6 +20,7 @@ from tensorbend.simulate.simulator import (
     SimulateResult,
     format_table,
     simulate,
+    simulate_peers,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "SimulateResult",
     "format_table",
     "simulate",
+    "simulate_peers",
 ]

@@ -6,6 +6,7 @@ Usage:
                                   geometry="kimi-k2.5", predictors=("transition",)))
     print(format_table(res))                     # mapping first, then one row per run
     res.to_json()["results"][0]["decode_tok_s"]
+    simulate_peers(cfg, ("spec_gate",))          # a peer's prefetch rows, marked peer
 
 For each policy x predictor (prefetch only) x cache fraction: the trace's `split` prompts are
 replayed as the runtime would run them (trace.forwards), their routing mapped onto the geometry
@@ -244,6 +245,16 @@ def simulate(cfg: SimulateConfig) -> SimulateResult:
         plot_results(res, cfg.plots)
     res.seconds = round(time.perf_counter() - t0, 2)
     return res
+
+
+def simulate_peers(cfg: SimulateConfig, peers: tuple[str, ...]) -> list[dict]:
+    """The peers that predict (`peers`: names such as spec_gate, or checkpoints such as the
+    seed's MLP) simulated as prefetchers with cfg's cache and admission and no horizon: their
+    rows only, each marked `peer` (the `prefetch:none` run beside them is left out)."""
+    only = dataclasses.replace(cfg, policies=("prefetch",), predictors=tuple(peers),
+                               prediction=PredictorSpec())  # fmt: skip
+    return [{**r, "peer": True} for r in simulate(only).to_json()["results"]
+            if r["predictor"] not in (None, "none")]  # fmt: skip
 
 
 def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> tuple[list, PredictorCost]:
