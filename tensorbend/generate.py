@@ -162,6 +162,7 @@ def summarize(c: dict, serve: ServeConfig) -> dict:
         "expert_stored_bytes": c["expert_stored_bytes"],
         "expert_dtype": c["expert_dtype"],
         "compute_dtype": c["compute_dtype"],
+        "slot_dtype": c["slot_dtype"],
         "peak_rss_bytes": c["peak_rss_bytes"],
         "peak_device_bytes": c["peak_device_bytes"],
     }
@@ -179,10 +180,14 @@ def format_summary(s: dict) -> str:
         f"{s['bytes_read_per_token'] / 1e6:.2f} MB experts read/token | hit rate "
         f"{s['demand_hit_rate']:.2f}{waited} | cache {s['cache_slots']} experts of "
         f"{s['expert_bytes'] / 1e6:.2f} MB | experts stored in {s['expert_dtype']}, computed "
-        f"in {s['compute_dtype']} | "
+        f"in {s['compute_dtype']}{_int4_slots(s)} | "
         f"peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
         f"policy {s['policy']}, admission {s['admission']}{_plan_line(s.get('memory_plan'))}"
     )
+
+
+def _int4_slots(s: dict) -> str:
+    return " from int4 slots (torch's int4 kernel)" if s.get("slot_dtype") == "int4" else ""
 
 
 def _plan_line(plan: dict | None) -> str:

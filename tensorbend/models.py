@@ -74,6 +74,9 @@ _FAMILIES: dict[str, _Family] = {
     "llama4_text": _Family("feed_forward", "router", "experts", "sigmoid_topk", "scores_logits"),
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model_types that transformers does not know but whose weights and config fields
+are another family's (Kimi-K2's config is DeepSeek-V3's, served without its remote code)."""
 
 
 @dataclass(frozen=True)
@@ -142,12 +145,29 @@ def check_model_type(path) -> None:
         mt = json.loads(file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # (missing or unreadable: AutoConfig's own error names it)
-    if isinstance(mt, str) and mt not in CONFIG_MAPPING:
+    if isinstance(mt, str) and mt not in CONFIG_MAPPING and mt not in MODEL_TYPE_ALIASES:
         raise UnsupportedModelError(
             f"{file}: model_type {mt!r} is unknown to transformers {transformers.__version__}: "
             f"expected one of the supported MoE families {', '.join(SUPPORTED_FAMILIES)}; fix "
             f"model_type or upgrade transformers"
         )
+
+
+def read_config(path):
+    """config.json as transformers' config object; a `MODEL_TYPE_ALIASES` type read as its
+    family's (no remote code runs). OSError / ValueError as AutoConfig raises them."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        raw = {}
+    alias = MODEL_TYPE_ALIASES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if alias is None:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    return CONFIG_MAPPING[alias](**fields)
 
 
 def describe_model(model: torch.nn.Module) -> RoutingSpec:

@@ -130,14 +130,15 @@ def _experts_on_meta(cls):
 def build_without_experts(path: Path, dtype: torch.dtype):
     """(CausalLM, spec, expert layout) from config.json: routed experts on meta (never
     allocated), every other weight randomly initialised until `load_non_experts`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from tensorbend.models import read_config
     from tensorbend.offload.layer import check_supported
     from tensorbend.offload.store import ExpertLayout
 
     check_model_type(path)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = read_config(path)
     except (OSError, ValueError) as e:
         raise TensorbendError(f"{path}: cannot read config.json ({e})") from e
     with torch.device("meta"):

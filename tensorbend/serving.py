@@ -34,6 +34,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -48,7 +49,8 @@ from tensorbend.memory import (
 )
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
-from tensorbend.offload.handle import AttachOptions, OffloadHandle
+from tensorbend.offload.handle import AttachOptions, OffloadHandle, stored_dtype
+from tensorbend.offload.int4 import Int4
 from tensorbend.offload.precision import dtype_name, resolve_dtype
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import (
@@ -101,6 +103,15 @@ class ServeConfig:
     """Precision the model is served in, the store keeping the experts in it: auto (the
     checkpoint's own: config.json's dtype, else its tensors'), float32 (fp32), float16 (fp16)
     or bfloat16 (bf16); the Python API takes torch dtypes too."""
+    store_dtype: Literal["auto", "int4"] = "auto"
+    """What the store keeps of each expert: auto (the checkpoint's own: its dtype, fp8 blocks,
+    mxfp4 or compressed-tensors int4) or int4 (an unquantized checkpoint quantized
+    round-to-nearest, symmetric, a bf16 scale per 32 inputs, in compressed-tensors' format:
+    0.28x a bf16 expert; it changes the output a little, as any 4-bit quant does)."""
+    slots: Literal["auto", "int4", "dense"] = "auto"
+    """What a cache slot holds of an int4 store's expert: int4 (0.31x a bf16 slot, computed by
+    torch's int4 kernel; cpu), dense (dequantized into --dtype as it loads) or auto (int4 on
+    cpu, dense on cuda)."""
     store_dir: Path | None = None
     """Root folder of the expert stores (each built once, reused), one folder per checkpoint
     inside; default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores."""
@@ -167,7 +178,9 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(cfg.dtype, path, ckpt)
     lm, spec, layout = build_without_experts(path, dtype)
-    layout = replace(layout, block=ckpt.block)  # fp8 blocks, mxfp4: dequantized into the slots
+    layout = replace(layout, block=store_format(cfg, ckpt.block))  # (see `store_format`)
+    if isinstance(layout.block, Int4):
+        layout.block.check_parts(layout.parts)
     plan = ExpertPlan.of(ckpt, lm, spec, layout)
     load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
@@ -181,7 +194,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
-    store = store_path(cfg.store_dir, path, _store_tag(ckpt.block, dtype))
+    store = store_path(cfg.store_dir, path, _store_tag(layout.block, dtype))
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
@@ -234,11 +247,42 @@ def memory_plan(
             "staging": staging, "reserve": reserve, "cache": budget - model - staging - reserve}  # fmt: skip
 
 
+def store_format(cfg: ServeConfig, block):
+    """The store's `ExpertLayout.block` for a checkpoint whose own is `block` (None, fp8's, MXFP4
+    or Int4): as it is, or Int4 for --store-dtype int4; an Int4 store in the kernel's packing
+    when slots hold int4 (--slots), else in compressed-tensors'. Refuses what does not apply."""
+    if cfg.store_dtype == "int4":
+        if block is not None:
+            raise TensorbendError(
+                f"--store-dtype int4: expected an unquantized checkpoint, found experts stored in "
+                f"{stored_dtype(block, None)}, which are served in their own format; drop "
+                f"--store-dtype"
+            )
+        block = Int4(32)
+    if not isinstance(block, Int4):
+        if cfg.slots == "int4":
+            raise TensorbendError(
+                "--slots int4: expected an int4 store (a compressed-tensors int4 checkpoint, or "
+                "--store-dtype int4), found none; add --store-dtype int4 or drop --slots"
+            )
+        return block
+    cpu = torch.device(cfg.device).type == "cpu"
+    if cfg.slots == "int4" and not cpu:
+        raise TensorbendError(
+            f"--slots int4 on {cfg.device}: expected --device cpu (torch's CPU int4 kernel); "
+            f"use --slots dense on {cfg.device} (what --slots auto picks there)"
+        )
+    return replace(block, packing="cpu" if cpu and cfg.slots != "dense" else "ct")
+
+
 # ------------------------------------------------------------ helpers
 
 
 def _store_tag(block, dtype: torch.dtype) -> str:
-    """What a store's file is named for: fp8, mxfp4 (its biases bf16; else -DTYPE), a dtype."""
+    """What a store's file is named for: fp8, mxfp4 (its biases bf16; else -DTYPE), int4 (in
+    compressed-tensors' packing) or int4-cpu (in the CPU kernel's), a dtype."""
+    if isinstance(block, Int4):
+        return "int4" if block.packing == "ct" else f"int4-{block.packing}"
     name = str(dtype).removeprefix("torch.")
     if block == "mxfp4":
         return "mxfp4" if dtype == torch.bfloat16 else f"mxfp4-{name}"
@@ -324,7 +368,7 @@ def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, p
             print(f"expert store {store}: building it again ({why})", file=sys.stderr)
     meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
     L, E = spec.num_moe_layers, spec.num_experts
-    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.nbytes))
+    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.stored_nbytes))
     try:
         build_store(plan, store, meta, layout.dtype, progress)
     except OSError as e:

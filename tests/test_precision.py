@@ -105,7 +105,7 @@ def test_fp8_block_checkpoint_stored_in_fp8_and_served_as_transformers_dequantiz
 
 @pytest.mark.parametrize(
     "quant, name",
-    [({"quant_method": "compressed-tensors"}, "compressed-tensors"),
+    [({"quant_method": "awq", "bits": 4}, "awq int4"),
      ({"quant_method": "gptq", "bits": 4}, "gptq int4"),
      ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [16, 16]},
       "fp8 (e4m3, static activations, weight_block_size [16, 16])")],
@@ -118,7 +118,10 @@ def test_other_quantizations_refused_by_name_in_one_line(quant, name, tmp_path, 
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    msg = f"{name} is not supported yet; expected an unquantized, fp8 (block) or mxfp4 checkpoint"
+    msg = (
+        f"{name} is not supported yet; expected an unquantized, fp8 (block), mxfp4 or "
+        "compressed-tensors int4 (W4A16) checkpoint"
+    )
     with pytest.raises(tensorbend.TensorbendError) as e:
         tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False)
     assert str(e.value) == msg

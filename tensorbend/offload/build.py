@@ -36,4 +36,4 @@ def build_cache(
     rs = make_resident_set(pc.policy, slots, L, pc.pool, pc.admission_rule, pc.admission_window, steps,
                            pc.foresight, horizon is not None, pc.oracle_beyond)  # fmt: skip
     cfg = CacheConfig(scratch=pc.staging(spec.top_k), device=device)
-    return ExpertCache(cfg, rs, layout.numel, layout.dtype, layout.stored_nbytes)
+    return ExpertCache(cfg, rs, *layout.slot_shape, layout.stored_nbytes)

@@ -45,8 +45,9 @@ from tqdm import tqdm
 from tensorbend.atomic import atomic_write_text
 from tensorbend.errors import StoreError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
-from tensorbend.offload import mxfp4
+from tensorbend.offload import int4, mxfp4
 from tensorbend.offload.blocks import stride
+from tensorbend.offload.int4 import Int4
 from tensorbend.offload.precision import block_grid
 from tensorbend.offload.shards import Checkpoint, TensorRef
 from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
@@ -69,6 +70,7 @@ class ExpertPlan:
     layout: ExpertLayout
     parts: list[dict[str, _Part]]  # per MoE layer m: part name -> sources
     other: dict[str, TensorRef]  # model state-dict key -> checkpoint tensor
+    _buffers: dict = field(default_factory=dict, repr=False)  # reused scratch, by name
 
     @classmethod
     def of(cls, ckpt: Checkpoint, model, spec: RoutingSpec, layout: ExpertLayout) -> ExpertPlan:
@@ -112,27 +114,23 @@ class ExpertPlan:
     def expert_into(self, m: int, e: int, out: torch.Tensor, staging=None) -> None:
         """`expert` read straight into `out` (no intermediate copies when dtypes match); an fp8
         layout's as stored (`out`: uint8, per part its fp8 weights, then their block scales), an
-        mxfp4 one's too (`mxfp4.read_expert`)."""
+        mxfp4 one's too (`mxfp4.read_expert`), an int4 one's in its packing (`_int4_expert_into`)."""
+        if isinstance(self.layout.block, Int4):
+            return self._int4_expert_into(m, e, out, staging)
         if self.layout.block == mxfp4.MXFP4:
             return mxfp4.read_expert(self, m, e, out, staging)
         if self.layout.block is not None:
             return self._fp8_expert_into(m, e, out)
-        at = 0
-        for name, shape in self.layout.parts:
-            for ref, row in self._refs(m, e, name, shape):
-                n = _numel(ref.shape[1:] if row is not None else ref.shape)
-                self.ckpt.read_into(ref, out[at : at + n], row, staging)
-                at += n
-        assert at == out.numel()
+        self._dense_into(self.layout, m, e, out, staging)
 
-    def _refs(self, m: int, e: int, name: str, shape) -> list[tuple[TensorRef, int | None]]:
+    def refs(self, m: int, e: int, name: str, shape) -> list[tuple[TensorRef, int | None]]:
         """(tensor, row or None) whose bytes make part `name` of expert e of layer m, in order;
-        refused unless they stack to `shape`."""
+        refused unless they stack to `shape` (an int4 checkpoint's packed words: 8 a word)."""
         src = self.parts[m][name]
         refs = [(src.fused, e)] if src.fused is not None else [
             (src.pieces[e][i], None) for i in sorted(src.pieces[e])
         ]  # fmt: skip
-        found = _stacked_shape([r.shape[1:] if row is not None else r.shape for r, row in refs])
+        found = _stacked_shape([_logical(r, row is not None) for r, row in refs])
         if found != shape:
             raise StoreError(
                 f"{self.ckpt.directory}: layer {m} expert {e} part {name}: expected shape "
@@ -140,10 +138,42 @@ class ExpertPlan:
             )
         return refs
 
+    def _int4_expert_into(self, m: int, e: int, out: torch.Tensor, staging=None) -> None:
+        """An int4 layout's expert: an int4 checkpoint's bytes as they are (`int4.read_expert`),
+        or a float checkpoint's quantized round-to-nearest (`int4.quantize_expert`), in the
+        "ct" packing; then, for int4 slots, repacked into the kernel's (`int4.to_kernel_packing`)."""
+        fmt, layout = self.layout.block, self.layout
+        ct = out if fmt.packing == "ct" else self._buffer("ct", out.numel(), torch.uint8)
+        if isinstance(self.ckpt.block, Int4):
+            int4.read_expert(self, m, e, ct)
+        else:
+            assert self.ckpt.block is None, "int4 stores quantize unquantized checkpoints only"
+            dense = replace(layout, dtype=torch.float32, block=None)
+            flat = self._buffer("dense", dense.numel, torch.float32)
+            self._dense_into(dense, m, e, flat, staging)
+            int4.quantize_expert(fmt, list(dense.views(flat).values()), ct)
+        if fmt.packing == "cpu":
+            int4.to_kernel_packing(layout.parts, ct, fmt.group, out)
+
+    def _dense_into(self, layout, m: int, e: int, out: torch.Tensor, staging=None) -> None:
+        at = 0
+        for name, shape in layout.parts:
+            for ref, row in self.refs(m, e, name, shape):
+                n = _numel(ref.shape[1:] if row is not None else ref.shape)
+                self.ckpt.read_into(ref, out[at : at + n], row, staging)
+                at += n
+        assert at == out.numel()
+
+    def _buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return buf
+
     def _fp8_expert_into(self, m: int, e: int, out: torch.Tensor) -> None:
         at, block = 0, self.layout.block
         for name, shape in self.layout.parts:
-            refs = self._refs(m, e, name, shape)
+            refs = self.refs(m, e, name, shape)
             for ref, row in refs:
                 n = _numel(ref.shape[1:] if row is not None else ref.shape)
                 self.ckpt.read_into(ref, out[at : at + n].view(torch.float8_e4m3fn), row)
@@ -218,7 +248,7 @@ def build_store(
         bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
                    disable=not progress, file=_stderr())  # fmt: skip
         flat = _stored_buffer(layout)  # one expert as stored, reused: memory stays flat
-        staging = torch.empty(layout.nbytes, dtype=torch.uint8)
+        staging = torch.empty(max(layout.nbytes, 2 * layout.numel), dtype=torch.uint8)
         shards = {r.shard for r in plan.ckpt.refs.values()}
         stats = plan.ckpt.stats(shards)  # (before reading: a later edit shows in the mtime)
         for m in range(done, L):
@@ -318,6 +348,14 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _logical(ref: TensorRef, row: bool) -> tuple[int, ...]:
+    """The shape a tensor (its row) holds in weights: an int4 `weight_packed` 8 a word."""
+    shape = ref.shape[1:] if row else ref.shape
+    if ref.key.endswith(".weight_packed") and ref.dtype == "I32":
+        return (*shape[:-1], shape[-1] * 8)
+    return shape
 
 
 def _stacked_shape(shapes: list) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
+from tensorbend.offload.int4 import Int4
 from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
 from tensorbend.offload.loader import Loader, PrefetchGuard
 from tensorbend.offload.result import phase_numbers
@@ -90,7 +91,7 @@ class OffloadHandle:
         self.device = _device_of(model)
         self._threads = torch.get_num_threads()  # the caller's, restored for prefill and close
         self._decode_threads = decode_threads(self._threads) if self.device.type == "cpu" else None
-        self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link)
+        self.store = ExpertStore.open(store_path, StoreConfig(opts.io), opts.link, slots=layout)
         self.store.check({}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
@@ -149,8 +150,9 @@ class OffloadHandle:
             "cache_slots": self.cache.capacity,
             "expert_bytes": self.layout.nbytes,
             "expert_stored_bytes": self.layout.stored_nbytes,  # what a load reads
-            "expert_dtype": _stored_dtype(self.layout),
-            "compute_dtype": str(self.cache.pool_CN.dtype).removeprefix("torch."),  # slots
+            "expert_dtype": stored_dtype(self.layout.block, self.layout.dtype),
+            "compute_dtype": str(self.layout.dtype).removeprefix("torch."),
+            "slot_dtype": "int4" if self.layout.int4_slots else _name(self.cache.pool_CN.dtype),
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -277,10 +279,17 @@ def _device_of(model) -> torch.device:
     return torch.device("cpu")
 
 
-def _stored_dtype(layout: ExpertLayout) -> str:
-    """How the store keeps the experts: their dtype, or fp8 and its scale blocks, or mxfp4."""
-    if layout.block is None:
-        return str(layout.dtype).removeprefix("torch.")
-    if isinstance(layout.block, str):  # (biases in the slots' dtype)
+def stored_dtype(block, dtype: torch.dtype | None) -> str:
+    """How a store keeps the experts (its layout's `block`): their dtype, fp8 and its scale
+    blocks, mxfp4, or int4 and its scale groups."""
+    if block is None:
+        return _name(dtype)
+    if isinstance(block, Int4):
+        return block.describe()
+    if isinstance(block, str):  # (biases in the slots' dtype)
         return "mxfp4 (fp4 e2m1, an e8m0 scale per 32)"
-    return f"float8_e4m3fn ({layout.block[0]}x{layout.block[1]} blocks)"
+    return f"float8_e4m3fn ({block[0]}x{block[1]} blocks)"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -11,7 +11,10 @@ Supported: every family whose experts module takes (hidden_TD, top_k_index_TK,
 top_k_weights_TK) with fused `gate_up_proj`/`down_proj`: deepseek_v3, qwen3_moe, qwen2_moe,
 mixtral, olmoe, phimoe, granitemoe (SwiGLU on [2I, D] / [D, I]) and gpt_oss (biases,
 transposed weights, clamped gate). Llama-4 is not: its experts receive every expert's
-pre-scaled copy of the tokens, so there is nothing to skip loading.
+pre-scaled copy of the tokens, so there is nothing to skip loading. Int4 slots
+(`ExpertLayout.int4_slots`, SwiGLU families) run the same math with each matmul on torch's int4
+kernel (`int4.int4_linear`): equal to the same int4 experts computed resident by that kernel,
+not to a dense model (docs/guide/serving.md measures the difference).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorbend.errors import UnsupportedModelError
+from tensorbend.offload.int4 import int4_linear
 from tensorbend.offload.store import ExpertLayout
 
 SWIGLU_FAMILIES = (
@@ -63,6 +67,13 @@ class OffloadedExperts:
         self.mod, self.layout, self.m, self.get_active = mod, layout, m, get_active
         self.num_experts = int(mod.num_experts)
         self.expert = _gpt_oss_expert if family == "gpt_oss" else _swiglu_expert
+        if layout.int4_slots:
+            if family not in SWIGLU_FAMILIES:
+                raise UnsupportedModelError(
+                    f"int4 slots for {family} experts: expected one of {', '.join(SWIGLU_FAMILIES)}"
+                    f" (SwiGLU experts without biases); serve it with --slots dense"
+                )
+            self.expert = _Int4SwiGLU(layout.block.group)
         self._routed: tuple | None = None  # (ids, expert mask, claimed keys) from `route`
 
     def route(self, top_k_index: torch.Tensor) -> None:
@@ -151,6 +162,17 @@ class ExpertCompute:
 def _swiglu_expert(mod, x: torch.Tensor, W: dict[str, torch.Tensor]) -> torch.Tensor:
     gate, up = F.linear(x, W["gate_up_proj"]).chunk(2, dim=-1)
     return F.linear(mod.act_fn(gate) * up, W["down_proj"])
+
+
+class _Int4SwiGLU:
+    """`_swiglu_expert` on an int4 slot's weights: each matmul torch's int4 kernel."""
+
+    def __init__(self, group: int):
+        self.group = group
+
+    def __call__(self, mod, x: torch.Tensor, W: dict) -> torch.Tensor:
+        gate, up = int4_linear(x, W["gate_up_proj"], self.group).chunk(2, dim=-1)
+        return int4_linear(mod.act_fn(gate) * up, W["down_proj"], self.group)
 
 
 def _gpt_oss_expert(mod, x: torch.Tensor, W: dict[str, torch.Tensor]) -> torch.Tensor:

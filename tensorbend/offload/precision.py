@@ -24,7 +24,10 @@ keep their experts in the store as fp8 + scales (1 byte a weight, `fp8_nbytes`),
 into the compute dtype on the way into the slot (`dequantize_expert`: what transformers'
 `Fp8Dequantize` computes); their other fp8 weights are dequantized at load. MXFP4 checkpoints
 (gpt-oss: `quant_method` "mxfp4") keep their experts as fp4 blocks + e8m0 scales (offload/mxfp4.py),
-likewise dequantized into the slot. Any other quantization is refused by name (`quant_block`).
+likewise dequantized into the slot. compressed-tensors INT4 checkpoints (Kimi-K2-Thinking / K2.5's
+pack-quantized W4A16) keep their experts 4-bit (offload/int4.py): dequantized into the slot, or
+held 4-bit in int4 slots that torch's int4 kernel computes from. Any other quantization is
+refused by name (`quant_block`).
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import TensorbendError, UnsupportedModelError
-from tensorbend.offload import mxfp4
+from tensorbend.offload import int4, mxfp4
+from tensorbend.offload.int4 import Int4, int4_format
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "half": "float16",
            "f16": "float16", "bf16": "bfloat16"}  # fmt: skip
-SERVED = "an unquantized, fp8 (block) or mxfp4 checkpoint"
+SERVED = "an unquantized, fp8 (block), mxfp4 or compressed-tensors int4 (W4A16) checkpoint"
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every value
 ACCEPTED = "auto, float32 (fp32), float16 (fp16) or bfloat16 (bf16), as a name or a torch dtype"
 
@@ -78,11 +82,11 @@ def resolve_dtype(name: str, path: Path, ckpt) -> torch.dtype:
     return DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
 
-def quant_block(path: Path) -> tuple[int, int] | str | None:
+def quant_block(path: Path) -> tuple[int, int] | str | Int4 | None:
     """The FP8 weight block of a checkpoint's `quantization_config` (DeepSeek-V3's: fp8, e4m3,
-    dynamic activations, `weight_block_size` [128, 128]), `mxfp4.MXFP4` for gpt-oss's mxfp4;
-    None when it has none. Any other quantization is refused by name (its experts' bytes are not
-    what the store can serve)."""
+    dynamic activations, `weight_block_size` [128, 128]), `mxfp4.MXFP4` for gpt-oss's mxfp4,
+    `int4.Int4` for compressed-tensors' pack-quantized int4; None when it has none. Any other
+    quantization is refused by name (its experts' bytes are not what the store can serve)."""
     config = json.loads((Path(path) / "config.json").read_text())
     q = config.get("quantization_config")
     if not q:
@@ -92,6 +96,8 @@ def quant_block(path: Path) -> tuple[int, int] | str | None:
     fmt, act = q.get("fmt", "e4m3"), q.get("activation_scheme", "dynamic")
     if method == mxfp4.MXFP4:
         return mxfp4.MXFP4
+    if method == "compressed-tensors":
+        return int4_format(q)
     if method == "fp8" and block and len(block) == 2 and fmt == "e4m3" and act == "dynamic":
         return int(block[0]), int(block[1])
     if method == "fp8":
@@ -130,7 +136,10 @@ def block_grid(shape, block) -> tuple[int, int]:
 
 def stored_nbytes(parts, block, dtype: torch.dtype) -> int:
     """Bytes of one stored expert: fp8 (`block` a pair): per part its weights (1 byte each),
-    then its scales; mxfp4: `mxfp4.mxfp4_nbytes`; unquantized: its values in `dtype`."""
+    then its scales; mxfp4: `mxfp4.mxfp4_nbytes`; int4: `Int4.stored_nbytes`; unquantized:
+    its values in `dtype`."""
+    if isinstance(block, Int4):
+        return block.stored_nbytes(parts)
     if block == mxfp4.MXFP4:
         return mxfp4.mxfp4_nbytes(parts, dtype)
     if block is None:
@@ -142,6 +151,8 @@ def block_meta(block) -> dict[str, str]:
     """The store metadata naming a quantized store's format (`block_of_meta` reads it)."""
     if block is None:
         return {}
+    if isinstance(block, Int4):
+        return block.meta()
     return {"mxfp4": "32"} if block == mxfp4.MXFP4 else {"fp8_block": json.dumps(block)}
 
 
@@ -149,6 +160,8 @@ def block_of_meta(meta: dict):
     """The layout's `block` of a store from its metadata (`block_meta`'s): None unquantized."""
     if "mxfp4" in meta:
         return mxfp4.MXFP4
+    if "int4_group" in meta:
+        return Int4.of_meta(meta)
     block = json.loads(meta.get("fp8_block", "null"))
     return tuple(block) if block else None
 
@@ -156,7 +169,9 @@ def block_of_meta(meta: dict):
 def dequantize_expert(layout, raw: torch.Tensor, out_flat: torch.Tensor) -> None:
     """A stored fp8 expert (`raw`, uint8: per part of `layout`, its fp8 weights, then their
     float32 block scales) dequantized into the slot `out_flat` (its dtype); an mxfp4 one by
-    `mxfp4.dequantize_expert`."""
+    `mxfp4.dequantize_expert`, an int4 one by `int4.dequantize_expert`."""
+    if isinstance(layout.block, Int4):
+        return int4.dequantize_expert(layout, raw, out_flat)
     if layout.block == mxfp4.MXFP4:
         return mxfp4.dequantize_expert(layout, raw, out_flat)
     at, out = 0, layout.views(out_flat)

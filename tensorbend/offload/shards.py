@@ -14,7 +14,10 @@ shard, a header that is not safetensors, or a quantized dtype is refused with th
 an fp8 block checkpoint's `weight_scale_inv` tensors are kept apart (`scales`, by weight key)
 and `read` dequantizes a weight with its scales; an mxfp4 checkpoint's `{proj}_blocks` are
 indexed as `{proj}` (the model's key; the ref keeps its own) and their `{proj}_scales` kept
-apart the same way (offload/mxfp4.py reads them).
+apart the same way (offload/mxfp4.py reads them); a compressed-tensors int4 checkpoint's
+`X.weight_packed` is indexed as `X.weight`, its `X.weight_scale` kept apart (offload/int4.py
+reads them; `read` dequantizes a packed weight) and its `X.weight_shape` dropped (K is the
+scales' groups times the group size).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.offload.int4 import Int4
 from tensorbend.offload.mxfp4 import MXFP4
 from tensorbend.offload.precision import SERVED, dequantize_into, quant_block
 
@@ -65,8 +69,14 @@ class Checkpoint:
     """The safetensors shards of a local HF checkpoint directory, indexed by key."""
 
     def __init__(self, directory: Path, refs: dict[str, TensorRef], block=None):
-        self.directory, self.block = directory, block  # fp8's weight_block_size, or MXFP4
-        if block == MXFP4:  # `{proj}_blocks` indexed as `{proj}`, their `{proj}_scales` apart
+        self.directory, self.block = directory, block  # fp8's weight_block_size, MXFP4 or Int4
+        if isinstance(block, Int4):  # `X.weight_packed` indexed as `X.weight`, scales apart
+            packed = {k.removesuffix("_packed") for k in refs if k.endswith(".weight_packed")}
+            self.scales = {k: refs[k + "_scale"] for k in packed if k + "_scale" in refs}
+            drop = {k + s for k in packed for s in ("_packed", "_scale", "_shape")}
+            refs = {**{k: r for k, r in refs.items() if k not in drop},
+                    **{k: refs[k + "_packed"] for k in packed}}  # fmt: skip
+        elif block == MXFP4:  # `{proj}_blocks` indexed as `{proj}`, their `{proj}_scales` apart
             self.scales = {k.removesuffix("_scales"): r for k, r in refs.items()
                            if k.endswith("_scales") and k[:-7] + "_blocks" in refs}  # fmt: skip
             refs = {k[:-7] if k.endswith("_blocks") and k[:-7] in self.scales else k: r
@@ -139,6 +149,8 @@ class Checkpoint:
     def read(self, ref: TensorRef, row: int | None = None) -> torch.Tensor:
         """The tensor (a fresh CPU tensor in its own dtype), or only row `row` of its leading dim;
         an fp8 weight dequantized by its `weight_scale_inv` (to float32)."""
+        if isinstance(self.block, Int4) and ref.key.endswith(".weight_packed"):
+            return self._dequantized_int4(ref, row)
         shape = ref.shape if row is None else ref.shape[1:]
         out = torch.empty(shape, dtype=_dtype(ref))
         self.read_into(ref, out.reshape(-1), row)
@@ -153,6 +165,21 @@ class Checkpoint:
         full = torch.empty(shape, dtype=torch.float32)
         dequantize_into(out, self.read(scale), self.block, full)
         return full
+
+    def _dequantized_int4(self, ref: TensorRef, row: int | None) -> torch.Tensor:
+        """A compressed-tensors int4 weight (not a routed expert's: e.g. a quantized attention
+        projection) dequantized as transformers does, in its scale's dtype."""
+        from tensorbend.offload.int4 import dequantize_weight
+
+        scale = self.scales.get(ref.key.removesuffix("_packed"))
+        if scale is None or len(ref.shape) - (row is not None) != 2:
+            raise UnsupportedModelError(
+                f"{ref.shard.name}: tensor {ref.key} is int4 without a 2-D weight_scale; "
+                f"expected {SERVED}"
+            )
+        packed = torch.empty(ref.shape if row is None else ref.shape[1:], dtype=torch.int32)
+        self.read_into(ref, packed.reshape(-1), row)
+        return dequantize_weight(packed, self.read(scale, row), self.block.group)
 
     def read_into(
         self, ref: TensorRef, out: torch.Tensor, row: int | None = None, staging=None

@@ -13,8 +13,10 @@ safetensors file (`safe_open` reads it); its metadata carries `format_version`, 
 fingerprint and the part layout. Every expert starts on a 4096-byte boundary of the file (the
 header is padded, and a `pad.{m:03d}.{e:04d}` tensor of zeros fills an expert out to
 `stride(nbytes)` bytes), so an O_DIRECT read needs no bounce buffer for the expert's body.
-A quantized store (`ExpertLayout.block`) keeps each expert as fp8 weights + block scales, or
-mxfp4 blocks + scales (U8).
+A quantized store (`ExpertLayout.block`) keeps each expert as fp8 weights + block scales,
+mxfp4 blocks + scales, or int4 nibbles + scales (U8; offload/int4.py). An int4 store in the
+kernel's packing is read into int4 slots (the slot's start, then its scales spread); the others
+are dequantized into dense slots.
 Reads release the GIL, so I/O threads overlap compute.
 
 A `cache.transfers.Link` caps the transfer: every read is booked on one `Wire` (the one the
@@ -41,6 +43,7 @@ import torch
 from tensorbend.atomic import atomic_write
 from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
+from tensorbend.offload import int4
 from tensorbend.offload.blocks import ALIGN, DirectReader, aligned_empty, stride
 from tensorbend.offload.precision import block_meta, block_of_meta, dequantize_expert, stored_nbytes
 
@@ -48,6 +51,8 @@ FORMAT_VERSION = "2"  # 2: experts on 4096-byte boundaries (1 had no padding)
 IOMode = Literal["buffered", "fadvise", "direct"]
 IO_MODES: tuple[str, ...] = get_args(IOMode)
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_FORMAT_KEYS = ("fp8_block", "mxfp4", "int4_group", "int4_packing", "int4_cpu_probe")
+"""Metadata naming a quantized store's format (`precision.block_meta`'s keys)."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +69,14 @@ class StoreConfig:
 @dataclass(frozen=True)
 class ExpertLayout:
     """Parts of one packed expert: (attribute name on the experts module, per-expert shape),
-    the dtype of its cache slot; `block`: stored as fp8 (e4m3) + a float32 scale per block,
-    or "mxfp4" (offload/mxfp4.py), dequantized to `dtype` on the way into the slot."""
+    the dtype its experts are computed in; `block`: stored as fp8 (e4m3) + a float32 scale per
+    block, "mxfp4" (offload/mxfp4.py) or `int4.Int4`, dequantized to `dtype` on the way into
+    the slot, except an int4 store in the kernel's packing, whose slots hold int4
+    (`int4_slots`: the nibbles + scales-and-zeros in `dtype`)."""
 
     parts: tuple[tuple[str, tuple[int, ...]], ...]
     dtype: torch.dtype
-    block: tuple[int, int] | str | None = None
+    block: tuple[int, int] | str | int4.Int4 | None = None
 
     @classmethod
     def of(cls, experts_module: torch.nn.Module) -> ExpertLayout:
@@ -93,17 +100,32 @@ class ExpertLayout:
         return sum(_prod(s) for _, s in self.parts)
 
     @property
+    def int4_slots(self) -> bool:
+        """Slots hold the int4 expert (torch's int4 kernel computes from it)."""
+        return isinstance(self.block, int4.Int4) and self.block.int4_slots
+
+    @property
     def nbytes(self) -> int:
         """Bytes of one expert in its slot."""
+        if self.int4_slots:
+            return self.block.slot_nbytes(self.parts, self.dtype)
         return self.numel * self.dtype.itemsize
+
+    @property
+    def slot_shape(self) -> tuple[int, torch.dtype]:
+        """(elements, dtype) of one slot's buffer: a dense slot's weights, an int4 slot's bytes."""
+        return (self.nbytes, torch.uint8) if self.int4_slots else (self.numel, self.dtype)
 
     @property
     def stored_nbytes(self) -> int:
         """Bytes of one expert in the store (what a load reads)."""
         return stored_nbytes(self.parts, self.block, self.dtype)
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Split a flat expert buffer into its parts (views, no copy)."""
+    def views(self, flat: torch.Tensor) -> dict:
+        """Split a flat expert buffer into its parts (views, no copy); an int4 slot's into
+        (packed nibbles, scales-and-zeros) per part (`int4.slot_views`)."""
+        if self.int4_slots:
+            return int4.slot_views(self, flat)
         out, at = {}, 0
         for name, shape in self.parts:
             n = _prod(shape)
@@ -172,8 +194,16 @@ def write_store(
 class ExpertStore:
     """Read-only handle on a store file; `read_into` is thread-safe (positional reads)."""
 
-    def __init__(self, path: Path, header: dict, data_start: int, cfg: StoreConfig, link: Link):
-        self.path, self.cfg, self.link = Path(path), cfg, link
+    def __init__(
+        self,
+        path: Path,
+        header: dict,
+        data_start: int,
+        cfg: StoreConfig,
+        link: Link,
+        slots: ExpertLayout | None = None,
+    ):
+        self.path, self.cfg, self.link, self.slots = Path(path), cfg, link, slots
         self.meta = header.pop("__metadata__", {})
         self._offsets = {
             k: tuple(v["data_offsets"]) for k, v in header.items() if not k.startswith("pad.")
@@ -202,8 +232,13 @@ class ExpertStore:
 
     @classmethod
     def open(
-        cls, path: Path, cfg: StoreConfig | None = None, link: Link | None = None
+        cls,
+        path: Path,
+        cfg: StoreConfig | None = None,
+        link: Link | None = None,
+        slots: ExpertLayout | None = None,
     ) -> ExpertStore:
+        """slots: the layout of the cache slots `read_into` fills (needed for int4 slots)."""
         path = Path(path)
         try:
             size = path.stat().st_size
@@ -231,7 +266,7 @@ class ExpertStore:
                 f"expert store {path} is truncated: expected {need} bytes, found {size}; "
                 f"delete it and rerun to rebuild it from the model"
             )
-        return cls(path, header, 8 + hlen, cfg or StoreConfig(), link or Link())
+        return cls(path, header, 8 + hlen, cfg or StoreConfig(), link or Link(), slots)
 
     @property
     def expert_nbytes(self) -> int:
@@ -248,12 +283,15 @@ class ExpertStore:
         def parts(p):
             return [[n, list(shape)] for n, shape in p]
 
+        fmt = block_meta(layout.block)
         want = {**identity, "experts": f"{num_layers} x {num_experts}",
-                "layout": parts(layout.parts), "expert bytes": f"{layout.stored_nbytes}"}  # fmt: skip
+                "layout": parts(layout.parts), "expert bytes": f"{layout.stored_nbytes}",
+                "format": fmt}  # fmt: skip
         found = {k: self.meta.get(k) for k in identity}
         found |= {"experts": f"{self.num_layers} x {self.num_experts}",
                   "layout": parts(json.loads(self.meta.get("layout", "[]"))),
-                  "expert bytes": f"{self.expert_nbytes}"}  # fmt: skip
+                  "expert bytes": f"{self.expert_nbytes}",
+                  "format": {k: v for k, v in self.meta.items() if k in _FORMAT_KEYS}}  # fmt: skip
         diff = [k for k in want if want[k] != found[k]]
         if diff:
             self.close()
@@ -274,15 +312,29 @@ class ExpertStore:
         A quantized store's expert is read into a staging buffer and dequantized into
         `out_flat`. pause: called between `blocks.PAUSE_CHUNK`-byte parts of a direct read (a
         prefetch's: it returns once no demand read is in flight, so a prefetch never shares the
-        disk with one for more than a part)."""
+        disk with one for more than a part). Into an int4 slot (`slots.int4_slots`): the stored
+        expert into the slot's start, then its scales spread (`int4.expand_scales`)."""
+        if self.slots is not None and self.slots.int4_slots:
+            got = self._read(m, e, out_flat[: self.expert_nbytes], pause)
+            scratch = getattr(self._local, "scales", None)
+            if scratch is None:
+                scratch = self._local.scales = torch.empty(
+                    self.expert_nbytes // 8, dtype=torch.uint8
+                )
+            int4.expand_scales(self.slots, out_flat, scratch)
+            return got
         if self.layout and out_flat.dtype != torch.uint8:
             raw = getattr(self._local, "raw", None)
             if raw is None:  # (this I/O thread's torch ops on one core, the model's threads
                 torch.set_num_threads(1)  # keep theirs: fp8 decode 106 -> 150 tok/s, 2 cores)
                 raw = self._local.raw = aligned_empty(1, self.expert_nbytes, torch.uint8)[0]
-            got = self.read_into(m, e, raw, pause)
+            got = self._read(m, e, raw, pause)
             dequantize_expert(self.layout, raw, out_flat)
             return got
+        return self._read(m, e, out_flat, pause)
+
+    def _read(self, m: int, e: int, out_flat: torch.Tensor, pause=None) -> int:
+        """Expert e of MoE layer m's stored bytes into `out_flat` (see `read_into`)."""
         start, end = self._offsets[_name(m, e)]
         nbytes = end - start
         assert out_flat.is_contiguous() and out_flat.numel() * out_flat.element_size() == nbytes
