@@ -200,6 +200,55 @@ def quantize_mxfp4_experts(path: Path) -> Path:
     return Path(path)
 
 
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+"""What Kimi-K2-Thinking's compressed-tensors config leaves unquantized: only routed experts are
+int4 (its dense MLPs' projections match the last pattern, its routed experts' do not)."""
+
+
+def quantize_int4_experts(path: Path, ignore=tuple(KIMI_IGNORE), group: int = 32) -> Path:
+    """Checkpoint `path` rewritten in place as Kimi-K2-Thinking's INT4 checkpoints are, by the
+    compressed-tensors library: every `*proj.weight` of a Linear that `ignore` (compressed-
+    tensors' own matching: names, "re:" patterns) does not match becomes `weight_packed` int32
+    [N, K/8] + `weight_scale` bf16 [N, K/group] + `weight_shape` (round to nearest, symmetric:
+    the library's scale and `PackedQuantizationCompressor`), and config.json gains its
+    `quantization_config` (W4A16, pack-quantized, that ignore list)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    from compressed_tensors.utils import is_match
+    from safetensors.torch import load_file, save_file
+
+    scheme = preset_name_to_scheme("W4A16", ["Linear"])
+    scheme.weights.group_size = group
+    for shard in Path(path).glob("*.safetensors"):
+        out = {}
+        for key, w in load_file(shard).items():
+            module = key.removesuffix(".weight")
+            if not (key.endswith("proj.weight") and w.dim() == 2) or not is_match(
+                module, _Linear(), scheme.targets, ignore
+            ):
+                out[key] = w
+                continue
+            scale, zero = compute_dynamic_scales_and_zp(w, scheme.weights, None)
+            sd = {"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero}
+            for name, t in PackedQuantizationCompressor.compress(sd, scheme).items():
+                out[f"{module}.{name}"] = t.contiguous()
+        save_file(out, shard, metadata={"format": "pt"})
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, quant_method="compressed-tensors",
+                            format="pack-quantized", quantization_status="compressed",
+                            ignore=list(ignore))  # fmt: skip
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["quantization_config"] = qc.model_dump(mode="json", exclude_none=True)
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=1))
+    return Path(path)
+
+
+class _Linear(torch.nn.Linear):
+    def __init__(self):  # (what compressed-tensors' is_match sees: a Linear, no weights)
+        torch.nn.Module.__init__(self)
+
+
 def _generate(ckpt: Path, dtype: str, store: Path, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompt",
            "The river", "--max-new-tokens", str(args.tokens), "--dtype", dtype,

@@ -208,3 +208,17 @@ def save_mxfp4_checkpoint(path, seed: int = 0, quantize: bool = True):
     path = Path(save_checkpoint("gpt_oss", path, seed, dtype=torch.bfloat16, hidden_size=64,
                                 intermediate_size=32))  # fmt: skip
     return quantize_mxfp4_experts(path) if quantize else path
+
+
+def save_int4_checkpoint(family: str, path, seed: int = 0, ignore=None, **config_overrides):
+    """`save_checkpoint` in bf16 with expert dims the int4 kernel takes (moe_intermediate 32),
+    its routed experts then written by the compressed-tensors library as Kimi-K2-Thinking's
+    INT4 checkpoints are (`bench.precision_store.quantize_int4_experts`: pack-quantized W4A16,
+    group 32, Kimi's ignore list unless `ignore` is given)."""
+    from pathlib import Path
+
+    from bench.precision_store import KIMI_IGNORE, quantize_int4_experts
+
+    config_overrides.setdefault("moe_intermediate_size", 32)
+    path = Path(save_checkpoint(family, path, seed, dtype=torch.bfloat16, **config_overrides))
+    return quantize_int4_experts(path, KIMI_IGNORE if ignore is None else ignore)

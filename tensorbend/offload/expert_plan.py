@@ -49,7 +49,7 @@ from tensorbend.offload import int4, mxfp4
 from tensorbend.offload.blocks import stride
 from tensorbend.offload.int4 import Int4
 from tensorbend.offload.precision import block_grid
-from tensorbend.offload.shards import Checkpoint, TensorRef
+from tensorbend.offload.shards import ST_DTYPES, Checkpoint, TensorRef
 from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
 
 
@@ -148,8 +148,9 @@ class ExpertPlan:
             int4.read_expert(self, m, e, ct)
         else:
             assert self.ckpt.block is None, "int4 stores quantize unquantized checkpoints only"
-            dense = replace(layout, dtype=torch.float32, block=None)
-            flat = self._buffer("dense", dense.numel, torch.float32)
+            ref = self.refs(m, e, *layout.parts[0])[0][0]  # (quantized in the checkpoint's dtype,
+            dense = replace(layout, dtype=ST_DTYPES[ref.dtype], block=None)  # as the library does)
+            flat = self._buffer("dense", dense.numel, dense.dtype)
             self._dense_into(dense, m, e, flat, staging)
             int4.quantize_expert(fmt, list(dense.views(flat).values()), ct)
         if fmt.packing == "cpu":

@@ -119,7 +119,8 @@ def int4_format(q: dict) -> Int4:
         errors = e.errors() if hasattr(e, "errors") else []
         first = str(e).strip().splitlines()[0]
         if errors:
-            first = f"{'.'.join(map(str, errors[0]['loc'])) or 'config'}: {errors[0]['msg']}"
+            where = ".".join(str(p) for p in errors[0]["loc"] if "[" not in str(p))
+            first = f"{where or 'config'}: {errors[0]['msg']}"
         raise UnsupportedModelError(
             f"compressed-tensors quantization_config: not valid ({first}); expected {SERVED}"
         ) from None

@@ -1,0 +1,202 @@
+"""One checkpoint served from a float32, a bf16 and an int4 store at one memory budget, on the
+real disk: what fewer bytes per weight buy, int4 slots against int4 dequantized into bf16 slots.
+
+Usage:
+    python -m bench.serve_precision --factor 184 --max-memory 320MB --repeats 5 --prompts 4 \\
+        [--predictor D1.safetensors --horizon H.safetensors] [--memory-cap] \\
+        --json docs/results/bench/serve_precision.json --doc docs/results/serve_precision.md
+
+The model is zoo:default with experts widened `--factor` times (`bench.inflate`, as
+bench/serve_memory.py serves); the budget is chosen so the int4 store is still >= 2x the
+cache (the JSON records both). Stores (each built once before the timed runs):
+- `f32 store`: `--dtype float32` (the checkpoint's own; an ablation);
+- `bf16 store`: `--dtype bf16` (what users' checkpoints are);
+- `int4 store, bf16 slots`: `--dtype bf16 --store-dtype int4 --slots dense` (round to nearest,
+  symmetric, a bf16 scale per 32, in compressed-tensors' format; dequantized as it loads);
+- `int4 store, int4 slots`: `--dtype bf16 --store-dtype int4 --slots int4` (the kernel's
+  packing; torch's int4 kernel computes from the slots).
+Caches: lfru with frequency admission (the serving default, the best cache on this disk in
+serve_memory.md) on every store, lru (every miss kept) on bf16 and int4/int4; on int4/int4
+also the peer that predicts, spec_gate (`--baseline spec_gate`, ours' cache and admission), and
+ours (`--predictor`/`--horizon`, when given). Every row is `tensorbend generate --io direct`
+in a fresh process, the rows interleaved and each repeat's order rotated by one; per row the
+median decode tok/s [range], the per-repeat ratio to the bf16 store's best cache
+(`vs_bf16_best`) and to the best peer of the same store (`vs_best_peer`: int4/int4's best row
+that is not ours), MB from disk per decode token, hit rate, slots, stall share, and the
+time to first token of one >= `--prefill-tokens` prompt (a second pass after all decode runs).
+Greedy text is compared within a store's rows (a different precision gives other text).
+Needs the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from bench import memory_cap
+from bench.inflate import inflate
+from bench.pages.serve_precision import markdown
+from bench.serve_memory import _import_rss, _rotated, _run, _test_prompts
+from bench.serve_rows import prefill_prompt
+from tensorbend.atomic import write_generated
+from tensorbend.host_load import CpuMeter
+from tensorbend.memory import parse_bytes
+from tensorbend.zoo import resolve_model
+
+STORES = {
+    "f32 store": ["--dtype", "float32"],
+    "bf16 store": ["--dtype", "bf16"],
+    "int4 store, bf16 slots": ["--dtype", "bf16", "--store-dtype", "int4", "--slots", "dense"],
+    "int4 store, int4 slots": ["--dtype", "bf16", "--store-dtype", "int4", "--slots", "int4"],
+}
+BEST_CACHE = ["--policy", "lfru", "--admission", "frequency"]
+LRU = ["--policy", "lru", "--admission", "all"]
+PREFETCH = ["--policy", "prefetch", "--admission", "predicted"]
+INT4 = "int4 store, int4 slots"
+
+
+def rows(predictor: Path | None, horizon: Path | None) -> dict[str, tuple[str, list[str]]]:
+    """Row name -> (its store, its `generate` flags beside the shared ones)."""
+    out = {f"{s}: lfru/adm=frequency": (s, STORES[s] + BEST_CACHE) for s in STORES}
+    for s in ("bf16 store", INT4):
+        out[f"{s}: lru"] = (s, STORES[s] + LRU)
+    out[f"{INT4}: spec_gate/adm=predicted"] = (INT4, STORES[INT4] + PREFETCH + ["--baseline",
+                                                                               "spec_gate"])  # fmt: skip
+    if predictor or horizon:
+        ours = PREFETCH + (["--horizon", str(horizon)] if horizon else [])
+        ours += ["--predictor", str(predictor)] if predictor else []
+        label = "+".join(x for x, p in (("horizon", horizon), ("d1", predictor)) if p)
+        out[f"{INT4}: ours {label}/adm=predicted"] = (INT4, STORES[INT4] + ours)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--factor", type=int, default=184)
+    ap.add_argument("--max-memory", default="320MB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=4, help="test prompts per run")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
+    ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
+    ap.add_argument("--memory-cap", action="store_true",
+                    help="every run in a memory cgroup of import baseline + budget + 64 MB")  # fmt: skip
+    ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
+    ap.add_argument("--json", type=Path, default=Path("docs/results/bench/serve_precision.json"))
+    ap.add_argument("--doc", type=Path, default=Path("docs/results/serve_precision.md"))
+    args = ap.parse_args(argv)
+    ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}", args.factor)
+    prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
+    long = args.workdir / "prefill.jsonl"
+    prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
+    store = args.workdir / "store"
+    base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--max-memory",
+            args.max_memory, "--quiet", "--io", "direct", "--store-dir", str(store)]  # fmt: skip
+    table = rows(args.predictor, args.horizon)
+    for s in STORES:  # every store built before any timed run
+        _run(base + STORES[s] + ["--prompts", str(prompts), "--max-new-tokens", "1"])
+    cap = None
+    if args.memory_cap:
+        if why := memory_cap.unavailable():
+            raise SystemExit(f"--memory-cap: {why}")
+        cap = _import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
+    decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    first = ["--prompts", str(long), "--max-new-tokens", "1"]
+    names, runs = list(table), {n: [] for n in table}
+    meter = CpuMeter()
+    for r in range(args.repeats):
+        for name in _rotated(names, r):
+            got = _run(base + decode + table[name][1], cap)
+            runs[name].append(got)
+            print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, "
+                  f"{got['bytes_read_per_token'] / 1e6:.1f} MB/token", file=sys.stderr)  # fmt: skip
+    for r in range(args.repeats):
+        for name in _rotated(names, r):
+            runs[name][r]["ttft_s"] = _run(base + first + table[name][1], cap)["prefill_s"]
+    result = _aggregate(runs, table, args, ckpt)
+    result.update(memory_cap_bytes=cap, prefill_prompt=prefill, host_load=meter.stop().to_json())
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    write_generated(args.json, json.dumps(result, indent=1) + "\n")
+    write_generated(args.doc, markdown(json.loads(args.json.read_text())))
+    print(markdown(result))
+    return 0
+
+
+def _aggregate(runs: dict, table: dict, args, ckpt: Path) -> dict:
+    rows_out = []
+    for name, rs in runs.items():
+        tok_s = [r["decode_tok_s"] for r in rs]
+        first = rs[0]
+        rows_out.append({
+            "row": name,
+            "store": table[name][0],
+            "flags": table[name][1],
+            "decode_tok_s": statistics.median(tok_s),
+            "decode_tok_s_range": [min(tok_s), max(tok_s)],
+            "decode_tok_s_repeats": tok_s,
+            "disk_read_bytes_per_token": statistics.median(r["disk_read_bytes_per_token"]
+                                                           for r in rs),  # fmt: skip
+            "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
+            "demand_hit_rate": statistics.median(r["demand_hit_rate"] for r in rs),
+            "stall_share": statistics.median(r["stall_s_per_token"] * r["decode_tok_s"]
+                                             for r in rs),  # fmt: skip
+            "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in rs),
+            "ttft_s_range": [min(r["ttft_s"] for r in rs), max(r["ttft_s"] for r in rs)],
+            "cache_slots": first["cache_slots"],
+            "expert_stored_bytes": first["expert_stored_bytes"],
+            "slot_bytes": first["expert_bytes"],
+            "expert_dtype": first["expert_dtype"],
+            "slot_dtype": first.get("slot_dtype"),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
+            "cap_max_usage_bytes": max((r.get("cap_max_usage_bytes") or 0) for r in rs) or None,
+            "decode_tokens": first["decode_tokens"],
+            "text": first["text"],
+            "same_text_every_repeat": all(r["text"] == first["text"] for r in rs),
+        })  # fmt: skip
+    by = {r["row"]: r for r in rows_out}
+    bf16_best = max((r for r in rows_out if r["store"] == "bf16 store"),
+                    key=lambda r: r["decode_tok_s"])  # fmt: skip
+    peer = max((r for r in rows_out if r["store"] == INT4 and " ours " not in r["row"]),
+               key=lambda r: r["decode_tok_s"])  # fmt: skip
+    for r in rows_out:
+        for key, ref in (("vs_bf16_best", bf16_best), ("vs_best_peer", peer)):
+            ratios = [a / b for a, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"],
+                                            strict=True)]  # fmt: skip
+            r[key], r[f"{key}_range"] = statistics.median(ratios), [min(ratios), max(ratios)]
+        same = [x for x in rows_out if x["store"] == r["store"]][0]
+        r["text_equal_to_store_first_row"] = r["text"] == same["text"]
+    stored = {s: by[f"{s}: lfru/adm=frequency"]["expert_stored_bytes"] for s in STORES}
+    config = json.loads((ckpt / "config.json").read_text())
+    n_experts = (config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)) * config[
+        "n_routed_experts"]  # fmt: skip
+    return {
+        "bench": "serve_precision",
+        "model": f"zoo:default with experts x{args.factor} (bench.inflate)",
+        "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.glob("*.safetensors")),
+        "max_memory_bytes": parse_bytes(args.max_memory),
+        "store_bytes": {s: n_experts * b for s, b in stored.items()},
+        "cache_bytes": {
+            s: by[f"{s}: lfru/adm=frequency"]["cache_slots"]
+            * by[f"{s}: lfru/adm=frequency"]["slot_bytes"]
+            for s in STORES
+        },  # fmt: skip
+        "io": "direct",
+        "decode": "greedy",
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "order": "rotated",
+        "regime": "real disk: real compute, O_DIRECT reads",
+        "bf16_best_cache": bf16_best["row"],
+        "best_peer": peer["row"],
+        "results": rows_out,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
