@@ -46,6 +46,8 @@ from tensorbend.errors import UnsupportedModelError
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu accepts
 PACKINGS = ("ct", "cpu")
+CHUNK = 1 << 20
+"""Weights dequantized at a time on a load into a dense slot (its temporaries: ~8 bytes each)."""
 SERVED = "compressed-tensors pack-quantized int4 (W4A16: symmetric, group-wise, no act-order)"
 
 
@@ -241,7 +243,10 @@ def dequantize_expert(layout, raw: torch.Tensor, out_flat: torch.Tensor) -> None
         at += N * K // 2
         scale = raw[at : at + 2 * N * (K // G)].view(torch.bfloat16).view(N, K // G)
         at += 2 * scale.numel()
-        out[name].copy_(dequantize_weight(packed, scale, G))
+        step = max(1, CHUNK // K)  # (rows at a time: the library's temporaries stay ~10 MB)
+        for r in range(0, N, step):
+            out[name][r : r + step].copy_(dequantize_weight(packed[r : r + step],
+                                                            scale[r : r + step], G))  # fmt: skip
     assert at == raw.numel(), (at, raw.numel())
 
 
