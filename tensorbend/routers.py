@@ -110,14 +110,20 @@ def select_experts(
 
 
 def model_fingerprint(model: torch.nn.Module, spec: RoutingSpec) -> str:
-    """sha256 (16 hex) of the config's routing-relevant fields and the router + embedding weights."""
+    """sha256 (16 hex) of the config's routing-relevant fields and the router + embedding
+    weights, rounded to bf16 first: the same checkpoint served in float32, bf16 or with int4
+    experts has one fingerprint, so a predictor trained on one precision loads on the others."""
     h = hashlib.sha256()
     h.update(json.dumps(spec.to_dict(), sort_keys=True).encode())
     params = router_params(model, spec)
     for k in sorted(params):
         h.update(k.encode())
-        h.update(params[k].numpy().tobytes())
+        h.update(_bf16_bytes(params[k]))
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is not None:
-        h.update(_read(emb, "weight")[:64].numpy().tobytes())
+        h.update(_bf16_bytes(_read(emb, "weight")[:64]))
     return h.hexdigest()[:16]
+
+
+def _bf16_bytes(t: torch.Tensor) -> bytes:
+    return t.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
