@@ -113,9 +113,12 @@ def main(argv=None) -> int:
             runs[name].append(got)
             print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, "
                   f"{got['bytes_read_per_token'] / 1e6:.1f} MB/token", file=sys.stderr)  # fmt: skip
-    for r in range(args.repeats):
+    for r in range(args.repeats):  # (a run the cap kills is recorded, not fatal: its reason)
         for name in _rotated(names, r):
-            runs[name][r]["ttft_s"] = _run(base + first + table[name][1], cap)["prefill_s"]
+            try:
+                runs[name][r]["ttft_s"] = _run(base + first + table[name][1], cap)["prefill_s"]
+            except SystemExit as e:
+                runs[name][r]["ttft_s"], runs[name][r]["ttft_failed"] = None, str(e)[-300:]
     result = _aggregate(runs, table, args, ckpt)
     result.update(memory_cap_bytes=cap, prefill_prompt=prefill, host_load=meter.stop().to_json())
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -144,8 +147,7 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path) -> dict:
             "stall_share": statistics.median(r["stall_s_per_token"] * r["decode_tok_s"]
                                              for r in rs),  # fmt: skip
             "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
-            "ttft_s": statistics.median(r["ttft_s"] for r in rs),
-            "ttft_s_range": [min(r["ttft_s"] for r in rs), max(r["ttft_s"] for r in rs)],
+            **_ttft(rs),
             "cache_slots": first["cache_slots"],
             "expert_stored_bytes": first["expert_stored_bytes"],
             "slot_bytes": first["expert_bytes"],
@@ -194,6 +196,19 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path) -> dict:
         "bf16_best_cache": bf16_best["row"],
         "best_peer": peer["row"],
         "results": rows_out,
+    }
+
+
+def _ttft(rs: list[dict]) -> dict:
+    """The time-to-first-token runs' median [range], or why they failed (e.g. the memory cap
+    killed a long prefill: the budget's reserve did not hold its activations)."""
+    done = [r["ttft_s"] for r in rs if r.get("ttft_s") is not None]
+    failed = [r["ttft_failed"] for r in rs if r.get("ttft_failed")]
+    return {
+        "ttft_s": statistics.median(done) if done else None,
+        "ttft_s_range": [min(done), max(done)] if done else None,
+        "ttft_failed_runs": len(failed),
+        "ttft_failure": failed[0].strip().splitlines()[-1] if failed else None,
     }
 
 

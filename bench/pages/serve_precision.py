@@ -51,8 +51,7 @@ def markdown(res: dict) -> str:
             f"{_ratio(r, 'vs_bf16_best')} | {peer} | {r['disk_read_bytes_per_token'] / mb:.1f} | "
             f"{r['demand_hit_rate']:.2f} | {r['cache_slots']} | {r['slot_bytes'] / mb:.2f} | "
             f"{r['expert_stored_bytes'] / mb:.2f} | {r['stall_share']:.0%} | "
-            f"{r['predict_s_per_token'] * 1e3:.2f} | {r['ttft_s']:.2f} [{r['ttft_s_range'][0]:.2f}, "
-            f"{r['ttft_s_range'][1]:.2f}] | {r['peak_rss_bytes'] / mb:.0f} | "
+            f"{r['predict_s_per_token'] * 1e3:.2f} | {_ttft(r)} | {r['peak_rss_bytes'] / mb:.0f} | "
             f"{_text(r)} |"
         )  # fmt: skip
     lines += [
@@ -61,14 +60,29 @@ def markdown(res: dict) -> str:
         "of a token is compute (the experts' matmuls, attention, the I/O threads' decoding and "
         "the interpreter). Text: `same` when the row's greedy text equals the first row of its "
         "store (every repeat the same); int4 rows give other text than bf16 rows (the weights "
-        "differ), and int4 slots another rounding than int4 dequantized into bf16 slots.",
+        "differ), and int4 slots another rounding than int4 dequantized into bf16 slots. "
+        "TTFT: the time to first token of one "
+        f"{(res.get('prefill_prompt') or {}).get('tokens', '?')}-token prompt, a run of its own "
+        "after every decode run; `killed`: the memory cap killed it (the budget's reserve did "
+        "not hold that prefill's activations).",
     ]
+    killed = [r for r in res["results"] if r.get("ttft_failure")]
+    if killed:
+        lines += ["", f"First failure: {killed[0]['row']}: `{killed[0]['ttft_failure']}`"]
     return "\n".join(lines) + "\n"
 
 
 def _ratio(r: dict, key: str) -> str:
     lo, hi = r[f"{key}_range"]
     return f"{r[key]:.2f}x [{lo:.2f}, {hi:.2f}] ({ratio_verdict(lo, hi)})"
+
+
+def _ttft(r: dict) -> str:
+    if r["ttft_s"] is None:
+        return f"killed ({r['ttft_failed_runs']} of {r['ttft_failed_runs']} runs)"
+    lo, hi = r["ttft_s_range"]
+    failed = f", {r['ttft_failed_runs']} runs killed" if r.get("ttft_failed_runs") else ""
+    return f"{r['ttft_s']:.2f} [{lo:.2f}, {hi:.2f}]{failed}"
 
 
 def _text(r: dict) -> str:
