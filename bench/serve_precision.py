@@ -55,6 +55,10 @@ BEST_CACHE = ["--policy", "lfru", "--admission", "frequency"]
 LRU = ["--policy", "lru", "--admission", "all"]
 PREFETCH = ["--policy", "prefetch", "--admission", "predicted"]
 INT4 = "int4 store, int4 slots"
+LLAMA = "llama.cpp"
+LLAMA_KINDS = ("bf16", "Q8_0", "Q4_0", "Q4_K_M")
+SAME_PRECISION = {"bf16": "bf16 store"}  # llama.cpp kind -> the store whose text it should give
+TAGS = {"bf16 store": "bfloat16", "int4 store, bf16 slots": "int4", INT4: "int4-cpu"}
 
 
 def rows(predictor: Path | None, horizon: Path | None) -> dict[str, tuple[str, list[str]]]:
@@ -74,7 +78,21 @@ def rows(predictor: Path | None, horizon: Path | None) -> dict[str, tuple[str, l
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        default="zoo:default",
+        help="bundled model to inflate (zoo:qwen3moe-tiny: the one llama.cpp loads)",
+    )
     ap.add_argument("--factor", type=int, default=184)
+    ap.add_argument(
+        "--llama-cpp",
+        nargs="*",
+        default=(),
+        choices=LLAMA_KINDS,
+        help="add llama.cpp rows (bench.llama_cpp_serve: a warm process per row, "
+        "the GGUF of the same checkpoint in these precisions; needs `make "
+        "llama-cpp`)",
+    )
     ap.add_argument("--max-memory", default="360MB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=4, help="test prompts per run")
@@ -88,14 +106,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=Path("docs/results/bench/serve_precision.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/results/serve_precision.md"))
     args = ap.parse_args(argv)
-    ckpt = inflate(resolve_model("zoo:default"), args.workdir / f"ckpt-x{args.factor}", args.factor)
+    tag = args.model.removeprefix("zoo:")
+    ckpt = inflate(resolve_model(args.model), args.workdir / (
+        f"ckpt-x{args.factor}" if tag == "default" else f"{tag}-x{args.factor}"), args.factor)  # fmt: skip
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     long = args.workdir / "prefill.jsonl"
     prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
-    store = args.workdir / "store"
+    store = args.workdir / ("store" if tag == "default" else f"store-{tag}")
     base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--max-memory",
             args.max_memory, "--quiet", "--io", "direct", "--store-dir", str(store)]  # fmt: skip
     table = rows(args.predictor, args.horizon)
+    ggufs = _ggufs(ckpt, args.llama_cpp)
+    for kind in ggufs:
+        table[f"llama.cpp {kind} (mmap, warm)"] = (LLAMA, [kind])
     for s in STORES:  # every store built before any timed run
         _run(base + STORES[s] + ["--prompts", str(prompts), "--max-new-tokens", "1"])
     cap = None
@@ -105,21 +128,33 @@ def main(argv=None) -> int:
         cap = _import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
     decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
     first = ["--prompts", str(long), "--max-new-tokens", "1"]
+    ctx = {"prompts": prompts, "prefill_prompt": long, "max_new_tokens": args.max_new_tokens,
+           "memory_cap_bytes": cap}  # fmt: skip
+
+    def one(name: str, ttft: bool) -> dict:
+        store_name, flags = table[name]
+        if store_name == LLAMA:
+            from bench.llama_cpp_serve import warm_row
+
+            got = warm_row(ggufs[flags[0]], ctx, prefill=ttft)
+            return {**got, "prefill_s": got["prefill_s"]}
+        return _run(base + (first if ttft else decode) + flags, cap)
+
     names, runs = list(table), {n: [] for n in table}
     meter = CpuMeter()
     for r in range(args.repeats):
         for name in _rotated(names, r):
-            got = _run(base + decode + table[name][1], cap)
+            got = one(name, ttft=False)
             runs[name].append(got)
             print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, "
                   f"{got['bytes_read_per_token'] / 1e6:.1f} MB/token", file=sys.stderr)  # fmt: skip
     for r in range(args.repeats):  # (a run the cap kills is recorded, not fatal: its reason)
         for name in _rotated(names, r):
             try:
-                runs[name][r]["ttft_s"] = _run(base + first + table[name][1], cap)["prefill_s"]
+                runs[name][r]["ttft_s"] = one(name, ttft=True)["prefill_s"]
             except SystemExit as e:
                 runs[name][r]["ttft_s"], runs[name][r]["ttft_failed"] = None, str(e)[-300:]
-    result = _aggregate(runs, table, args, ckpt)
+    result = _aggregate(runs, table, args, ckpt, store)
     result.update(memory_cap_bytes=cap, prefill_prompt=prefill, host_load=meter.stop().to_json())
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
@@ -128,24 +163,25 @@ def main(argv=None) -> int:
     return 0
 
 
-def _aggregate(runs: dict, table: dict, args, ckpt: Path) -> dict:
+def _aggregate(runs: dict, table: dict, args, ckpt: Path, store: Path) -> dict:
     rows_out = []
     for name, rs in runs.items():
         tok_s = [r["decode_tok_s"] for r in rs]
         first = rs[0]
+        stall = [None if r["stall_s_per_token"] is None else r["stall_s_per_token"] * r[
+            "decode_tok_s"] for r in rs]  # fmt: skip
         rows_out.append({
             "row": name,
             "store": table[name][0],
             "flags": table[name][1],
+            "engine": first.get("engine", "tensorbend"),
             "decode_tok_s": statistics.median(tok_s),
             "decode_tok_s_range": [min(tok_s), max(tok_s)],
             "decode_tok_s_repeats": tok_s,
-            "disk_read_bytes_per_token": statistics.median(r["disk_read_bytes_per_token"]
-                                                           for r in rs),  # fmt: skip
-            "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
-            "demand_hit_rate": statistics.median(r["demand_hit_rate"] for r in rs),
-            "stall_share": statistics.median(r["stall_s_per_token"] * r["decode_tok_s"]
-                                             for r in rs),  # fmt: skip
+            "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),
+            "bytes_read_per_token": _median(rs, "bytes_read_per_token"),
+            "demand_hit_rate": _median(rs, "demand_hit_rate"),
+            "stall_share": None if None in stall else statistics.median(stall),
             "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
             **_ttft(rs),
             "cache_slots": first["cache_slots"],
@@ -155,48 +191,68 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path) -> dict:
             "slot_dtype": first.get("slot_dtype"),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
             "cap_max_usage_bytes": max((r.get("cap_max_usage_bytes") or 0) for r in rs) or None,
+            "oom_kills": sum(r.get("oom_kills", 0) for r in rs),
             "decode_tokens": first["decode_tokens"],
             "text": first["text"],
             "same_text_every_repeat": all(r["text"] == first["text"] for r in rs),
         })  # fmt: skip
-    by = {r["row"]: r for r in rows_out}
     bf16_best = max((r for r in rows_out if r["store"] == "bf16 store"),
                     key=lambda r: r["decode_tok_s"])  # fmt: skip
-    peer = max((r for r in rows_out if r["store"] == INT4 and " ours " not in r["row"]),
-               key=lambda r: r["decode_tok_s"])  # fmt: skip
+    peer = max((r for r in rows_out if " ours " not in r["row"]), key=lambda r: r["decode_tok_s"])
     for r in rows_out:
         for key, ref in (("vs_bf16_best", bf16_best), ("vs_best_peer", peer)):
             ratios = [a / b for a, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"],
                                             strict=True)]  # fmt: skip
             r[key], r[f"{key}_range"] = statistics.median(ratios), [min(ratios), max(ratios)]
-        same = [x for x in rows_out if x["store"] == r["store"]][0]
-        r["text_equal_to_store_first_row"] = r["text"] == same["text"]
-    stored = {s: by[f"{s}: lfru/adm=frequency"]["expert_stored_bytes"] for s in STORES}
-    config = json.loads((ckpt / "config.json").read_text())
-    n_experts = (config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)) * config[
-        "n_routed_experts"]  # fmt: skip
+        same = SAME_PRECISION.get(r["flags"][0]) if r["store"] == LLAMA else r["store"]
+        want = next((x["text"] for x in rows_out if x["store"] == same), None)
+        r["text_equal_to_store_first_row"] = None if want is None else r["text"] == want
+    stores = {s: sum(f.stat().st_size for f in store.glob(f"*/experts-{t}.safetensors"))
+              for s, t in TAGS.items()}  # fmt: skip
+    caches = {s: by["cache_slots"] * by["slot_bytes"] for s in TAGS
+              for by in rows_out if by["row"] == f"{s}: lfru/adm=frequency"}  # fmt: skip
     return {
         "bench": "serve_precision",
-        "model": f"zoo:default with experts x{args.factor} (bench.inflate)",
+        "model": f"{args.model} with experts x{args.factor} (bench.inflate)",
         "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.glob("*.safetensors")),
         "max_memory_bytes": parse_bytes(args.max_memory),
-        "store_bytes": {s: n_experts * b for s, b in stored.items()},
-        "cache_bytes": {
-            s: by[f"{s}: lfru/adm=frequency"]["cache_slots"]
-            * by[f"{s}: lfru/adm=frequency"]["slot_bytes"]
-            for s in STORES
-        },  # fmt: skip
+        "store_bytes": stores,
+        "cache_bytes": caches,
         "io": "direct",
         "decode": "greedy",
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "order": "rotated",
-        "regime": "real disk: real compute, O_DIRECT reads",
+        "regime": "real disk: real compute, O_DIRECT reads (llama.cpp: mmap, its page cache "
+        "inside the same memory cap)",
         "bf16_best_cache": bf16_best["row"],
         "best_peer": peer["row"],
         "results": rows_out,
     }
+
+
+def _median(rs: list[dict], key: str):
+    vals = [r.get(key) for r in rs]
+    return None if None in vals else statistics.median(vals)
+
+
+def _ggufs(ckpt: Path, kinds) -> dict[str, Path]:
+    """The checkpoint as GGUFs of `kinds` (bf16 by the converter, the rest by llama-quantize
+    from the converter's own-precision file)."""
+    if not kinds:
+        return {}
+    from bench import llama_cpp
+    from bench.llama_cpp_serve import install, quantize
+
+    install()
+    own = llama_cpp.convert(ckpt, ckpt.with_name(ckpt.name + "-own.gguf"))
+    out = {}
+    for kind in kinds:
+        path = ckpt.with_name(f"{ckpt.name}-{kind}.gguf")
+        out[kind] = (llama_cpp.convert(ckpt, path, "bf16") if kind == "bf16"
+                     else quantize(own, path, kind))  # fmt: skip
+    return out
 
 
 def _ttft(rs: list[dict]) -> dict:
