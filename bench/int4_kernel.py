@@ -62,8 +62,11 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 for name in us:
                     us[name].append(_forward_us(experts, x, name, args.calls))
-                print(f"{size} T={T} repeat {rep}: bf16 {us['bf16'][-1]:.0f} us, int4 "
-                      f"{us['int4'][-1]:.0f} us", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{size} T={T} repeat {rep}: bf16 {us['bf16'][-1]:.0f} us, int4 "
+                    f"{us['int4'][-1]:.0f} us",
+                    file=sys.stderr,
+                )
             forward.append({"D": D, "I": inter, "tokens": T, **_summary(us, "bf16", "int4")})
         load.append(_load_row(D, inter, parts, experts[0], args))
     res = {
@@ -99,8 +102,13 @@ def _expert(parts, seed: int) -> dict:
     slot = torch.empty(cpu.nbytes, dtype=torch.uint8)
     slot[: stored.numel()].copy_(stored)
     int4.expand_scales(cpu, slot)
-    return {"bf16": dense.views(flat), "int4": cpu.views(slot), "ct": ct, "stored": stored,
-            "layouts": (dense, cpu)}  # fmt: skip
+    return {
+        "bf16": dense.views(flat),
+        "int4": cpu.views(slot),
+        "ct": ct,
+        "stored": stored,
+        "layouts": (dense, cpu),
+    }
 
 
 def _forward_us(experts: list[dict], x: torch.Tensor, kind: str, calls: int) -> float:

@@ -49,8 +49,10 @@ def main(argv=None) -> int:
     meter, rows = CpuMeter(), []
     for name in args.models:
         rows.append(_model_row(name, prompts, args))
-        print(f"zoo:{name}: " + ", ".join(f"{w} {rows[-1]['perplexity'][w]:.3f}" for w in WAYS),
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"zoo:{name}: " + ", ".join(f"{w} {rows[-1]['perplexity'][w]:.3f}" for w in WAYS),
+            file=sys.stderr,
+        )
     res = {
         "bench": "int4_quality",
         "command": command("int4_quality", argv),
@@ -85,18 +87,26 @@ def _model_row(name: str, prompts, args) -> dict:
             else:
                 dense = way == "int4 dense f32"
                 model = tensorbend.load_offloaded(
-                    path, store_dir=store, store_dtype="int4", cache_frac=1.0, progress=False,
-                    slots="dense" if dense else "int4", dtype="float32" if dense else "bf16",
-                )  # fmt: skip
+                    path,
+                    store_dir=store,
+                    store_dtype="int4",
+                    cache_frac=1.0,
+                    progress=False,
+                    slots="dense" if dense else "int4",
+                    dtype="float32" if dense else "bf16",
+                )
                 handle = model.tensorbend
             out[way], argmax[way] = _perplexity(model, ids)
             if handle is not None:
                 handle.close()
     agree = {
-        w: round(sum(int((a == b).sum()) for a, b in zip(argmax[w], argmax["float32"], strict=True))
-                 / sum(a.numel() for a in argmax[w]), 4)
+        w: round(
+            sum(int((a == b).sum()) for a, b in zip(argmax[w], argmax["float32"], strict=True))
+            / sum(a.numel() for a in argmax[w]),
+            4,
+        )
         for w in WAYS
-    }  # fmt: skip
+    }
     return {
         "model": f"zoo:{name}",
         "tokens": sum(i.shape[1] - 1 for i in ids),

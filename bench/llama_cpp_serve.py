@@ -49,12 +49,18 @@ def install() -> None:
         llama_cpp.build(root)
     env = {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF", "PATH": _path()}
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", str(sdist)], env=env,
-                       capture_output=True, text=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", str(sdist)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if p.returncode != 0:
         raise TensorbendError(f"pip install {sdist} failed:\n{p.stderr[-3000:]}")
-    print(f"llama-cpp-python {llama_cpp.VERSION} installed in {time.perf_counter() - t0:.0f} s",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"llama-cpp-python {llama_cpp.VERSION} installed in {time.perf_counter() - t0:.0f} s",
+        file=sys.stderr,
+    )
 
 
 def quantize(src: Path, out: Path, kind: str) -> Path:
@@ -65,8 +71,11 @@ def quantize(src: Path, out: Path, kind: str) -> Path:
     tools = llama_cpp.find() or llama_cpp.build()
     exe = tools.source / "build" / "bin" / "llama-quantize"
     if not exe.is_file():
-        subprocess.run(["ninja", "-C", str(tools.source / "build"), "llama-quantize"], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["ninja", "-C", str(tools.source / "build"), "llama-quantize"],
+            check=True,
+            capture_output=True,
+        )
     tmp = out.with_suffix(".part")
     p = subprocess.run([str(exe), str(src), str(tmp), kind], capture_output=True, text=True)
     if p.returncode != 0:
@@ -80,8 +89,15 @@ def serve(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int = 2)
     from llama_cpp import Llama
 
     t0, io0 = time.perf_counter(), _read_bytes()
-    llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                use_mmap=True, verbose=False, seed=0)  # fmt: skip
+    llm = Llama(
+        model_path=str(gguf),
+        n_ctx=2048,
+        n_threads=threads,
+        n_threads_batch=threads,
+        use_mmap=True,
+        verbose=False,
+        seed=0,
+    )
     load = {"load_s": time.perf_counter() - t0, "load_disk_bytes": _read_bytes() - io0}
     out = []
     for text in prompts:
@@ -95,11 +111,17 @@ def serve(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int = 2)
             toks.append(next(gen))
         t2, io2 = time.perf_counter(), _read_bytes()
         gen.close()
-        out.append({
-            "prompt_tokens": len(ids), "ttft_s": t1 - t0, "prefill_disk_bytes": io1 - io0,
-            "decode_steps": len(toks) - 1, "decode_s": t2 - t1, "decode_disk_bytes": io2 - io1,
-            "text": llm.detokenize(toks).decode(errors="replace"),
-        })  # fmt: skip
+        out.append(
+            {
+                "prompt_tokens": len(ids),
+                "ttft_s": t1 - t0,
+                "prefill_disk_bytes": io1 - io0,
+                "decode_steps": len(toks) - 1,
+                "decode_s": t2 - t1,
+                "decode_disk_bytes": io2 - io1,
+                "text": llm.detokenize(toks).decode(errors="replace"),
+            }
+        )
     return {**load, "prompts": out}
 
 
@@ -111,8 +133,19 @@ def warm_row(gguf: Path, ctx: dict, prefill: bool, threads: int = 2) -> dict:
     texts = [json.loads(x)["text"] for x in Path(ctx[key]).read_text().splitlines() if x]
     n = 1 if prefill else ctx["max_new_tokens"]
     llama_cpp._evict(gguf)
-    cmd = [sys.executable, "-m", "bench.llama_cpp_serve", "serve", str(gguf), "--threads",
-           str(threads), "--max-new-tokens", str(n), "--texts", json.dumps(texts)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.llama_cpp_serve",
+        "serve",
+        str(gguf),
+        "--threads",
+        str(threads),
+        "--max-new-tokens",
+        str(n),
+        "--texts",
+        json.dumps(texts),
+    ]
     cap = ctx.get("memory_cap_bytes")
     if cap is None:
         p, peak, kills = subprocess.run(cmd, capture_output=True, text=True), None, 0
@@ -186,8 +219,11 @@ def main(argv=None) -> int:
     elif args.cmd == "quantize":
         print(quantize(args.src, args.out, args.kind))
     else:
-        texts = json.loads(args.texts) if args.texts else [
-            json.loads(x)["text"] for x in args.prompts.read_text().splitlines() if x]  # fmt: skip
+        texts = (
+            json.loads(args.texts)
+            if args.texts
+            else [json.loads(x)["text"] for x in args.prompts.read_text().splitlines() if x]
+        )
         res = serve(args.gguf, texts, args.max_new_tokens, args.threads)
         import resource
 

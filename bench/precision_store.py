@@ -200,8 +200,12 @@ def quantize_mxfp4_experts(path: Path) -> Path:
     return Path(path)
 
 
-KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+KIMI_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+]
 """What Kimi-K2-Thinking's compressed-tensors config leaves unquantized: only routed experts are
 int4 (its dense MLPs' projections match the last pattern, its routed experts' do not)."""
 
@@ -235,9 +239,13 @@ def quantize_int4_experts(path: Path, ignore=tuple(KIMI_IGNORE), group: int = 32
             for name, t in PackedQuantizationCompressor.compress(sd, scheme).items():
                 out[f"{module}.{name}"] = t.contiguous()
         save_file(out, shard, metadata={"format": "pt"})
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, quant_method="compressed-tensors",
-                            format="pack-quantized", quantization_status="compressed",
-                            ignore=list(ignore))  # fmt: skip
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=list(ignore),
+    )
     config = json.loads((Path(path) / "config.json").read_text())
     config["quantization_config"] = qc.model_dump(mode="json", exclude_none=True)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=1))

@@ -66,8 +66,10 @@ def rows(predictor: Path | None, horizon: Path | None) -> dict[str, tuple[str, l
     out = {f"{s}: lfru/adm=frequency": (s, STORES[s] + BEST_CACHE) for s in STORES}
     for s in ("bf16 store", INT4):
         out[f"{s}: lru"] = (s, STORES[s] + LRU)
-    out[f"{INT4}: spec_gate/adm=predicted"] = (INT4, STORES[INT4] + PREFETCH + ["--baseline",
-                                                                               "spec_gate"])  # fmt: skip
+    out[f"{INT4}: spec_gate/adm=predicted"] = (
+        INT4,
+        STORES[INT4] + PREFETCH + ["--baseline", "spec_gate"],
+    )
     if predictor or horizon:
         ours = PREFETCH + (["--horizon", str(horizon)] if horizon else [])
         ours += ["--predictor", str(predictor)] if predictor else []
@@ -100,21 +102,40 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--predictor", type=Path, help="zoo:default within-token checkpoint")
     ap.add_argument("--horizon", type=Path, help="zoo:default horizon checkpoint")
-    ap.add_argument("--memory-cap", action="store_true",
-                    help="every run in a memory cgroup of import baseline + budget + 64 MB")  # fmt: skip
+    ap.add_argument(
+        "--memory-cap",
+        action="store_true",
+        help="every run in a memory cgroup of import baseline + budget + 64 MB",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench/serve"))
     ap.add_argument("--json", type=Path, default=Path("docs/results/bench/serve_precision.json"))
     ap.add_argument("--doc", type=Path, default=Path("docs/results/serve_precision.md"))
     args = ap.parse_args(argv)
     tag = args.model.removeprefix("zoo:")
-    ckpt = inflate(resolve_model(args.model), args.workdir / (
-        f"ckpt-x{args.factor}" if tag == "default" else f"{tag}-x{args.factor}"), args.factor)  # fmt: skip
+    ckpt = inflate(
+        resolve_model(args.model),
+        args.workdir / (f"ckpt-x{args.factor}" if tag == "default" else f"{tag}-x{args.factor}"),
+        args.factor,
+    )
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     long = args.workdir / "prefill.jsonl"
     prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
     store = args.workdir / ("store" if tag == "default" else f"store-{tag}")
-    base = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--max-memory",
-            args.max_memory, "--quiet", "--io", "direct", "--store-dir", str(store)]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "tensorbend",
+        "generate",
+        "--model",
+        str(ckpt),
+        "--max-memory",
+        args.max_memory,
+        "--quiet",
+        "--io",
+        "direct",
+        "--store-dir",
+        str(store),
+    ]
     table = rows(args.predictor, args.horizon)
     ggufs = _ggufs(ckpt, args.llama_cpp)
     for kind in ggufs:
@@ -128,8 +149,12 @@ def main(argv=None) -> int:
         cap = _import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
     decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
     first = ["--prompts", str(long), "--max-new-tokens", "1"]
-    ctx = {"prompts": prompts, "prefill_prompt": long, "max_new_tokens": args.max_new_tokens,
-           "memory_cap_bytes": cap}  # fmt: skip
+    ctx = {
+        "prompts": prompts,
+        "prefill_prompt": long,
+        "max_new_tokens": args.max_new_tokens,
+        "memory_cap_bytes": cap,
+    }
 
     def one(name: str, ttft: bool) -> dict:
         store_name, flags = table[name]
@@ -146,8 +171,11 @@ def main(argv=None) -> int:
         for name in _rotated(names, r):
             got = one(name, ttft=False)
             runs[name].append(got)
-            print(f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, "
-                  f"{got['bytes_read_per_token'] / 1e6:.1f} MB/token", file=sys.stderr)  # fmt: skip
+            print(
+                f"repeat {r}: {name}: {got['decode_tok_s']:.2f} tok/s, "
+                f"{got['bytes_read_per_token'] / 1e6:.1f} MB/token",
+                file=sys.stderr,
+            )
     for r in range(args.repeats):  # (a run the cap kills is recorded, not fatal: its reason)
         for name in _rotated(names, r):
             try:
@@ -168,49 +196,62 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path, store: Path) -> dict:
     for name, rs in runs.items():
         tok_s = [r["decode_tok_s"] for r in rs]
         first = rs[0]
-        stall = [None if r["stall_s_per_token"] is None else r["stall_s_per_token"] * r[
-            "decode_tok_s"] for r in rs]  # fmt: skip
-        rows_out.append({
-            "row": name,
-            "store": table[name][0],
-            "flags": table[name][1],
-            "engine": first.get("engine", "tensorbend"),
-            "decode_tok_s": statistics.median(tok_s),
-            "decode_tok_s_range": [min(tok_s), max(tok_s)],
-            "decode_tok_s_repeats": tok_s,
-            "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),
-            "bytes_read_per_token": _median(rs, "bytes_read_per_token"),
-            "demand_hit_rate": _median(rs, "demand_hit_rate"),
-            "stall_share": None if None in stall else statistics.median(stall),
-            "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
-            **_ttft(rs),
-            "cache_slots": first["cache_slots"],
-            "expert_stored_bytes": first["expert_stored_bytes"],
-            "slot_bytes": first["expert_bytes"],
-            "expert_dtype": first["expert_dtype"],
-            "slot_dtype": first.get("slot_dtype"),
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
-            "cap_max_usage_bytes": max((r.get("cap_max_usage_bytes") or 0) for r in rs) or None,
-            "oom_kills": sum(r.get("oom_kills", 0) for r in rs),
-            "decode_tokens": first["decode_tokens"],
-            "text": first["text"],
-            "same_text_every_repeat": all(r["text"] == first["text"] for r in rs),
-        })  # fmt: skip
-    bf16_best = max((r for r in rows_out if r["store"] == "bf16 store"),
-                    key=lambda r: r["decode_tok_s"])  # fmt: skip
+        stall = [
+            None if r["stall_s_per_token"] is None else r["stall_s_per_token"] * r["decode_tok_s"]
+            for r in rs
+        ]
+        rows_out.append(
+            {
+                "row": name,
+                "store": table[name][0],
+                "flags": table[name][1],
+                "engine": first.get("engine", "tensorbend"),
+                "decode_tok_s": statistics.median(tok_s),
+                "decode_tok_s_range": [min(tok_s), max(tok_s)],
+                "decode_tok_s_repeats": tok_s,
+                "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),
+                "bytes_read_per_token": _median(rs, "bytes_read_per_token"),
+                "demand_hit_rate": _median(rs, "demand_hit_rate"),
+                "stall_share": None if None in stall else statistics.median(stall),
+                "predict_s_per_token": statistics.median(r["predict_s_per_token"] or 0 for r in rs),
+                **_ttft(rs),
+                "cache_slots": first["cache_slots"],
+                "expert_stored_bytes": first["expert_stored_bytes"],
+                "slot_bytes": first["expert_bytes"],
+                "expert_dtype": first["expert_dtype"],
+                "slot_dtype": first.get("slot_dtype"),
+                "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
+                "cap_max_usage_bytes": max((r.get("cap_max_usage_bytes") or 0) for r in rs) or None,
+                "oom_kills": sum(r.get("oom_kills", 0) for r in rs),
+                "decode_tokens": first["decode_tokens"],
+                "text": first["text"],
+                "same_text_every_repeat": all(r["text"] == first["text"] for r in rs),
+            }
+        )
+    bf16_best = max(
+        (r for r in rows_out if r["store"] == "bf16 store"), key=lambda r: r["decode_tok_s"]
+    )
     peer = max((r for r in rows_out if " ours " not in r["row"]), key=lambda r: r["decode_tok_s"])
     for r in rows_out:
         for key, ref in (("vs_bf16_best", bf16_best), ("vs_best_peer", peer)):
-            ratios = [a / b for a, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"],
-                                            strict=True)]  # fmt: skip
+            ratios = [
+                a / b
+                for a, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"], strict=True)
+            ]
             r[key], r[f"{key}_range"] = statistics.median(ratios), [min(ratios), max(ratios)]
         same = SAME_PRECISION.get(r["flags"][0]) if r["store"] == LLAMA else r["store"]
         want = next((x["text"] for x in rows_out if x["store"] == same), None)
         r["text_equal_to_store_first_row"] = None if want is None else r["text"] == want
-    stores = {s: sum(f.stat().st_size for f in store.glob(f"*/experts-{t}.safetensors"))
-              for s, t in TAGS.items()}  # fmt: skip
-    caches = {s: by["cache_slots"] * by["slot_bytes"] for s in TAGS
-              for by in rows_out if by["row"] == f"{s}: lfru/adm=frequency"}  # fmt: skip
+    stores = {
+        s: sum(f.stat().st_size for f in store.glob(f"*/experts-{t}.safetensors"))
+        for s, t in TAGS.items()
+    }
+    caches = {
+        s: by["cache_slots"] * by["slot_bytes"]
+        for s in TAGS
+        for by in rows_out
+        if by["row"] == f"{s}: lfru/adm=frequency"
+    }
     return {
         "bench": "serve_precision",
         "model": f"{args.model} with experts x{args.factor} (bench.inflate)",
@@ -250,8 +291,9 @@ def _ggufs(ckpt: Path, kinds) -> dict[str, Path]:
     out = {}
     for kind in kinds:
         path = ckpt.with_name(f"{ckpt.name}-{kind}.gguf")
-        out[kind] = (llama_cpp.convert(ckpt, path, "bf16") if kind == "bf16"
-                     else quantize(own, path, kind))  # fmt: skip
+        out[kind] = (
+            llama_cpp.convert(ckpt, path, "bf16") if kind == "bf16" else quantize(own, path, kind)
+        )
     return out
 
 

@@ -238,7 +238,8 @@ def test_a_serving_page_says_when_ours_met_no_peer_that_predicts(name):
     """A real-disk serving page warns that ours met only caches exactly when its JSON has rows
     of ours and none of spec_gate or the seed's MLP (serve_memory_narrow predates them)."""
     res = json.loads((DOCS / "bench" / f"{name}.json").read_text())
-    names = [r["policy"] for r in res["results"]]
+    # (serve_precision's rows are named "STORE: POLICY")
+    names = [r.get("policy") or r["row"].split(": ", 1)[-1] for r in res["results"]]
     has_ours = any(n.startswith("ours") for n in names)
     has_peer = any(n.startswith(("spec_gate", "seed_mlp")) for n in names)
     md = (DOCS / f"{name}.md").read_text()

@@ -22,9 +22,11 @@ def _transformers_int4(ckpt):
     """transformers' own model of an int4 checkpoint: dequantized by compressed-tensors while
     loading, eager experts (the reference users would compare with)."""
     return AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.bfloat16, experts_implementation="eager",
+        ckpt,
+        dtype=torch.bfloat16,
+        experts_implementation="eager",
         quantization_config=CompressedTensorsConfig(dequantize=True),
-    ).eval()  # fmt: skip
+    ).eval()
 
 
 def _greedy(model, n=12):
@@ -42,8 +44,9 @@ def test_int4_checkpoint_in_dense_slots_equals_transformers_dequantized_model(fa
     ckpt = save_int4_checkpoint(family, tmp_path / "ckpt")
     ref = _transformers_int4(ckpt)
     spec = describe_model(ref)
-    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.25,
-                                      slots="dense", progress=False)  # fmt: skip
+    model = tensorbend.load_offloaded(
+        ckpt, store_dir=tmp_path / "s", cache_frac=0.25, slots="dense", progress=False
+    )
     h = model.tensorbend
     D, I = 32, 32  # noqa: E741
     dense = 3 * D * I * 2  # a bf16 expert's bytes
@@ -107,8 +110,9 @@ def test_int4_kernel_on_the_stores_packing_computes_the_dequantized_weights(tmp_
     checkpoint within 1% of the output's largest value (the kernel rounds like bf16: measured
     ~0.1%), where the same slot with its rows' nibbles out of place is off by over 10%."""
     ckpt = save_int4_checkpoint("qwen3_moe", tmp_path / "ckpt")
-    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", dtype="float32",
-                                      progress=False)  # fmt: skip
+    model = tensorbend.load_offloaded(
+        ckpt, store_dir=tmp_path / "s", dtype="float32", progress=False
+    )
     h = model.tensorbend
     ref = _transformers_int4(ckpt)
     spec = describe_model(ref)
@@ -139,8 +143,9 @@ def test_kimi_k2_model_type_serves_as_deepseek_v3(tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.X"})
     (ckpt / "config.json").write_text(json.dumps(config))
-    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.25,
-                                      slots="dense", progress=False)  # fmt: skip
+    model = tensorbend.load_offloaded(
+        ckpt, store_dir=tmp_path / "s", cache_frac=0.25, slots="dense", progress=False
+    )
     assert torch.equal(_greedy(model), want)
     model.tensorbend.close()
 
@@ -149,16 +154,18 @@ def test_quantized_attention_and_dense_mlps_are_dequantized_as_transformers_does
     """A checkpoint whose attention and dense MLP projections are int4 too (ignore: lm_head and
     the routers only): those weights are dequantized while the model loads, and the output
     equals transformers' dequantized model's."""
-    ckpt = save_int4_checkpoint("qwen3_moe", tmp_path / "ckpt", intermediate_size=64,
-                                ignore=["lm_head", "re:.*mlp\\.gate$"])  # fmt: skip
+    ckpt = save_int4_checkpoint(
+        "qwen3_moe", tmp_path / "ckpt", intermediate_size=64, ignore=["lm_head", "re:.*mlp\\.gate$"]
+    )
     from safetensors import safe_open
 
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         assert "model.layers.1.mlp.gate_proj.weight_packed" in f.keys()
         assert "model.layers.0.self_attn.q_proj.weight_packed" in f.keys()
     ref = _transformers_int4(ckpt)
-    model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", cache_frac=0.25,
-                                      slots="dense", progress=False)  # fmt: skip
+    model = tensorbend.load_offloaded(
+        ckpt, store_dir=tmp_path / "s", cache_frac=0.25, slots="dense", progress=False
+    )
     assert torch.equal(_greedy(model), _greedy(ref))
     model.tensorbend.close()
 
@@ -174,19 +181,28 @@ def test_store_dtype_int4_of_a_float_checkpoint_is_what_compressed_tensors_write
     ct = save_int4_checkpoint("qwen3_moe", tmp_path / "ct")  # (the same seed and config)
     stores = {}
     for name, ckpt, kw in (("ours", plain, {"store_dtype": "int4"}), ("ct", ct, {})):
-        model = tensorbend.load_offloaded(ckpt, store_dir=tmp_path / name, slots="dense",
-                                          dtype="bf16", cache_frac=0.25, progress=False, **kw)  # fmt: skip
+        model = tensorbend.load_offloaded(
+            ckpt,
+            store_dir=tmp_path / name,
+            slots="dense",
+            dtype="bf16",
+            cache_frac=0.25,
+            progress=False,
+            **kw,
+        )
         h = model.tensorbend
-        stores[name] = [h.store.read_into(m, e, raw := torch.empty(1728, dtype=torch.uint8))
-                        and raw.clone() for m in range(3) for e in range(8)]  # fmt: skip
+        stores[name] = [
+            h.store.read_into(m, e, raw := torch.empty(1728, dtype=torch.uint8)) and raw.clone()
+            for m in range(3)
+            for e in range(8)
+        ]
         if name == "ours":
             text = _greedy(model)
         h.close()
     if dtype == torch.bfloat16:  # (from float32 the scales are computed from float32 weights)
         assert all(torch.equal(a, b) for a, b in zip(stores["ours"], stores["ct"], strict=True))
         assert torch.equal(text, _greedy(_transformers_int4(ct)))
-    bf16 = tensorbend.load_offloaded(plain, store_dir=tmp_path / "b", dtype="bf16",
-                                     progress=False)  # fmt: skip
+    bf16 = tensorbend.load_offloaded(plain, store_dir=tmp_path / "b", dtype="bf16", progress=False)
     assert bf16.tensorbend.store.expert_nbytes == 6144 and 6144 / 1728 > 3.5
     bf16.tensorbend.close()
 
@@ -209,27 +225,59 @@ def test_int4_store_rebuilt_when_the_kernels_packing_changes(tmp_path, monkeypat
 
 @pytest.mark.parametrize(
     "weights, found",
-    [({"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
-      "asymmetric int4 group 32"),
-     ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
-       "actorder": "weight"}, "symmetric int4 group 32, act-order weight"),
-     ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
-      "symmetric float8 channel"),
-     ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16},
-      "symmetric int4 group 16")],
-)  # fmt: skip
+    [
+        (
+            {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": False,
+                "strategy": "group",
+                "group_size": 32,
+            },
+            "asymmetric int4 group 32",
+        ),
+        (
+            {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "actorder": "weight",
+            },
+            "symmetric int4 group 32, act-order weight",
+        ),
+        (
+            {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+            "symmetric float8 channel",
+        ),
+        (
+            {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 16,
+            },
+            "symmetric int4 group 16",
+        ),
+    ],
+)
 def test_other_compressed_tensors_schemes_refused_in_one_line(weights, found, tmp_path, capsys):
     from tensorbend.cli import main
 
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-    }  # fmt: skip
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
-    msg = (f"compressed-tensors config group group_0: {found} is not supported yet; expected "
-           f"{int4.SERVED}, group size 32, 64, 128 or 256")  # fmt: skip
+    msg = (
+        f"compressed-tensors config group group_0: {found} is not supported yet; expected "
+        f"{int4.SERVED}, group size 32, 64, 128 or 256"
+    )
     with pytest.raises(tensorbend.TensorbendError) as e:
         tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False)
     assert str(e.value) == msg
@@ -244,16 +292,28 @@ def test_int4_options_that_do_not_apply_are_refused_in_one_line(tmp_path):
     fp8 = save_fp8_checkpoint("qwen3_moe", tmp_path / "fp8", block=16)
     plain = save_checkpoint("qwen3_moe", tmp_path / "plain")
     cases = [
-        (fp8, {"store_dtype": "int4"}, "--store-dtype int4: expected an unquantized checkpoint, "
-         "found experts stored in float8_e4m3fn (16x16 blocks), which are served in their own "
-         "format; drop --store-dtype"),
-        (plain, {"slots": "int4"}, "--slots int4: expected an int4 store (a compressed-tensors "
-         "int4 checkpoint, or --store-dtype int4), found none; add --store-dtype int4 or drop "
-         "--slots"),
-        (plain, {"store_dtype": "int4"}, "int4 experts: part down_proj of shape [32, 16]: "
-         "expected a 2-D weight [N, K] with K a multiple of the group size 32 and N a multiple "
-         "of 16 (the int4 kernel's); serve it with --slots dense or without --store-dtype int4"),
-    ]  # fmt: skip
+        (
+            fp8,
+            {"store_dtype": "int4"},
+            "--store-dtype int4: expected an unquantized checkpoint, "
+            "found experts stored in float8_e4m3fn (16x16 blocks), which are served in their own "
+            "format; drop --store-dtype",
+        ),
+        (
+            plain,
+            {"slots": "int4"},
+            "--slots int4: expected an int4 store (a compressed-tensors "
+            "int4 checkpoint, or --store-dtype int4), found none; add --store-dtype int4 or drop "
+            "--slots",
+        ),
+        (
+            plain,
+            {"store_dtype": "int4"},
+            "int4 experts: part down_proj of shape [32, 16]: "
+            "expected a 2-D weight [N, K] with K a multiple of the group size 32 and N a multiple "
+            "of 16 (the int4 kernel's); serve it with --slots dense or without --store-dtype int4",
+        ),
+    ]
     for ckpt, kw, msg in cases:
         with pytest.raises(tensorbend.TensorbendError) as e:
             tensorbend.load_offloaded(ckpt, store_dir=tmp_path / "s", progress=False, **kw)
@@ -267,12 +327,32 @@ def test_generate_cli_states_int4_store_and_slots(tmp_path, capsys):
     from tensorbend.cli import main
 
     ckpt = save_int4_checkpoint("qwen3_moe", tmp_path / "ckpt")
-    assert main(["generate", "--model", str(ckpt), "--prompt", "river stone", "--max-new-tokens",
-                 "8", "--store-dir", str(tmp_path / "s"), "--cache-frac", "0.25", "--quiet",
-                 "--json", str(tmp_path / "s.json")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(ckpt),
+                "--prompt",
+                "river stone",
+                "--max-new-tokens",
+                "8",
+                "--store-dir",
+                str(tmp_path / "s"),
+                "--cache-frac",
+                "0.25",
+                "--quiet",
+                "--json",
+                str(tmp_path / "s.json"),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
-    assert ("experts stored in int4 (compressed-tensors pack-quantized, a bf16 scale per 32), "
-            "computed in bfloat16 from int4 slots (torch's int4 kernel)") in err  # fmt: skip
+    assert (
+        "experts stored in int4 (compressed-tensors pack-quantized, a bf16 scale per 32), "
+        "computed in bfloat16 from int4 slots (torch's int4 kernel)"
+    ) in err
     s = json.loads((tmp_path / "s.json").read_text())
     assert (s["slot_dtype"], s["expert_stored_bytes"], s["expert_bytes"]) == ("int4", 1728, 1920)
     read = s["bytes_read_per_token"] * s["decode_tokens"]

@@ -54,7 +54,7 @@ def markdown(res: dict) -> str:
             f"{_f(r['expert_stored_bytes'], mb, 2)} | {_pct(r['stall_share'])} | "
             f"{r['predict_s_per_token'] * 1e3:.2f} | {_ttft(r)} | {r['peak_rss_bytes'] / mb:.0f} | "
             f"{_text(r)} |"
-        )  # fmt: skip
+        )
     lines += [
         "",
         "Stall share: of decode's seconds, the compute thread waiting for expert loads; the rest "

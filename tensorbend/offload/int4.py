@@ -245,8 +245,9 @@ def dequantize_expert(layout, raw: torch.Tensor, out_flat: torch.Tensor) -> None
         at += 2 * scale.numel()
         step = max(1, CHUNK // K)  # (rows at a time: the library's temporaries stay ~10 MB)
         for r in range(0, N, step):
-            out[name][r : r + step].copy_(dequantize_weight(packed[r : r + step],
-                                                            scale[r : r + step], G))  # fmt: skip
+            out[name][r : r + step].copy_(
+                dequantize_weight(packed[r : r + step], scale[r : r + step], G)
+            )
     assert at == raw.numel(), (at, raw.numel())
 
 

@@ -74,8 +74,10 @@ class Checkpoint:
             packed = {k.removesuffix("_packed") for k in refs if k.endswith(".weight_packed")}
             self.scales = {k: refs[k + "_scale"] for k in packed if k + "_scale" in refs}
             drop = {k + s for k in packed for s in ("_packed", "_scale", "_shape")}
-            refs = {**{k: r for k, r in refs.items() if k not in drop},
-                    **{k: refs[k + "_packed"] for k in packed}}  # fmt: skip
+            refs = {
+                **{k: r for k, r in refs.items() if k not in drop},
+                **{k: refs[k + "_packed"] for k in packed},
+            }
         elif block == MXFP4:  # `{proj}_blocks` indexed as `{proj}`, their `{proj}_scales` apart
             self.scales = {k.removesuffix("_scales"): r for k, r in refs.items()
                            if k.endswith("_scales") and k[:-7] + "_blocks" in refs}  # fmt: skip
