@@ -226,6 +226,9 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path, store: Path) -> dict:
                 "decode_tokens": first["decode_tokens"],
                 "text": first["text"],
                 "same_text_every_repeat": all(r["text"] == first["text"] for r in rs),
+                "host_other_cores_repeats": [
+                    (r.get("host_load") or {}).get("other_cores") for r in rs
+                ],
             }
         )
     bf16_best = max(

@@ -26,6 +26,7 @@ from transformers import TextStreamer
 
 from tensorbend.errors import TensorbendError
 from tensorbend.hf import DecodeConfig
+from tensorbend.host_load import BUSY_CORES, CpuMeter
 from tensorbend.prompts import load_prompts
 from tensorbend.serving import ServeConfig, load_offloaded
 
@@ -102,12 +103,21 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     model = load_offloaded(cfg.model, cfg.serve)
     handle = model.tensorbend
     try:
+        meter = CpuMeter()  # (the generation only: what others took from its cores)
         _continue(model, tok, inputs, cfg, out)
+        load = meter.stop()
         summary = summarize(handle.counters(), cfg.serve)
         summary["memory_plan"] = handle.memory_plan
+        summary["host_load"] = load.to_json()
     finally:
         handle.close()
     err.write(format_summary(summary) + "\n")
+    if load.busy:
+        err.write(
+            f"[tensorbend] warning: other processes used {load.other_cores:.2f} of "
+            f"{load.cpus} cores while this generated (above {BUSY_CORES} disturbs timing): "
+            f"its tok/s is not this machine's alone\n"
+        )
     return summary
 
 

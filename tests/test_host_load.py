@@ -73,3 +73,50 @@ def test_host_warning_flags_a_busy_resident_reference():
 
 def test_rows_without_host_load_give_no_warning():
     assert host_warning([{"policy": "lru", "pool": "global", "admission": "all"}]) is None
+
+
+@linux
+def test_generate_json_records_its_host_load_and_warns_when_others_took_the_cores(tmp_path, capsys):
+    """`generate --json` has the host load over its generation, and the summary warns exactly
+    when others' cores pass the busy bar: beside two spinning processes (a planted load) they
+    do; run first without them, it warns only if the machine was busy anyway."""
+    import json
+
+    from tiny_models import save_checkpoint
+
+    from tensorbend.cli import main
+
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    argv = [
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "river stone",
+        "--max-new-tokens",
+        "60",
+        "--store-dir",
+        str(tmp_path / "s"),
+        "--cache-frac",
+        "0.5",
+        "--quiet",
+    ]
+    loads = []
+    for busy in (False, True):
+        children = [
+            subprocess.Popen([sys.executable, "-c", _BURN.format(s=60.0)])
+            for _ in range(2 if busy else 0)
+        ]
+        try:
+            time.sleep(0.3 if busy else 0)
+            assert main([*argv, "--json", str(tmp_path / f"{busy}.json")]) == 0
+        finally:
+            for c in children:
+                c.kill()
+                c.wait()
+        err = capsys.readouterr().err
+        load = json.loads((tmp_path / f"{busy}.json").read_text())["host_load"]
+        loads.append(load)
+        assert load["wall_s"] > 0 and load["cpus"] >= 1
+        assert ("warning: other processes used" in err) == (load["other_cores"] > BUSY_CORES)
+    assert loads[1]["other_cores"] > BUSY_CORES  # (two spinners: about two cores)
