@@ -84,9 +84,23 @@ def quantize(src: Path, out: Path, kind: str) -> Path:
     return out
 
 
-def serve(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int = 2) -> dict:
-    """Every prompt in one process (see top): per prompt its timings, bytes and text."""
+def serve(
+    gguf: Path, prompts: list[str], max_new_tokens: int, threads: int = 2, repack: bool = True
+) -> dict:
+    """Every prompt in one process (see top): per prompt its timings, bytes and text. repack:
+    llama.cpp's weight repacking (its default; `--no-repack` of its binaries), set through
+    `llama_model_params.use_extra_bufts`, which the binding does not expose."""
+    import llama_cpp.llama_cpp as api
     from llama_cpp import Llama
+
+    defaults = api.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = repack
+        return p
+
+    api.llama_model_default_params = params
 
     t0, io0 = time.perf_counter(), _read_bytes()
     llm = Llama(
@@ -125,7 +139,32 @@ def serve(gguf: Path, prompts: list[str], max_new_tokens: int, threads: int = 2)
     return {**load, "prompts": out}
 
 
-def warm_row(gguf: Path, ctx: dict, prefill: bool, threads: int = 2) -> dict:
+def import_rss() -> int:
+    """The peak RSS of a process that imports what `serve` runs on (the binding, this module):
+    llama.cpp's own baseline, as `serving.IMPORT_BASELINE` is tensorbend's."""
+    code = (
+        "import bench.llama_cpp_serve, llama_cpp.llama_cpp\n"
+        "print([int(x.split()[1]) * 1024 for x in open('/proc/self/status')"
+        " if x.startswith('VmHWM')][0])"
+    )
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
+
+
+def repack_runs(gguf: Path, threads: int = 2) -> bool:
+    """Whether llama.cpp runs `gguf` with its weight repacking on this machine: a 2-token
+    probe. (On this project's VM it does not for Q4_0 and Q4_K_M: the repacked kernels die on
+    SIGSEGV / SIGILL, although the CPU advertises the AMX and AVX-512 they use.)"""
+    texts = json.dumps(["And God said"])
+    cmd = [sys.executable, "-m", "bench.llama_cpp_serve", "serve", str(gguf), "--threads"]
+    cmd += [str(threads), "--max-new-tokens", "2", "--texts", texts]
+    return subprocess.run(cmd, capture_output=True, text=True).returncode == 0
+
+
+def warm_row(gguf: Path, ctx: dict, prefill: bool, threads: int = 2, repack: bool = True) -> dict:
     """One run of a serving bench's llama.cpp row (bench.serve_rows.EXTERNAL's contract): a warm
     process for the row's decode prompts (or its one long prefill prompt, 1 new token), the
     GGUF's pages dropped first, in the bench's memory cap."""
@@ -146,6 +185,7 @@ def warm_row(gguf: Path, ctx: dict, prefill: bool, threads: int = 2) -> dict:
         "--texts",
         json.dumps(texts),
     ]
+    cmd += [] if repack else ["--no-repack"]
     cap = ctx.get("memory_cap_bytes")
     if cap is None:
         p, peak, kills = subprocess.run(cmd, capture_output=True, text=True), None, 0
@@ -174,12 +214,13 @@ def warm_row(gguf: Path, ctx: dict, prefill: bool, threads: int = 2) -> dict:
         "prefill_s": sum(x["ttft_s"] for x in ps),
         "prefill_tokens": sum(x["prompt_tokens"] for x in ps),
         "load_s": res["load_s"],
-        "text": "".join(x["text"] + "\n" for x in ps),
+        "text": "".join(t + x["text"] + "\n" for t, x in zip(texts, ps, strict=True)),
         "expert_stored_bytes": None,
         "expert_bytes": None,
         "expert_dtype": gguf.stem.rsplit("-", 1)[-1],
         "slot_dtype": None,
         "threads": threads,
+        "repack": repack,
     }
 
 
@@ -213,6 +254,7 @@ def main(argv=None) -> int:
     s.add_argument("--texts", default=None, help="a JSON list of prompt texts instead")
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack")
     args = ap.parse_args(argv)
     if args.cmd == "install":
         install()
@@ -224,7 +266,7 @@ def main(argv=None) -> int:
             if args.texts
             else [json.loads(x)["text"] for x in args.prompts.read_text().splitlines() if x]
         )
-        res = serve(args.gguf, texts, args.max_new_tokens, args.threads)
+        res = serve(args.gguf, texts, args.max_new_tokens, args.threads, not args.no_repack)
         import resource
 
         res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -138,8 +138,10 @@ def main(argv=None) -> int:
     ]
     table = rows(args.predictor, args.horizon)
     ggufs = _ggufs(ckpt, args.llama_cpp)
-    for kind in ggufs:
-        table[f"llama.cpp {kind} (mmap, warm)"] = (LLAMA, [kind])
+    for kind, (_, repack) in ggufs.items():  # (each at the same cap, and at its own baseline
+        for cap_kind in ("same cap", "own baseline + budget"):  # + the budget: see the page)
+            flag = "" if repack else ", --no-repack"
+            table[f"llama.cpp {kind} (mmap, warm{flag}; {cap_kind})"] = (LLAMA, [kind, cap_kind])
     for s in STORES:  # every store built before any timed run
         _run(base + STORES[s] + ["--prompts", str(prompts), "--max-new-tokens", "1"])
     cap = None
@@ -147,6 +149,11 @@ def main(argv=None) -> int:
         if why := memory_cap.unavailable():
             raise SystemExit(f"--memory-cap: {why}")
         cap = _import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
+    own_cap = None
+    if cap is not None and ggufs:
+        from bench.llama_cpp_serve import import_rss
+
+        own_cap = import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
     decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
     first = ["--prompts", str(long), "--max-new-tokens", "1"]
     ctx = {
@@ -161,7 +168,14 @@ def main(argv=None) -> int:
         if store_name == LLAMA:
             from bench.llama_cpp_serve import warm_row
 
-            got = warm_row(ggufs[flags[0]], ctx, prefill=ttft)
+            path, repack = ggufs[flags[0]]
+            own = flags[1] != "same cap"
+            got = warm_row(
+                path,
+                {**ctx, "memory_cap_bytes": own_cap if own else cap},
+                prefill=ttft,
+                repack=repack,
+            )
             return {**got, "prefill_s": got["prefill_s"]}
         return _run(base + (first if ttft else decode) + flags, cap)
 
@@ -183,7 +197,12 @@ def main(argv=None) -> int:
             except SystemExit as e:
                 runs[name][r]["ttft_s"], runs[name][r]["ttft_failed"] = None, str(e)[-300:]
     result = _aggregate(runs, table, args, ckpt, store)
-    result.update(memory_cap_bytes=cap, prefill_prompt=prefill, host_load=meter.stop().to_json())
+    result.update(
+        memory_cap_bytes=cap,
+        llama_cpp_own_cap_bytes=own_cap,
+        prefill_prompt=prefill,
+        host_load=meter.stop().to_json(),
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_generated(args.json, json.dumps(result, indent=1) + "\n")
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
@@ -281,22 +300,24 @@ def _median(rs: list[dict], key: str):
     return None if None in vals else statistics.median(vals)
 
 
-def _ggufs(ckpt: Path, kinds) -> dict[str, Path]:
+def _ggufs(ckpt: Path, kinds) -> dict[str, tuple[Path, bool]]:
     """The checkpoint as GGUFs of `kinds` (bf16 by the converter, the rest by llama-quantize
-    from the converter's own-precision file)."""
+    from the converter's own-precision file), each with whether llama.cpp's weight repacking
+    (its default) runs it here (`llama_cpp_serve.repack_runs`; else the row runs without)."""
     if not kinds:
         return {}
     from bench import llama_cpp
-    from bench.llama_cpp_serve import install, quantize
+    from bench.llama_cpp_serve import install, quantize, repack_runs
 
     install()
     own = llama_cpp.convert(ckpt, ckpt.with_name(ckpt.name + "-own.gguf"))
     out = {}
     for kind in kinds:
         path = ckpt.with_name(f"{ckpt.name}-{kind}.gguf")
-        out[kind] = (
+        path = (
             llama_cpp.convert(ckpt, path, "bf16") if kind == "bf16" else quantize(own, path, kind)
         )
+        out[kind] = (path, repack_runs(path))
     return out
 
 

@@ -70,6 +70,25 @@ def markdown(res: dict) -> str:
         "after every decode run; `killed`: the memory cap killed it (the budget's reserve did "
         "not hold that prefill's activations).",
     ]
+    if any(r.get("engine") == "llama.cpp" for r in res["results"]):
+        lines += [
+            "",
+            "llama.cpp rows (`bench.llama_cpp_serve`): a GGUF of the same checkpoint, served "
+            "as a Python user serves it, llama-cpp-python (the same vendored llama.cpp): one "
+            "warm process per row and repeat for every prompt, the GGUF memory-mapped (its pages "
+            "dropped once before the row), 2 threads, greedy. Each in two memory cgroups: "
+            f"`same cap`, tensorbend's rows' ({_mb(res.get('memory_cap_bytes'))} MB: tensorbend's "
+            "import baseline + budget + 64 MB), as on a machine with that much RAM, where "
+            "llama.cpp's process, which imports no torch, gives what tensorbend's imports take "
+            "to its page cache; and `own baseline + budget`, "
+            f"{_mb(res.get('llama_cpp_own_cap_bytes'))} MB (llama.cpp's own import baseline + "
+            "the same budget + 64 MB): the same memory for the model beside each engine's "
+            "runtime, what carries over to a real model, beside which a 400 MB runtime is noise. "
+            "MB from disk per token: the storage reads during decode only (/proc/self/io), as "
+            "for tensorbend. `--no-repack`: llama.cpp's weight "
+            "repacking (its default) crashed on this machine for that GGUF (a probe run died), so "
+            "the row runs without it.",
+        ]
     killed = [r for r in res["results"] if r.get("ttft_failure")]
     if killed:
         lines += ["", f"First failure: {killed[0]['row']}: `{killed[0]['ttft_failure']}`"]
@@ -98,6 +117,10 @@ def _text(r: dict) -> str:
 
 def _f(x, scale: float, digits: int) -> str:
     return "-" if x is None else f"{x / scale:.{digits}f}"
+
+
+def _mb(x) -> str:
+    return "?" if x is None else f"{x / 1e6:.0f}"
 
 
 def _max(xs) -> str:
