@@ -62,3 +62,38 @@ def test_gguf_greedy_text_equals_transformers(tmp_path, name):
         got = llama_cpp.run(gguf, prompt, 24, threads=1, tools=tools)
         assert got["prompt_tokens"] == ids.shape[1]
         assert got["text"] == want
+
+
+def _binding() -> bool:
+    try:
+        import llama_cpp as _  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@needs_build
+@pytest.mark.skipif(
+    not _binding(), reason="no llama-cpp-python (python -m bench.llama_cpp_serve install)"
+)
+def test_warm_serve_continues_every_prompt_with_transformers_greedy_text(tmp_path):
+    """The warm row's process (bench.llama_cpp_serve.serve): two prompts in one process, each
+    continued with transformers' greedy text (f32 GGUF of zoo:qwen3moe-tiny), prefill and
+    decode timed apart, decode steps = new tokens - 1."""
+    from bench.llama_cpp_serve import serve
+    from tensorbend.hf import load_model
+
+    ckpt = resolve_model("zoo:qwen3moe-tiny")
+    gguf = llama_cpp.convert(ckpt, tmp_path / "q.gguf", tools=tools)
+    model, tok = load_model(str(ckpt))
+    prompts = ["And God said", "The history of the city begins"]
+    res = serve(gguf, prompts, 12, threads=1)
+    for prompt, got in zip(prompts, res["prompts"], strict=True):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(
+                ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id
+            )
+        assert got["text"] == tok.decode(out[0, ids.shape[1] :])
+        assert got["prompt_tokens"] == ids.shape[1] and got["decode_steps"] == 11
+        assert got["ttft_s"] > 0 and got["decode_s"] > 0

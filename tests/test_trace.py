@@ -124,7 +124,8 @@ def test_split_filter_and_deterministic_split(ckpt, tmp_path):
         assert {tr.prompts[i]["id"] for i in idx} == {
             p["id"] for p in tr.prompts if p["split"] == split
         }
-    assert split_of("p0001") == split_of("p0001")
+    # pinned: a prompt's split never moves (a trace collected before must keep its test set)
+    assert [split_of(i) for i in ("p0001", "p0002", "p0010")] == ["train", "test", "val"]
     counts = {s: sum(split_of(f"x{i}") == s for i in range(2000)) for s in ("train", "val", "test")}
     assert (
         1300 < counts["train"] < 1500 and 130 < counts["val"] < 270 and 330 < counts["test"] < 470

@@ -38,7 +38,8 @@ PAGES = (
     *[("bench.pages.serve_memory", f"bench/{n}.json", f"{n}.md")
       for n in ("serve_memory", "serve_memory_narrow", "serve_accelerate", "serve_llama_cpp",
                 "serve_staging")],
-    ("bench.pages.serve_precision", "bench/serve_precision.json", "serve_precision.md"),
+    *[("bench.pages.serve_precision", f"bench/{n}.json", f"{n}.md")
+      for n in ("serve_precision", "serve_precision_qwen")],
     ("bench.sim_validation", "simulate_validation.json", "simulate_validation.md"),
 )  # fmt: skip
 
