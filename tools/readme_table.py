@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.pages.offload import peer_summary
+from bench.pages.offload import format_peer_ratio, peer_summary
 from bench.pages.projections import sim_regime
 from tensorbend.atomic import write_generated
 from tensorbend.cache.report import compare, format_ratio, ratio_verdict, run_label
@@ -160,14 +160,13 @@ def _emulated(rep: dict) -> str:
     mine = ours(runs, "horizon + within-token")
     o = c["runs"][run_label(mine)]
     peer = peer_summary(runs, 0.25)
-    vs = peer["ours"][run_label(mine)]
-    charged = "" if vs["charged"] is None else f", {vs['charged']:.2f}x charged"
+    vs = format_peer_ratio(peer["ours"][run_label(mine)])
     return (
         f"| emulated link | {rep['model']}, 25% cache, {link['link']['name']} link x{link['speedup']:g}, "
         f"{rep['repeats']} repeats (headline_default.md); {regime_line(runs)} | not run | "
         f"{c['best_no_prediction_cache']}: {c['best_no_prediction_decode_tok_s']:.1f} tok/s | "
         f"{run_label(mine)}: {mine['decode_tok_s']:.1f} tok/s, {format_ratio(o)}; over the best "
-        f"peer ({peer['best_peer']}): {vs['as_run']:.2f}x as run{charged} |"
+        f"peer ({peer['best_peer']}): {vs} |"
     )
 
 

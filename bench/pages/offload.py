@@ -10,7 +10,14 @@ Usage:
 from __future__ import annotations
 
 from tensorbend.cache.config import POLICIES
-from tensorbend.cache.report import best_peer, compare, format_ratio, run_label
+from tensorbend.cache.report import (
+    best_peer,
+    compare,
+    format_ratio,
+    ratio_verdict,
+    repeat_ratios,
+    run_label,
+)
 from tensorbend.cache.report import is_ours as ours
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
 from tensorbend.offload.time_model import charged_tok_s, regime_line
@@ -131,25 +138,41 @@ def peer_summary(runs: list[dict], frac: float) -> dict | None:
            "best_peer_charged_tok_s": best_charged, "ours": {}}  # fmt: skip
     for r in mine:
         c = charged_tok_s(r)
+        per = repeat_ratios(r, best)  # (sorted; None for a run without repeats)
         out["ours"][run_label(r)] = {
-            "as_run": r["decode_tok_s"] / best["decode_tok_s"],
+            "as_run": per[len(per) // 2] if per else r["decode_tok_s"] / best["decode_tok_s"],
+            "as_run_range": [per[0], per[-1]] if per else None,
             "charged": c / best_charged if c and best_charged else None,
         }
     return out
+
+
+def format_peer_ratio(v: dict) -> str:
+    """Ours over the best peer as a page says it: as run, the median [range] of the per-repeat
+    ratios and its verdict (a ratio of medians for a run without repeats); charged, of medians.
+
+    >>> format_peer_ratio({"as_run": 1.08, "as_run_range": [1.06, 1.12], "charged": 1.03})
+    '1.08x [1.06, 1.12] as run (faster), 1.03x charged (medians)'
+    >>> format_peer_ratio({"as_run": 1.04, "as_run_range": [0.93, 1.14], "charged": None})
+    '1.04x [0.93, 1.14] as run (a tie)'
+    """
+    lo_hi = v.get("as_run_range")
+    text = f"{v['as_run']:.2f}x"
+    if lo_hi:
+        text += f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}] as run ({ratio_verdict(*lo_hi)})"
+    else:
+        text += " as run"
+    return text + ("" if v["charged"] is None else f", {v['charged']:.2f}x charged (medians)")
 
 
 def _against_peers(runs: list[dict], frac: float) -> list[str]:
     summ = peer_summary(runs, frac)
     if summ is None:
         return []
-    cells = ", ".join(
-        f"{k} {v['as_run']:.2f}x as run"
-        + ("" if v["charged"] is None else f", {v['charged']:.2f}x charged")
-        for k, v in summ["ours"].items()
-    )
-    lines = ["", f"Best peer (fastest row that is neither ours nor an oracle): "
-             f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (medians): "
-             f"{cells}."]  # fmt: skip
+    cells = "; ".join(f"{k} {format_peer_ratio(v)}" for k, v in summ["ours"].items())
+    lines = ["", f"Best peer (fastest row that is neither ours nor an oracle, by median): "
+             f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (the median "
+             f"[range] of per-repeat ratios; charged: of medians): {cells}."]  # fmt: skip
     if not any(_predicting_peer(r) for r in runs):
         lines.append("**No peer that predicts is in this run** (spec_gate and the seed's MLP "
                      "as prefetchers): ours is compared only with caches that predict nothing.")  # fmt: skip
