@@ -51,10 +51,12 @@ test: setup
 	$(PY) -m pytest
 
 # The GPU regime on a machine with one CUDA GPU (< 8 minutes; skips with a message without one):
-# CUDA tests, then zoo:default served with --device cuda at 25% cache (best cache, spec_gate,
-# ours), JSON under $$OUT or runs/gpu-check (bench/gpu_check.py).
-gpu-check: setup
-	$(PY) -m bench.gpu_check
+# CUDA tests, then zoo:default x32 run with --device cuda at 25% cache (best cache, spec_gate,
+# ours; 3 repeats), JSON under $$OUT or runs/gpu-check (bench/gpu_check.py). No setup step: the
+# machine's own python with torch and transformers (a GPU box often has no network), .venv's if
+# it exists. `python -m bench.gpu_check --dry-run` runs the same steps on the CPU.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m bench.gpu_check
 
 lint: setup
 	$(PY) -m ruff check tensorbend tests bench tools

@@ -112,12 +112,6 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     finally:
         handle.close()
     err.write(format_summary(summary) + "\n")
-    if load.busy:
-        err.write(
-            f"[tensorbend] warning: other processes used {load.other_cores:.2f} of "
-            f"{load.cpus} cores while this generated (above {BUSY_CORES} disturbs timing): "
-            f"its tok/s is not this machine's alone\n"
-        )
     return summary
 
 
@@ -192,7 +186,19 @@ def format_summary(s: dict) -> str:
         f"{s['expert_bytes'] / 1e6:.2f} MB | experts stored in {s['expert_dtype']}, computed "
         f"in {s['compute_dtype']}{_int4_slots(s)} | "
         f"peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB{dev} | "
-        f"policy {s['policy']}, admission {s['admission']}{_plan_line(s.get('memory_plan'))}"
+        f"policy {s['policy']}, admission {s['admission']}{_busy(s.get('host_load'))}"
+        f"{_plan_line(s.get('memory_plan'))}"
+    )
+
+
+def _busy(load: dict | None) -> str:
+    """A warning on the summary line when other processes took the cores while it generated."""
+    other = (load or {}).get("other_cores")
+    if other is None or other <= BUSY_CORES:
+        return ""
+    return (
+        f" | warning: other processes used {other:.2f} of {load['cpus']} cores meanwhile "
+        f"(above {BUSY_CORES} disturbs timing): this tok/s is not the machine's alone"
     )
 
 

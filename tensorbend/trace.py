@@ -279,7 +279,7 @@ def _shard_previous(sh: dict, keep: torch.Tensor, first_ids, parts: dict):
     T = ids_TLK.shape[0]
     prev_T = _prev_rows(torch.arange(T), sh["prompt_index_T"][keep], sh["positions_T"][keep])
     has_T, idx_T = prev_T >= 0, prev_T.clamp(min=0)
-    filler = first_ids if first_ids is not None else torch.zeros_like(ids_TLK[:1])[0]
+    filler = first_ids if first_ids is not None else ids_TLK.new_zeros(ids_TLK.shape[1:])
     parts["prev_expert_ids_TLK"].append(torch.where(has_T[:, None, None], ids_TLK[idx_T], filler))
     parts["prev_phase_T"].append(torch.where(has_T, sh["phase_T"][keep].long()[idx_T], -1))
     return first_ids

@@ -119,4 +119,6 @@ def test_generate_json_records_its_host_load_and_warns_when_others_took_the_core
         loads.append(load)
         assert load["wall_s"] > 0 and load["cpus"] >= 1
         assert ("warning: other processes used" in err) == (load["other_cores"] > BUSY_CORES)
+        lines = [x for x in err.splitlines() if x.startswith("[tensorbend]")]
+        assert len(lines) == 1  # (the warning is on the summary line, not one more)
     assert loads[1]["other_cores"] > BUSY_CORES  # (two spinners: about two cores)
