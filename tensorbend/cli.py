@@ -105,9 +105,11 @@ def _cmd_trace_export(args) -> int:
     trace, out = Trace.open(Path(args.trace_dir)), Path(args.out)
     write_csv(out, trace_rows(trace))  # (atomic: a kill leaves no half-written CSV)
     info = trace.info()
-    print(f"{out}: {info['prompts']} prompts, {sum(info['tokens'].values())} tokens x "
-          f"{info['num_moe_layers']} MoE layers (routing only; `tensorbend trace import "
-          f"--source csv {out}` reads it back)")  # fmt: skip
+    print(
+        f"{out}: {info['prompts']} prompts, {sum(info['tokens'].values())} tokens x "
+        f"{info['num_moe_layers']} MoE layers (routing only; `tensorbend trace import "
+        f"--source csv {out}` reads it back)"
+    )
     return 0
 
 
@@ -283,15 +285,28 @@ def _build_parser() -> argparse.ArgumentParser:
     ti.add_argument(
         "--json", action="store_true", help="print JSON (keys in docs/guide/formats.md)"
     )
-    tr = _verb(tsub, "resplit", _cmd_trace_resplit,
-               "split a trace's prompts by topic (held-out domains)", quiet=False)  # fmt: skip
+    tr = _verb(
+        tsub,
+        "resplit",
+        _cmd_trace_resplit,
+        "split a trace's prompts by topic (held-out domains)",
+        quiet=False,
+    )
     tr.add_argument("trace_dir", help="trace directory (from `collect`); not modified")
-    tr.add_argument("--test-topics", required=True,
-                    help="comma-separated topics: all their prompts become the test split; "
-                    "the other topics keep train/val, their test prompts are left unused")  # fmt: skip
+    tr.add_argument(
+        "--test-topics",
+        required=True,
+        help="comma-separated topics: all their prompts become the test split; "
+        "the other topics keep train/val, their test prompts are left unused",
+    )
     tr.add_argument("--out", required=True, help="new trace directory (shards hard-linked)")
-    te = _verb(tsub, "export", _cmd_trace_export,
-               "write a trace's routing as the canonical CSV (docs/guide/import.md)", quiet=False)  # fmt: skip
+    te = _verb(
+        tsub,
+        "export",
+        _cmd_trace_export,
+        "write a trace's routing as the canonical CSV (docs/guide/import.md)",
+        quiet=False,
+    )
     te.add_argument("trace_dir", help="trace directory; not modified")
     te.add_argument("--out", required=True, help="CSV file to write (routing only)")
     tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")
@@ -340,15 +355,28 @@ def _store_parser(sub) -> None:
         dest="store_verb", metavar="SUBVERB", parser_class=_Parser
     )
     root = "root of the stores (default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores)"
-    sl = _verb(ssub, "list", _cmd_store_list,
-               "each store's checkpoint, dtype, size and build time; interrupted builds", quiet=False)  # fmt: skip
+    sl = _verb(
+        ssub,
+        "list",
+        _cmd_store_list,
+        "each store's checkpoint, dtype, size and build time; interrupted builds",
+        quiet=False,
+    )
     sl.add_argument("--store-dir", help=root)
     sl.add_argument("--json", action="store_true", help="print JSON")
-    sr = _verb(ssub, "rm", _cmd_store_rm, "remove a checkpoint's stores, or interrupted builds",
-               quiet=False)  # fmt: skip
+    sr = _verb(
+        ssub,
+        "rm",
+        _cmd_store_rm,
+        "remove a checkpoint's stores, or interrupted builds",
+        quiet=False,
+    )
     sr.add_argument("target", nargs="?", help="the checkpoint's path, or its store folder")
-    sr.add_argument("--partial", action="store_true",
-                    help="remove every interrupted build instead (none being built now)")  # fmt: skip
+    sr.add_argument(
+        "--partial",
+        action="store_true",
+        help="remove every interrupted build instead (none being built now)",
+    )
     sr.add_argument("--store-dir", help=root)
 
 
@@ -362,13 +390,22 @@ def _zoo_parser(sub) -> None:
     zl.add_argument("--json", action="store_true")
     zp = _verb(zsub, "path", _cmd_zoo_path, "directory of a bundled model", quiet=False)
     zp.add_argument("name")
-    zk = _verb(zsub, "card", _cmd_zoo_card, "routing realism of traces beside a real MoE's",
-               quiet=False)  # fmt: skip
-    zk.add_argument("traces", nargs="+", metavar="TRACE_DIR",
-                    help="traces with held-out decode rows (`tensorbend collect --decode "
-                    "teacher`); a routing-only import works too (no token statistics)")  # fmt: skip
-    zk.add_argument("--cache-frac", type=float, default=0.25,
-                    help="cache size for the foresight statistics (default: 0.25)")  # fmt: skip
+    zk = _verb(
+        zsub, "card", _cmd_zoo_card, "routing realism of traces beside a real MoE's", quiet=False
+    )
+    zk.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE_DIR",
+        help="traces with held-out decode rows (`tensorbend collect --decode "
+        "teacher`); a routing-only import works too (no token statistics)",
+    )
+    zk.add_argument(
+        "--cache-frac",
+        type=float,
+        default=0.25,
+        help="cache size for the foresight statistics (default: 0.25)",
+    )
     zk.add_argument("--json", help="write the statistics as JSON")
     zc = _verb(zsub, "corpus", _cmd_zoo_corpus, "extract the offline training corpus", quiet=False)
     zc.add_argument("--out", required=True, help="corpus directory to write")

@@ -154,14 +154,30 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
             raise TensorbendError("--engine vllm runs in one process: run it without torchrun")
         engine = VllmEngine(cfg.model, cfg.model_dtype, cfg.decode)
         out = Path(cfg.out)
-        return _collect_loaded(cfg, ctx, prompts, (0, len(prompts)), out, engine.model,
-                               engine.tokenizer, progress, t0, engine)  # fmt: skip
+        return _collect_loaded(
+            cfg,
+            ctx,
+            prompts,
+            (0, len(prompts)),
+            out,
+            engine.model,
+            engine.tokenizer,
+            progress,
+            t0,
+            engine,
+        )
     lo, hi = ctx.share(len(prompts))
     out = Path(cfg.out) if ctx.world_size == 1 else Path(cfg.out) / f"rank-{ctx.rank:03d}"
     offload = cfg.offload_dir or out / ".offload"
     try:
-        model, tok = load_model(cfg.model, cfg.model_dtype, cfg.device, progress, cfg.max_memory,
-                                offload if cfg.max_memory else None)  # fmt: skip
+        model, tok = load_model(
+            cfg.model,
+            cfg.model_dtype,
+            cfg.device,
+            progress,
+            cfg.max_memory,
+            offload if cfg.max_memory else None,
+        )
         return _collect_loaded(cfg, ctx, prompts, (lo, hi), out, model, tok, progress, t0)
     finally:
         if cfg.max_memory and cfg.offload_dir is None:
@@ -253,9 +269,13 @@ def _run_prompt(model, tok, cap: RoutingCapture, prompt, index: int, dc: DecodeC
         return out
 
     run = decode_prompt(
-        model, encode_prompt(tok, prompt, dc), dc, index=index, eos_id=tok.eos_token_id,
+        model,
+        encode_prompt(tok, prompt, dc),
+        dc,
+        index=index,
+        eos_id=tok.eos_token_id,
         forward=forward,
-    )  # fmt: skip
+    )
     return prompt_rows(prompt, chunks, run.prompt_ids, run.fed_ids)
 
 

@@ -70,12 +70,28 @@ class DemoConfig:
     def size(self) -> dict:
         """Prompts, tokens and run sizes of the two presets."""
         if self.quick:
-            return {"prompts": 48, "tokens": 8, "seed_mlp_rows": None, "run_prompts": 2,
-                    "run_tokens": 8, "run_repeats": 1, "run_budget_s": 120, "epochs": 3,
-                    "sim_prompts": 3}  # fmt: skip
-        return {"prompts": 168, "tokens": 24, "seed_mlp_rows": 4000, "run_prompts": 4,
-                "run_tokens": 32, "run_repeats": 3, "run_budget_s": 150, "epochs": None,
-                "sim_prompts": 8}  # fmt: skip
+            return {
+                "prompts": 48,
+                "tokens": 8,
+                "seed_mlp_rows": None,
+                "run_prompts": 2,
+                "run_tokens": 8,
+                "run_repeats": 1,
+                "run_budget_s": 120,
+                "epochs": 3,
+                "sim_prompts": 3,
+            }
+        return {
+            "prompts": 168,
+            "tokens": 24,
+            "seed_mlp_rows": 4000,
+            "run_prompts": 4,
+            "run_tokens": 32,
+            "run_repeats": 3,
+            "run_budget_s": 150,
+            "epochs": None,
+            "sim_prompts": 8,
+        }
 
 
 def demo(cfg: DemoConfig) -> DemoSummary:
@@ -96,8 +112,11 @@ def demo(cfg: DemoConfig) -> DemoSummary:
         ev = _timed(cfg, steps, "eval", _eval, cfg, out, trace, ckpts, report)
         runs = _timed(cfg, steps, "run", _run, cfg, out, trace, ckpts)
         proj = _timed(cfg, steps, "project", _project, cfg, out, trace, ckpts)
-        sizes = {**cfg.size, "splits": Trace.open(trace).info()["splits"],
-                 "torch_threads": torch.get_num_threads()}  # fmt: skip
+        sizes = {
+            **cfg.size,
+            "splits": Trace.open(trace).info()["splits"],
+            "torch_threads": torch.get_num_threads(),
+        }
     finally:
         torch.set_num_threads(threads)
     summary = DemoSummary.of(out, round(time.perf_counter() - t0, 1), steps, sizes, ev, runs, proj)
@@ -154,11 +173,16 @@ def _collect(cfg: DemoConfig, out: Path) -> Path:
     if not _done(trace / "manifest.json", cfg, "collect"):
         size = cfg.size
         collect(
-            CollectConfig(model=cfg.model, out=trace, max_prompts=size["prompts"],
-                          decode=DecodeConfig(decode="teacher", max_new_tokens=size["tokens"]),
-                          features=("ids", "weights", "gate_input"), overwrite=True),
+            CollectConfig(
+                model=cfg.model,
+                out=trace,
+                max_prompts=size["prompts"],
+                decode=DecodeConfig(decode="teacher", max_new_tokens=size["tokens"]),
+                features=("ids", "weights", "gate_input"),
+                overwrite=True,
+            ),
             progress=cfg.progress,
-        )  # fmt: skip
+        )
     return trace
 
 
@@ -189,8 +213,11 @@ def _eval(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict, report: Path) ->
 
     path = report / "eval.json"
     if not _done(path, cfg, "eval (held-out test prompts)"):
-        rep = evaluate(EvalConfig(trace=trace, predictors=tuple(ckpts.values()), lookaheads=("d1",),
-                                  timing_rows=0)).to_json()  # fmt: skip
+        rep = evaluate(
+            EvalConfig(
+                trace=trace, predictors=tuple(ckpts.values()), lookaheads=("d1",), timing_rows=0
+            )
+        ).to_json()
         atomic_write_text(path, json.dumps(rep, indent=1))
         plot_eval(rep, report / "plots")
     return json.loads(path.read_text())
@@ -234,8 +261,11 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
             else f"resident decode forwards varied {spread:.1f}x (median / best)"
         )
         notes.append(f"timing disturbed: {why}")
-        _say(cfg, f"warning: {notes[-1]}; the link is scaled to the fastest forward, and this "
-                  "step stops repeating after its time budget")  # fmt: skip
+        _say(
+            cfg,
+            f"warning: {notes[-1]}; the link is scaled to the fastest forward, and this "
+            "step stops repeating after its time budget",
+        )
     ours = build_predictor(model, ckpts["tensorbend"], None, "d1", None, sess.spec)
     horizon = build_predictor(model, ckpts["horizon"], None, "d1", None, sess.spec)
     none = NoPredictor(sess.spec.num_experts, get_lookahead("d1"))
@@ -257,8 +287,10 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
         t0 = time.perf_counter()
         for rep in range(size["run_repeats"]):
             if rep and time.perf_counter() - t0 > size["run_budget_s"]:
-                notes.append(f"{rep} of {size['run_repeats']} repeats within the step's "
-                             f"{size['run_budget_s']} s budget: the rest skipped")  # fmt: skip
+                notes.append(
+                    f"{rep} of {size['run_repeats']} repeats within the step's "
+                    f"{size['run_budget_s']} s budget: the rest skipped"
+                )
                 _say(cfg, f"warning: {notes[-1]}")
                 break
             for pc, pred, hz in plan:
@@ -271,18 +303,35 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
     rows = []
     for r in full:
         one = c["runs"][run_label(r)]
-        rows.append({"label": run_label(r), "vs_best_cache": one["vs_best_cache"],
-                     "ratio": format_ratio(one), "repeats": len(r.get("decode_tok_s_repeats", [1])),
-                     "host_other_cores_repeats": r.get("host_other_cores_repeats"),
-                     "policy": r["policy"], "timing_note": "; ".join(notes) or None,
-                     "ours": is_ours(r), **{k: r.get(k) for k in _RUN_KEYS}})  # fmt: skip
+        rows.append(
+            {
+                "label": run_label(r),
+                "vs_best_cache": one["vs_best_cache"],
+                "ratio": format_ratio(one),
+                "repeats": len(r.get("decode_tok_s_repeats", [1])),
+                "host_other_cores_repeats": r.get("host_other_cores_repeats"),
+                "policy": r["policy"],
+                "timing_note": "; ".join(notes) or None,
+                "ours": is_ours(r),
+                **{k: r.get(k) for k in _RUN_KEYS},
+            }
+        )
     atomic_write_text(path, json.dumps(rows, indent=1))
     return rows
 
 
-_RUN_KEYS = ("decode_tok_s", "decode_tok_s_repeats", "stall_s_per_token", "bytes_read_per_token",
-             "demand_hit_rate", "output_matches_resident", "link", "host_load", "host_busy",
-             "time_model")  # fmt: skip
+_RUN_KEYS = (
+    "decode_tok_s",
+    "decode_tok_s_repeats",
+    "stall_s_per_token",
+    "bytes_read_per_token",
+    "demand_hit_rate",
+    "output_matches_resident",
+    "link",
+    "host_load",
+    "host_busy",
+    "time_model",
+)
 SPREAD = 1.5  # median / fastest resident decode forward above this: timing was disturbed
 
 
@@ -295,21 +344,38 @@ def _project(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]
     path = out / "report" / "simulate.json"
     if not _done(path, cfg, "project onto Kimi-K2.5 on a DGX Spark (simulated)", _has_peers):
         base = SimulateConfig(
-            trace=trace, hardware="dgx-spark", geometry="kimi-k2.5", progress=False,
+            trace=trace,
+            hardware="dgx-spark",
+            geometry="kimi-k2.5",
+            progress=False,
             policies=("lru", "lfru", "prefetch", "oracle"),
             predictors=("none", str(ckpts["tensorbend"])),
             prediction=PredictorSpec(horizon=ckpts["horizon"]),
             max_prompts=cfg.size["sim_prompts"],
-        )  # fmt: skip
+        )
         res = simulate(base).to_json()
         res["results"] += simulate_peers(base, ("spec_gate", str(ckpts["seed_mlp"])))
         res["results"].sort(key=lambda r: r["policy"] == "oracle")  # the oracle last
         relative(res["results"])  # vs_best_cache over the best cache of all the rows
         atomic_write_text(path, json.dumps(res, indent=1))
     res = json.loads(path.read_text())
-    return [{**{k: r.get(k) for k in ("label", "policy", "decode_tok_s", "vs_best_cache",
-                                      "predictor", "time_model")}, "ours": is_ours(r)}
-            for r in res["results"]]  # fmt: skip
+    return [
+        {
+            **{
+                k: r.get(k)
+                for k in (
+                    "label",
+                    "policy",
+                    "decode_tok_s",
+                    "vs_best_cache",
+                    "predictor",
+                    "time_model",
+                )
+            },
+            "ours": is_ours(r),
+        }
+        for r in res["results"]
+    ]
 
 
 def _has_peers(path: Path) -> bool:

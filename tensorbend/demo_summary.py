@@ -48,11 +48,18 @@ class DemoSummary:
     ) -> DemoSummary:
         """From the steps' outputs: eval's JSON, the run's and the projection's rows."""
         note = next((r["timing_note"] for r in runs if r.get("timing_note")), None)
-        return cls(out=str(out), seconds=seconds, step_seconds=step_seconds, sizes=sizes,
-                   recall_d1=_recalls(ev), foresight=_foresight(ev), runs=runs,
-                   projection=projection,
-                   peers={"run": against_peer(runs), "project": against_peer(projection)},
-                   host_warning=host_warning(runs) or note)  # fmt: skip
+        return cls(
+            out=str(out),
+            seconds=seconds,
+            step_seconds=step_seconds,
+            sizes=sizes,
+            recall_d1=_recalls(ev),
+            foresight=_foresight(ev),
+            runs=runs,
+            projection=projection,
+            peers={"run": against_peer(runs), "project": against_peer(projection)},
+            host_warning=host_warning(runs) or note,
+        )
 
     def to_json(self) -> dict:
         return {k: v for k, v in vars(self).items() if k != "text"}
@@ -71,18 +78,24 @@ def against_peer(rows: list[dict]) -> dict | None:
         return None
     top = max(mine, key=lambda r: r["decode_tok_s"])
     xs = repeat_ratios(top, peer)
-    return {"ours": top["label"], "best_peer": peer["label"],
-            "best_peer_tok_s": peer["decode_tok_s"],
-            "vs_best_peer": statistics.median(xs) if xs else top["decode_tok_s"] / peer["decode_tok_s"],
-            "repeats": xs}  # fmt: skip
+    return {
+        "ours": top["label"],
+        "best_peer": peer["label"],
+        "best_peer_tok_s": peer["decode_tok_s"],
+        "vs_best_peer": statistics.median(xs) if xs else top["decode_tok_s"] / peer["decode_tok_s"],
+        "repeats": xs,
+    }
 
 
 # ---------------------------------------------------------------- helpers
 
 
 def _recalls(ev: dict) -> dict:
-    return {r["predictor"]: r["recall_at_k"] for r in ev["results"]
-            if r["phase"] == "decode" and r["lookahead"] == "d1"}  # fmt: skip
+    return {
+        r["predictor"]: r["recall_at_k"]
+        for r in ev["results"]
+        if r["phase"] == "decode" and r["lookahead"] == "d1"
+    }
 
 
 def _foresight(ev: dict) -> dict:
@@ -131,8 +144,11 @@ def _text(s: DemoSummary, model: str, quick: bool) -> str:
     if s.host_warning:
         lines.append(f"  WARNING: {s.host_warning}")
     pred = [r for r in s.projection if r.get("predictor") not in (None, "none")]
-    lines += ["", "Projected on Kimi-K2.5 / DGX Spark (simulated, not measured):",
-              "  regime: " + label((pred or [{}])[0].get("time_model"))]  # fmt: skip
+    lines += [
+        "",
+        "Projected on Kimi-K2.5 / DGX Spark (simulated, not measured):",
+        "  regime: " + label((pred or [{}])[0].get("time_model")),
+    ]
     for r in s.projection:
         lines.append(
             f"  {r['label']:<40} {r['decode_tok_s']:6.2f} tok/s ({_x(r['vs_best_cache'])} best cache)"
@@ -145,7 +161,7 @@ def _text(s: DemoSummary, model: str, quick: bool) -> str:
             f"medians of {n} interleaved repeats [range]; a range holding 1.00 is no gain)"
             if n > 1
             else "one run each, no repeats: within 0.95-1.05x is a tie)"
-        )  # fmt: skip
+        )
         + "\n  (projected ratios: one simulation each)"
     )
     return "\n".join(lines)
@@ -156,8 +172,10 @@ def _peer_line(p: dict | None) -> list[str]:
         return []
     xs = p["repeats"]
     rng = f" [{xs[0]:.2f}, {xs[-1]:.2f}]" if xs else ""
-    return [f"  ours ({p['ours']}) over the best peer, the fastest row neither ours nor the "
-            f"oracle ({p['best_peer']}): {p['vs_best_peer']:.2f}x{rng}"]  # fmt: skip
+    return [
+        f"  ours ({p['ours']}) over the best peer, the fastest row neither ours nor the "
+        f"oracle ({p['best_peer']}): {p['vs_best_peer']:.2f}x{rng}"
+    ]
 
 
 def _sizes_line(z: dict) -> str:

@@ -180,9 +180,10 @@ def _check_features(names: list[str], lookaheads, tr: Trace, explicit: bool) -> 
     keep = []
     for n in names:
         missing = [
-            h for la in lookaheads
+            h
+            for la in lookaheads
             if KINDS[n].needs_hidden and (h := get_lookahead(la).hidden) not in tr.features
-        ]  # fmt: skip
+        ]
         if not missing:
             keep.append(n)
         elif explicit:

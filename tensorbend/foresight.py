@@ -88,10 +88,16 @@ def evaluate_foresight(
             else "predicted"
         )
         cfg = ReplayConfig(
-            evict if spec.uses_prediction else row["policy"], slots, row["pool"],
-            row["admission"], ADMISSION_WINDOW, fallback, row.get("foresight"),
-            row.get("oracle_beyond") or "lru", judge=not spec.recorded_routing,
-        )  # fmt: skip
+            evict if spec.uses_prediction else row["policy"],
+            slots,
+            row["pool"],
+            row["admission"],
+            ADMISSION_WINDOW,
+            fallback,
+            row.get("foresight"),
+            row.get("oracle_beyond") or "lru",
+            judge=not spec.recorded_routing,
+        )
         out = demand.replay(ids_FLK, cfg, E, forecasts=forecast, record=False)
         replays[run_label(row)] = {
             "experts_per_token": int(out.misses_F[decode_F].sum()) / max(int(decode_F.sum()), 1),
@@ -113,8 +119,13 @@ def evaluate_foresight(
     best_name = run_label(best)
     ours = []
     for adm in ("all", "predicted"):
-        row = {"policy": "prefetch", "horizon": "forecast", "token_ahead_layers": 0,
-               "pool": "global", "admission": adm}  # fmt: skip
+        row = {
+            "policy": "prefetch",
+            "horizon": "forecast",
+            "token_ahead_layers": 0,
+            "pool": "global",
+            "admission": adm,
+        }
         run(row, forecasts)
         ours.append(run_label(row))
     beyond = best_rule([best], "experts_per_token")
@@ -123,13 +134,24 @@ def evaluate_foresight(
         if hz is None:  # the full oracle: classic Belady's MIN too
             options |= {("global", "all"), ("global", "predicted")}
         for pool, adm in sorted(options):
-            row = {"policy": "oracle", "foresight": hz, "oracle_beyond": beyond, "pool": pool,
-                   "admission": adm}  # fmt: skip
+            row = {
+                "policy": "oracle",
+                "foresight": hz,
+                "oracle_beyond": beyond,
+                "pool": pool,
+                "admission": adm,
+            }
             run(row, fallback=best["admission"] if adm == "predicted" else None)
     epf = lambda n: replays[n]["experts_per_token"]  # noqa: E731
     ours_name = min(ours, key=epf)
-    full_name = min((n for n, r in replays.items()
-                     if POLICIES[r["policy"]].recorded_routing and r["foresight"] is None), key=epf)  # fmt: skip
+    full_name = min(
+        (
+            n
+            for n, r in replays.items()
+            if POLICIES[r["policy"]].recorded_routing and r["foresight"] is None
+        ),
+        key=epf,
+    )
     out = {
         **recalls,
         "cache_frac": cache_frac,
@@ -156,8 +178,12 @@ def oracle_at(report: dict, h: int | None) -> str:
     seen used later in the window can evict one the rule would keep (e.g. 5.63 against the
     best cache's 5.55 at h = 1 on tests/planted.py's router_trace at 25% cache)."""
     rp, top = report["replay"], float("inf") if h is None else h
-    at = [n for n, r in rp.items() if POLICIES[r["policy"]].recorded_routing
-          and (float("inf") if r["foresight"] is None else r["foresight"]) <= top]  # fmt: skip
+    at = [
+        n
+        for n, r in rp.items()
+        if POLICIES[r["policy"]].recorded_routing
+        and (float("inf") if r["foresight"] is None else r["foresight"]) <= top
+    ]
     return min(at, key=lambda n: rp[n]["experts_per_token"])
 
 

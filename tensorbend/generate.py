@@ -90,8 +90,10 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     if cfg.prompt is not None:
         inputs = [_encode(tok, cfg.prompt, f"--prompt {cfg.prompt!r}")]
     else:
-        inputs = [_encode(tok, p.text, f"prompt {p.id!r} of {cfg.prompts}")
-                  for p in load_prompts(cfg.prompts, "all")]  # fmt: skip
+        inputs = [
+            _encode(tok, p.text, f"prompt {p.id!r} of {cfg.prompts}")
+            for p in load_prompts(cfg.prompts, "all")
+        ]
     if cfg.engine == "accelerate":
         from tensorbend import hf_offload
 

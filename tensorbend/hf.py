@@ -256,8 +256,11 @@ def decode_batch(
     gens = [torch.Generator().manual_seed(cfg.seed + index + b) for b in range(B)]
     teacher = all(i.forced is not None for i in inps)
     n_steps = min(len(i.forced) for i in inps) if teacher else cfg.max_new_tokens
-    kw = {"input_ids": ids_BS, "attention_mask": mask_BS,
-          "position_ids": (mask_BS.cumsum(-1) - 1).clamp(min=0)}  # fmt: skip
+    kw = {
+        "input_ids": ids_BS,
+        "attention_mask": mask_BS,
+        "position_ids": (mask_BS.cumsum(-1) - 1).clamp(min=0),
+    }
     out = forward("prefill", **{k: v.to(device) for k, v in kw.items()}, use_cache=True)
     for step in range(n_steps + 1):
         logits_BV = out.logits[:, -1]
@@ -265,15 +268,24 @@ def decode_batch(
             run.argmax_ids.append(int(logits_BV[b].argmax()))
         if step == n_steps:
             break
-        nxt = [_next_token(run, inp, logits_BV[b], cfg, step, gens[b])
-               for b, (run, inp) in enumerate(zip(runs, inps, strict=True))]  # fmt: skip
+        nxt = [
+            _next_token(run, inp, logits_BV[b], cfg, step, gens[b])
+            for b, (run, inp) in enumerate(zip(runs, inps, strict=True))
+        ]
         for run, t in zip(runs, nxt, strict=True):
             run.fed_ids.append(t)
         mask_BS = torch.cat([mask_BS, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        kw = {"input_ids": torch.tensor(nxt)[:, None], "attention_mask": mask_BS,
-              "position_ids": mask_BS.sum(-1, keepdim=True) - 1}  # fmt: skip
-        out = forward("decode", **{k: v.to(device) for k, v in kw.items()}, use_cache=True,
-                      **{cache_kw: cache_of(out)})  # fmt: skip
+        kw = {
+            "input_ids": torch.tensor(nxt)[:, None],
+            "attention_mask": mask_BS,
+            "position_ids": mask_BS.sum(-1, keepdim=True) - 1,
+        }
+        out = forward(
+            "decode",
+            **{k: v.to(device) for k, v in kw.items()},
+            use_cache=True,
+            **{cache_kw: cache_of(out)},
+        )
     return runs
 
 

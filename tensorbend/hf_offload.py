@@ -68,9 +68,13 @@ class AccelerateRun:
         self._dir = tempfile.TemporaryDirectory(prefix="accelerate-offload-", dir=parent)
         try:
             self.model, self.tok = load_model(
-                self.spec, serve.dtype, serve.device, progress=serve.progress,
-                max_memory=serve.max_memory, offload_dir=self._dir.name,
-            )  # fmt: skip
+                self.spec,
+                serve.dtype,
+                serve.device,
+                progress=serve.progress,
+                max_memory=serve.max_memory,
+                offload_dir=self._dir.name,
+            )
         except BaseException:
             self._dir.cleanup()
             raise

@@ -60,8 +60,12 @@ class HostLoad:
 
     def to_json(self) -> dict:
         r = None if self.other_cores is None else round(self.other_cores, 3)
-        return {"wall_s": round(self.wall_s, 3), "own_cores": round(self.own_cores, 3),
-                "other_cores": r, "cpus": self.cpus}  # fmt: skip
+        return {
+            "wall_s": round(self.wall_s, 3),
+            "own_cores": round(self.own_cores, 3),
+            "other_cores": r,
+            "cpus": self.cpus,
+        }
 
 
 class CpuMeter:
@@ -89,8 +93,9 @@ def warning(other_cores: dict[str, float | None], cpus: int) -> str | None:
     >>> warning({"lru": 0.02, "x": None}, cpus=2) is None
     True
     """
-    hit = sorted(((x, k) for k, x in other_cores.items() if x is not None and x > BUSY_CORES),
-                 reverse=True)  # fmt: skip
+    hit = sorted(
+        ((x, k) for k, x in other_cores.items() if x is not None and x > BUSY_CORES), reverse=True
+    )
     if not hit:
         return None
     shown = ", ".join(f"{k} {x:.2f}" for x, k in hit[:3])

@@ -53,8 +53,11 @@ def placement_kwargs(device: str, max_memory: str | int, offload_dir) -> dict:
     if device == "cpu":
         if offload_dir is None:
             raise TensorbendError("--max-memory on cpu offloads to disk: give --offload-dir DIR")
-        return {"device_map": "auto", "max_memory": {"cpu": budget},
-                "offload_folder": str(offload_dir)}  # fmt: skip
+        return {
+            "device_map": "auto",
+            "max_memory": {"cpu": budget},
+            "offload_folder": str(offload_dir),
+        }
     check_device(device)
     index = torch.device(device).index or 0
     return {"device_map": "auto", "max_memory": {index: budget, "cpu": _host_memory()}}
@@ -176,8 +179,14 @@ def load_non_experts(lm, plan: ExpertPlan) -> None:
                 )
             dst.copy_(t.to(dst.dtype))
     persistent = {n for n, _ in lm.named_parameters()} | _persistent_buffers(lm)
-    missing = [k for k in state if k in persistent and id(state[k]) not in expert_ids
-               and k not in plan.other and k not in tied]  # fmt: skip
+    missing = [
+        k
+        for k in state
+        if k in persistent
+        and id(state[k]) not in expert_ids
+        and k not in plan.other
+        and k not in tied
+    ]
     if missing:
         raise StoreError(
             f"{plan.ckpt.directory}: expected weights for {len(missing)} more tensors, e.g. "

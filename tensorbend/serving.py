@@ -65,8 +65,13 @@ from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import NEEDS_TRACE, PEERS, PredictorSpec
 from tensorbend.stores import check_room, stale_sources, store_lock, store_path, unwritable
 
-BASELINE_MODULES = ("torch", "transformers.modeling_utils", "transformers.generation.utils",
-                    "tensorbend.generate", "tensorbend.offload.handle")  # fmt: skip
+BASELINE_MODULES = (
+    "torch",
+    "transformers.modeling_utils",
+    "transformers.generation.utils",
+    "tensorbend.generate",
+    "tensorbend.offload.handle",
+)
 IMPORT_BASELINE = (
     f"import {', '.join(BASELINE_MODULES)}; "
     "from tensorbend.memory import peak_rss_bytes; print(peak_rss_bytes())"
@@ -197,8 +202,17 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     store = store_path(cfg.store_dir, path, _store_tag(layout.block, dtype))
     _ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
-    lm.tensorbend = OffloadHandle(lm, spec, layout, store, pc, predictor, horizon, opts,
-                                  prefetch_extra=cfg.prediction.prefetch_extra)  # fmt: skip
+    lm.tensorbend = OffloadHandle(
+        lm,
+        spec,
+        layout,
+        store,
+        pc,
+        predictor,
+        horizon,
+        opts,
+        prefetch_extra=cfg.prediction.prefetch_extra,
+    )
     if mem is not None:  # what the slots hold (the rest of the budget: less than one expert)
         mem["cache"] = lm.tensorbend.cache.capacity * layout.nbytes
         if grown is not None:
@@ -243,8 +257,14 @@ def memory_plan(
             f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need} cached experts "
             f"of {_mb(expert_bytes)}; raise it"
         )
-    return {"budget": budget, "non_expert": non_expert_bytes, "model": model,
-            "staging": staging, "reserve": reserve, "cache": budget - model - staging - reserve}  # fmt: skip
+    return {
+        "budget": budget,
+        "non_expert": non_expert_bytes,
+        "model": model,
+        "staging": staging,
+        "reserve": reserve,
+        "cache": budget - model - staging - reserve,
+    }
 
 
 def store_format(cfg: ServeConfig, block):
@@ -382,8 +402,9 @@ def _size_cache(
 ) -> tuple[PolicyConfig, dict | None]:
     if cfg.max_memory is None:
         return cfg.offload, None
-    non_expert = sum(p.numel() * p.element_size() for p in lm.parameters()
-                     if p.device.type != "meta")  # fmt: skip
+    non_expert = sum(
+        p.numel() * p.element_size() for p in lm.parameters() if p.device.type != "meta"
+    )
     non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
     kv = kv_bytes_per_token(lm.config, layout.dtype)
     plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
@@ -396,8 +417,10 @@ def _predictors(cfg: ServeConfig, lm, spec: RoutingSpec, fingerprint: str):
     from tensorbend.predictors.checkpoint import load_predictor
 
     pc = cfg.prediction
-    within, horizon = (None if p is None else load_predictor(p, spec, fingerprint)
-                       for p in (pc.predictor, pc.horizon))  # fmt: skip
+    within, horizon = (
+        None if p is None else load_predictor(p, spec, fingerprint)
+        for p in (pc.predictor, pc.horizon)
+    )
     if pc.baseline is not None:
         from tensorbend.predictors.registry import build_baseline
         from tensorbend.routers import router_params

@@ -76,8 +76,10 @@ def store_lock(store: Path, progress: bool = True) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if progress:
-                    print(f"expert store {store}: another process is building it; waiting",
-                          file=sys.stderr)  # fmt: skip
+                    print(
+                        f"expert store {store}: another process is building it; waiting",
+                        file=sys.stderr,
+                    )
                 fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
@@ -98,8 +100,11 @@ def stale_sources(plan: ExpertPlan, store: Path) -> str | None:
         now = ckpt.stats(ckpt.directory / n for n in rec)
     except OSError:
         return "a source shard is gone"
-    changed = {n for n in rec if (now[n]["size"], now[n]["mtime_ns"])
-               != (rec[n].get("size"), rec[n].get("mtime_ns"))}  # fmt: skip
+    changed = {
+        n
+        for n in rec
+        if (now[n]["size"], now[n]["mtime_ns"]) != (rec[n].get("size"), rec[n].get("mtime_ns"))
+    }
     if not changed:
         return None
     paths = {ckpt.directory / n for n in changed}
@@ -125,8 +130,10 @@ def check_room(store: Path, nbytes: int | None) -> None:
     if nbytes is None:
         return
     if not os.access(store.parent, os.W_OK):
-        raise StoreError(f"expert store folder {store.parent}: "
-                         f"{unwritable(PermissionError(errno.EACCES, 'not writable'))}")  # fmt: skip
+        raise StoreError(
+            f"expert store folder {store.parent}: "
+            f"{unwritable(PermissionError(errno.EACCES, 'not writable'))}"
+        )
     partial = store.with_name(store.name + ".partial")
     done = partial.stat().st_blocks * 512 if partial.is_file() else 0
     free = shutil.disk_usage(store.parent).free
@@ -167,14 +174,20 @@ def list_stores(root: str | Path | None = None) -> list[dict]:
                 done = int(rec["layers_done"])
             except (OSError, ValueError, KeyError, TypeError):
                 done = 0
-        out.append({
-            "store": str(f),
-            "checkpoint": meta.get("source", "?"),
-            "dtype": f.name.removeprefix("experts-").split(".safetensors")[0],
-            "bytes": st.st_blocks * 512 if partial else st.st_size,
-            "built": None if partial else time.strftime("%Y-%m-%d %H:%M", time.localtime(st.st_mtime)),
-            "partial": None if not partial else f"{done} of {meta.get('num_layers', '?')} layers",
-        })  # fmt: skip
+        out.append(
+            {
+                "store": str(f),
+                "checkpoint": meta.get("source", "?"),
+                "dtype": f.name.removeprefix("experts-").split(".safetensors")[0],
+                "bytes": st.st_blocks * 512 if partial else st.st_size,
+                "built": None
+                if partial
+                else time.strftime("%Y-%m-%d %H:%M", time.localtime(st.st_mtime)),
+                "partial": None
+                if not partial
+                else f"{done} of {meta.get('num_layers', '?')} layers",
+            }
+        )
     return out
 
 
@@ -185,8 +198,10 @@ def format_stores(stores: list[dict], root: Path) -> str:
     lines = [f"{len(stores)} expert store(s) under {root}:"]
     for s in stores:
         when = s["built"] or f"interrupted ({s['partial']})"
-        lines.append(f"{s['store']}  {s['dtype']}  {s['bytes'] / 1e6:.1f} MB  {when}  "
-                     f"checkpoint {s['checkpoint']}")  # fmt: skip
+        lines.append(
+            f"{s['store']}  {s['dtype']}  {s['bytes'] / 1e6:.1f} MB  {when}  "
+            f"checkpoint {s['checkpoint']}"
+        )
     return "\n".join(lines)
 
 
@@ -195,8 +210,16 @@ def remove_store(target: str | Path, root: str | Path | None = None) -> Path:
     store folder (a path, or its name under the root). Returns the folder removed."""
     root, target = store_root(root), Path(target)
     folders = [target, root / target.name, store_path(root, target, "x").parent]
-    folder = next((f for f in folders if f.is_dir() and f.resolve().parent == root.resolve()
-                   and any(f.glob("experts-*.safetensors*"))), None)  # (only a root's folder)  # fmt: skip
+    folder = next(
+        (
+            f
+            for f in folders
+            if f.is_dir()
+            and f.resolve().parent == root.resolve()
+            and any(f.glob("experts-*.safetensors*"))
+        ),
+        None,
+    )  # (only a root's folder)
     if folder is None:
         raise StoreError(
             f"store rm {target}: expected a checkpoint path or a store folder under {root}, "

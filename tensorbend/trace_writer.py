@@ -229,8 +229,9 @@ def merge_rank_traces(root: Path, rank_dirs: list[Path]) -> dict:
             merged["prompts"].append({**p, "shard": p["shard"] + s0})
         for s in m["shards"]:
             lo, hi = s["prompts"]
-            merged["shards"].append({**s, "file": f"{d.name}/{s['file']}",
-                                     "prompts": [lo + p0, hi + p0]})  # fmt: skip
+            merged["shards"].append(
+                {**s, "file": f"{d.name}/{s['file']}", "prompts": [lo + p0, hi + p0]}
+            )
     router = rank_dirs[0] / ROUTER_FILE
     atomic_write_bytes(root / ROUTER_FILE, router.read_bytes())
     atomic_write_text(root / MANIFEST, json.dumps(merged, indent=1))

@@ -133,8 +133,9 @@ def make_resident_set(
 
 def no_prediction() -> tuple[str, ...]:
     """Bounded caches that never read a predictor (prefetch with none is one too, per run)."""
-    return tuple(n for n, p in POLICIES.items() if p.bounded and p.keeps_experts
-                 and not p.uses_prediction)  # fmt: skip
+    return tuple(
+        n for n, p in POLICIES.items() if p.bounded and p.keeps_experts and not p.uses_prediction
+    )
 
 
 @dataclass(frozen=True)

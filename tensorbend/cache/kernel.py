@@ -100,22 +100,33 @@ PLACEMENTS, PREFETCHES, EVICTIONS, GOOD, JUDGED = range(5)
 def new_state(rules: Rules, slots: int, L: int, E: int) -> State:
     """A cold cache of `slots` slots (per-layer pools: the first slots % L layers one more)."""
     n = L if rules.per_layer else 1
-    caps = np.array([slots // L + (p < slots % L) if rules.per_layer else slots
-                     for p in range(n)], np.int64)  # fmt: skip
+    caps = np.array(
+        [slots // L + (p < slots % L) if rules.per_layer else slots for p in range(n)], np.int64
+    )
     K = L * E
 
     def keys(v, dtype=np.int64):
         return np.full(K, v, dtype)
 
     return State(
-        tick=np.array([0, NONE, NONE], np.int64), caps=caps,
-        members=np.empty((n, max(1, int(caps.max()))), np.int64), size=np.zeros(n, np.int64),
-        pos=keys(NONE), missed=keys(NONE), pin=keys(NONE), rec=keys(0), count=keys(0),
-        last=keys(NONE), g=keys(-INF, np.float64), hint=keys(NONE),
-        layer_hint=np.full(L, NONE, np.int64), head_L=np.full(L, NONE, np.int64),
-        seen=np.full((2, K), -1.0), used=np.full((2, K), -1.0),
+        tick=np.array([0, NONE, NONE], np.int64),
+        caps=caps,
+        members=np.empty((n, max(1, int(caps.max()))), np.int64),
+        size=np.zeros(n, np.int64),
+        pos=keys(NONE),
+        missed=keys(NONE),
+        pin=keys(NONE),
+        rec=keys(0),
+        count=keys(0),
+        last=keys(NONE),
+        g=keys(-INF, np.float64),
+        hint=keys(NONE),
+        layer_hint=np.full(L, NONE, np.int64),
+        head_L=np.full(L, NONE, np.int64),
+        seen=np.full((2, K), -1.0),
+        used=np.full((2, K), -1.0),
         uses_KW=np.full((K, max(rules.window, 1)), -(1 << 60), np.int64),
-    )  # fmt: skip
+    )
 
 
 @njit(cache=True)
@@ -193,8 +204,11 @@ def _place(k, now, when, rules, tr, st, out, record):
         v = _victim(p, now, rules, tr, st)
         if v == NONE:
             outcome = BLOCKED
-        elif not (_admits(k, v, now, rules, tr, st) if when == NONE
-                  else _worth(v, when, now, rules, tr, st)):  # fmt: skip
+        elif not (
+            _admits(k, v, now, rules, tr, st)
+            if when == NONE
+            else _worth(v, when, now, rules, tr, st)
+        ):
             outcome, v = REFUSED, NONE
         else:
             _admit(k, v, p, st)
@@ -341,8 +355,11 @@ def _victim(p, now, rules, tr, st):
         for i in range(n):
             c = members[p, i]
             if pin[c] != now:
-                s = seen[0, c] if seen[0, c] > now else _advance(c, now, seen, tr.seen_ptr,
-                                                                 tr.seen_steps)  # fmt: skip
+                s = (
+                    seen[0, c]
+                    if seen[0, c] > now
+                    else _advance(c, now, seen, tr.seen_ptr, tr.seen_steps)
+                )
                 top = max(top, s if s < sight else INF)
     f = st.tick[_FORECAST]
     forecast = rule == REUSE and f != NONE
@@ -393,7 +410,10 @@ def _farthest(p, now, tr, st):
     for i in range(st.size[p]):
         c = st.members[p, i]
         if st.pin[c] != now:
-            s = used[0, c] if used[0, c] > now else _advance(c, now, used, tr.used_ptr,
-                                                             tr.used_steps)  # fmt: skip
+            s = (
+                used[0, c]
+                if used[0, c] > now
+                else _advance(c, now, used, tr.used_ptr, tr.used_steps)
+            )
             best = max(best, s)
     return best

@@ -44,8 +44,16 @@ from tensorbend.errors import TensorbendError
 EvictionName = Literal["lru", "lfu", "lfru", "predicted", "reuse", "next_use"]
 BeyondName = Literal["lru", "lfu", "lfru", "predicted"]
 REPLAY_POLICIES = (
-    "lru", "lfu", "lfru", "predicted", "prefetch", "reuse", "belady", "belady/h=1", "belady/h=2"
-)  # fmt: skip
+    "lru",
+    "lfu",
+    "lfru",
+    "predicted",
+    "prefetch",
+    "reuse",
+    "belady",
+    "belady/h=1",
+    "belady/h=2",
+)
 _EVICTIONS = ("lru", "lfu", "lfru", "predicted", "reuse", "next_use")  # kernel codes, in order
 _ADMISSIONS = ("all", "frequency", "predicted")
 
@@ -115,14 +123,20 @@ class Replayed:
 
         E = self.num_experts
         step_P, key_P, outcome_P, victim_P = (a.tolist() for a in self.placements)
-        return [(s, (k // E, k % E), OUTCOMES[o], None if v < 0 else (v // E, v % E))
-                for s, k, o, v in zip(step_P, key_P, outcome_P, victim_P, strict=True)]  # fmt: skip
+        return [
+            (s, (k // E, k % E), OUTCOMES[o], None if v < 0 else (v // E, v % E))
+            for s, k, o, v in zip(step_P, key_P, outcome_P, victim_P, strict=True)
+        ]
 
 
 def replay(
-    ids_FLK, cfg: ReplayConfig, num_experts: int = 0, seen_FLK=None,
-    forecasts: Forecasts | None = None, record: bool = True,
-) -> Replayed:  # fmt: skip
+    ids_FLK,
+    cfg: ReplayConfig,
+    num_experts: int = 0,
+    seen_FLK=None,
+    forecasts: Forecasts | None = None,
+    record: bool = True,
+) -> Replayed:
     """The trace through the cache `cfg` describes (module docstring). seen_FLK: the routing
     Belady ranks by (default: the demands themselves; a prediction of them, say); forecasts:
     what `reuse` evicts by; record: keep every placement (`Replayed.victims`)."""
@@ -145,8 +159,16 @@ def replay(
     belady, judge = cfg.eviction == "next_use", cfg.judge
     seen_ptr, seen_steps = _uses_by_key(seen, n_seen, E) if belady else _no_uses(L * E)
     used_ptr, used_steps = _uses_by_key(ids, n_FL, E) if judge else _no_uses(L * E)
-    tr = kn.ReplayInput(ids, n_FL, E, seen_ptr, seen_steps, used_ptr, used_steps,
-                  *(forecasts if forecasts is not None else (none, none)))  # fmt: skip
+    tr = kn.ReplayInput(
+        ids,
+        n_FL,
+        E,
+        seen_ptr,
+        seen_steps,
+        used_ptr,
+        used_steps,
+        *(forecasts if forecasts is not None else (none, none)),
+    )
     beyond = cfg.beyond if cfg.foresight is not None else "lru"  # (NextUse: full sight, LRU)
     rules = kn.Rules(
         evict=_EVICTIONS.index(cfg.eviction),
@@ -154,21 +176,29 @@ def replay(
         foresight=kn.NONE if cfg.foresight is None else cfg.foresight,
         admit=_ADMISSIONS.index(cfg.admission),
         fallback=kn.NONE if cfg.fallback is None else _ADMISSIONS.index(cfg.fallback),
-        window=cfg.admission_window, per_layer=cfg.pool == "per_layer", hints=cfg.hints,
-        judge=judge, decay=cfg.decay,
+        window=cfg.admission_window,
+        per_layer=cfg.pool == "per_layer",
+        hints=cfg.hints,
+        judge=judge,
+        decay=cfg.decay,
         log_counts=cfg.eviction in ("predicted", "reuse") or (belady and beyond == "predicted"),
-    )  # fmt: skip
+    )
     n_out = int(n_FL.sum()) * (2 if cfg.hints else 1) if record else 0
-    out = kn.Out(*(np.empty(n_out, np.int64) for _ in range(4)), np.zeros(F, np.int64),
-                 np.zeros(5, np.int64))  # fmt: skip
+    out = kn.Out(
+        *(np.empty(n_out, np.int64) for _ in range(4)), np.zeros(F, np.int64), np.zeros(5, np.int64)
+    )
     kn.run(rules, tr, kn.new_state(rules, cfg.slots, L, E), out)
     n = int(out.tally[kn.PLACEMENTS]) if record else 0
     return Replayed(
-        misses=int(out.misses_F.sum()), prefetches=int(out.tally[kn.PREFETCHES]),
-        evictions=int(out.tally[kn.EVICTIONS]), misses_F=out.misses_F,
-        good=int(out.tally[kn.GOOD]), judged=int(out.tally[kn.JUDGED]), num_experts=E,
+        misses=int(out.misses_F.sum()),
+        prefetches=int(out.tally[kn.PREFETCHES]),
+        evictions=int(out.tally[kn.EVICTIONS]),
+        misses_F=out.misses_F,
+        good=int(out.tally[kn.GOOD]),
+        judged=int(out.tally[kn.JUDGED]),
+        num_experts=E,
         placements=tuple(a[:n] for a in out[:4]),
-    )  # fmt: skip
+    )
 
 
 def named(name: str, slots: int, pool: PoolName = "global") -> ReplayConfig:
@@ -186,8 +216,9 @@ def named(name: str, slots: int, pool: PoolName = "global") -> ReplayConfig:
     return ReplayConfig(name, slots, pool)  # type: ignore[arg-type]
 
 
-def replay_named(ids_FLK, name: str, slots: int, num_experts: int = 0,
-                 pool: PoolName = "global", seen_FLK=None) -> Replayed:  # fmt: skip
+def replay_named(
+    ids_FLK, name: str, slots: int, num_experts: int = 0, pool: PoolName = "global", seen_FLK=None
+) -> Replayed:
     """`replay` of a name of `REPLAY_POLICIES` with its feed (reuse: the exact forecasts)."""
     cfg = named(name, slots, pool)
     fc = None
@@ -234,9 +265,14 @@ def as_padded(ids_FLK) -> tuple[np.ndarray, np.ndarray]:
 
 
 def planted_trace(
-    prompts: int, tokens: int, layers: int, experts: int, top_k: int, reuse: float = 0.5,
+    prompts: int,
+    tokens: int,
+    layers: int,
+    experts: int,
+    top_k: int,
+    reuse: float = 0.5,
     seed: int = 0,
-) -> list[list[list[int]]]:  # fmt: skip
+) -> list[list[list[int]]]:
     """Routing with planted reuse: each layer has a Zipf-like popularity over its experts; each
     prompt draws its own hot set; a token keeps each of the previous token's experts with
     probability `reuse`, then fills top-k from the prompt's hot set (2/3) or the popularity."""

@@ -50,10 +50,24 @@ import statistics
 from tensorbend.cache.config import POLICIES
 from tensorbend.host_load import warning
 
-ROW_KEYS = ("policy", "predictor", "lookahead", "horizon", "token_ahead_layers", "pool",
-            "admission", "foresight", "oracle_beyond", "cache_frac", "decode_tok_s",
-            "stall_s_per_token", "bytes_read_per_token", "demand_hit_rate",
-            "wasted_prefetch_bytes", "counters")  # fmt: skip
+ROW_KEYS = (
+    "policy",
+    "predictor",
+    "lookahead",
+    "horizon",
+    "token_ahead_layers",
+    "pool",
+    "admission",
+    "foresight",
+    "oracle_beyond",
+    "cache_frac",
+    "decode_tok_s",
+    "stall_s_per_token",
+    "bytes_read_per_token",
+    "demand_hit_rate",
+    "wasted_prefetch_bytes",
+    "counters",
+)
 """Keys every result row carries, from the runtime (`run --json`) and the simulator alike."""
 
 HIGHER_IS_BETTER = ("decode_tok_s", "prefill_tok_s")
@@ -124,8 +138,14 @@ def best_peer(rows: list[dict]) -> dict | None:
     """The fastest row that is neither ours nor an oracle nor resident: a cache without
     prediction, `prefetch:none`, or a peer's predictor (spec_gate, the seed's MLP, ...) used
     as a prefetcher. What ours is claimed against; None when no such row has a tok/s."""
-    peers = [r for r in rows if r.get("decode_tok_s") and not is_ours(r)
-             and POLICIES[r["policy"]].bounded and not POLICIES[r["policy"]].recorded_routing]  # fmt: skip
+    peers = [
+        r
+        for r in rows
+        if r.get("decode_tok_s")
+        and not is_ours(r)
+        and POLICIES[r["policy"]].bounded
+        and not POLICIES[r["policy"]].recorded_routing
+    ]
     return max(peers, key=lambda r: r["decode_tok_s"], default=None)
 
 
@@ -179,9 +199,10 @@ def compare(rows: list[dict]) -> dict[float, dict]:
                 one["vs_best_cache_repeats"] = ratios
             if oracle is not None:
                 one["gap_closed_bytes"] = gap_closed(
-                    lean["bytes_read_per_token"], r["bytes_read_per_token"],
+                    lean["bytes_read_per_token"],
+                    r["bytes_read_per_token"],
                     oracle["bytes_read_per_token"],
-                )  # fmt: skip
+                )
                 one["gap_closed_seconds"] = gap_closed(
                     best_s, _s_per_token(r), _s_per_token(oracle)
                 )
@@ -222,8 +243,15 @@ def median_row(rows: list[dict]) -> dict:
     out = dict(rows[0])
     if len(rows) == 1:
         return out
-    for key in ("decode_tok_s", "prefill_tok_s", "stall_s_per_token", "predict_s_per_token",
-                "bytes_read_per_token", "demand_hit_rate", "io_cpu_s_per_token"):  # fmt: skip
+    for key in (
+        "decode_tok_s",
+        "prefill_tok_s",
+        "stall_s_per_token",
+        "predict_s_per_token",
+        "bytes_read_per_token",
+        "demand_hit_rate",
+        "io_cpu_s_per_token",
+    ):
         xs = [r[key] for r in rows if r.get(key) is not None]
         if xs:
             out[key] = statistics.median(xs)

@@ -91,8 +91,17 @@ class ServeMeter(LiveMeter):
         self.act_LE = np.zeros((L, E), np.int64)
         self.pred_LE = np.zeros((L, E), np.int64)
         z = np.zeros((L, ep), np.int64)
-        self.rank = {k: z.copy() for k in ("actual", "predicted", "actual_when_predicted",
-                                           "max_actual", "max_abs_error", "sum_abs_error")}  # fmt: skip
+        self.rank = {
+            k: z.copy()
+            for k in (
+                "actual",
+                "predicted",
+                "actual_when_predicted",
+                "max_actual",
+                "max_abs_error",
+                "sum_abs_error",
+            )
+        }
         self.lock = threading.Lock()
         self.dirty = False
         self._phase = "prefill"

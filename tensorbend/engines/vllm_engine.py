@@ -115,8 +115,7 @@ class VllmEngine:
         cap.pop()  # drop anything left from an earlier exception
         if inp.forced is not None:  # teacher forcing: prompt + continuation, one prefill
             params = SamplingParams(max_tokens=1, temperature=0.0)
-            self.llm.generate({"prompt_token_ids": prompt_ids + inp.forced}, params,
-                              use_tqdm=False)  # fmt: skip
+            self.llm.generate({"prompt_token_ids": prompt_ids + inp.forced}, params, use_tqdm=False)
             return prompt_rows(prompt, [_popped(cap)], prompt_ids, list(inp.forced))
         # The last generated token is never fed back (HF's loop feeds max_new_tokens tokens
         # with max_new_tokens + 1 forwards): ask for one more and drop it.
@@ -219,11 +218,17 @@ def routers_only(path: Path) -> torch.nn.Module:
     layers = decoder_layers(model)
     wanted = {id(router_module(model, spec, m)) for m in range(spec.num_moe_layers)}
     for lid in spec.moe_layer_ids:
-        wanted |= {id(getattr(layers[lid], n, None)) for n in ("input_layernorm",
-                                                              "post_attention_layernorm")}  # fmt: skip
+        wanted |= {
+            id(getattr(layers[lid], n, None))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        }
     wanted.add(id(model.get_input_embeddings()))
-    names = {f"{prefix}.{n}" for prefix, mod in model.named_modules() if id(mod) in wanted
-             for n, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]}  # fmt: skip
+    names = {
+        f"{prefix}.{n}"
+        for prefix, mod in model.named_modules()
+        if id(mod) in wanted
+        for n, _ in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+    }
     state = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, "pt") as f:

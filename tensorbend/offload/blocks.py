@@ -81,8 +81,9 @@ class DirectReader:
                 for at in range(0, body - PAUSE_CHUNK, PAUSE_CHUNK):
                     if at:
                         pause()
-                    got = os.preadv(self.fd, [memoryview(out[at : at + PAUSE_CHUNK].numpy())],
-                                    offset + at)  # fmt: skip
+                    got = os.preadv(
+                        self.fd, [memoryview(out[at : at + PAUSE_CHUNK].numpy())], offset + at
+                    )
                     if got < PAUSE_CHUNK:
                         return at + got
                     done = at + PAUSE_CHUNK

@@ -33,7 +33,17 @@ def build_cache(
     L, policy = spec.num_moe_layers, POLICIES[pc.policy]
     slots = pc.slots(spec, layout.nbytes) if policy.keeps_experts else 0
     steps = predictor.steps_by_key if policy.recorded_routing else None
-    rs = make_resident_set(pc.policy, slots, L, pc.pool, pc.admission_rule, pc.admission_window, steps,
-                           pc.foresight, horizon is not None, pc.oracle_beyond)  # fmt: skip
+    rs = make_resident_set(
+        pc.policy,
+        slots,
+        L,
+        pc.pool,
+        pc.admission_rule,
+        pc.admission_window,
+        steps,
+        pc.foresight,
+        horizon is not None,
+        pc.oracle_beyond,
+    )
     cfg = CacheConfig(scratch=pc.staging(spec.top_k), device=device)
     return ExpertCache(cfg, rs, *layout.slot_shape, layout.stored_nbytes)

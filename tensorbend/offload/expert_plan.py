@@ -88,8 +88,7 @@ class ExpertPlan:
         parts = [{n: _Part() for n, _ in layout.parts} for _ in range(spec.num_moe_layers)]
         other: dict[str, TensorRef] = {}
         for key, ref in ckpt.refs.items():
-            new, src = rename_source_key(key, renamings, converters, model.base_model_prefix,
-                                         state)  # fmt: skip
+            new, src = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
             head, _, part = new.rpartition(".")
             m = prefixes.get(head + ".")
             if m is None or part not in parts[m]:
@@ -127,9 +126,11 @@ class ExpertPlan:
         """(tensor, row or None) whose bytes make part `name` of expert e of layer m, in order;
         refused unless they stack to `shape` (an int4 checkpoint's packed words: 8 a word)."""
         src = self.parts[m][name]
-        refs = [(src.fused, e)] if src.fused is not None else [
-            (src.pieces[e][i], None) for i in sorted(src.pieces[e])
-        ]  # fmt: skip
+        refs = (
+            [(src.fused, e)]
+            if src.fused is not None
+            else [(src.pieces[e][i], None) for i in sorted(src.pieces[e])]
+        )
         found = _stacked_shape([_logical(r, row is not None) for r, row in refs])
         if found != shape:
             raise StoreError(
@@ -246,8 +247,14 @@ def build_store(
             os.ftruncate(fd, 0)
             os.pwrite(fd, header, 0)
             os.ftruncate(fd, len(header) + L * E * stride(layout.stored_nbytes))  # (pads: 0)
-        bar = tqdm(total=L * E, initial=done * E, desc="expert store", unit="expert",
-                   disable=not progress, file=_stderr())  # fmt: skip
+        bar = tqdm(
+            total=L * E,
+            initial=done * E,
+            desc="expert store",
+            unit="expert",
+            disable=not progress,
+            file=_stderr(),
+        )
         flat = _stored_buffer(layout)  # one expert as stored, reused: memory stays flat
         staging = torch.empty(max(layout.nbytes, 2 * layout.numel), dtype=torch.uint8)
         shards = {r.shard for r in plan.ckpt.refs.values()}
@@ -272,8 +279,14 @@ def build_store(
         os.close(fd)
     os.replace(partial, path)
     record.unlink(missing_ok=True)
-    record_sources(sources, {n: {**stats[n], "blake2b": combine_digests(layers, n)}
-                             for n in stats if any(n in d for d in layers)})  # fmt: skip
+    record_sources(
+        sources,
+        {
+            n: {**stats[n], "blake2b": combine_digests(layers, n)}
+            for n in stats
+            if any(n in d for d in layers)
+        },
+    )
     return path
 
 
@@ -295,8 +308,9 @@ def layer_digests(plan: ExpertPlan, m: int, shards: set[Path] | None = None) -> 
 
 def combine_digests(layers: list[dict[str, str]], shard: str) -> str:
     """One shard's digest over the store: blake2b of its per-layer digests, in layer order."""
-    return hashlib.blake2b("".join(d[shard] for d in layers if shard in d).encode(),
-                           digest_size=16).hexdigest()  # fmt: skip
+    return hashlib.blake2b(
+        "".join(d[shard] for d in layers if shard in d).encode(), digest_size=16
+    ).hexdigest()
 
 
 def record_sources(path: Path, shards: dict[str, dict]) -> None:

@@ -118,19 +118,24 @@ def generate(
     """Run every prompt (prefill, then decode per cfg) through `recorder.forward`, one at a
     time or `batch` at a time in lockstep (`hf.decode_batch`)."""
     groups = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
-    bar = tqdm(total=len(inputs), desc="generate", unit="prompt", disable=not progress,
-               file=sys.stderr)  # fmt: skip
+    bar = tqdm(
+        total=len(inputs), desc="generate", unit="prompt", disable=not progress, file=sys.stderr
+    )
     meter = CpuMeter()
     with torch.inference_mode():
         for g, group in enumerate(groups):
             recorder.history.begin_prompt()
             recorder.history.batch = len(group)
             if batch == 1:
-                runs = [decode_prompt(model, group[0], cfg, index=g, eos_id=eos_id,
-                                      forward=recorder.forward)]  # fmt: skip
+                runs = [
+                    decode_prompt(
+                        model, group[0], cfg, index=g, eos_id=eos_id, forward=recorder.forward
+                    )
+                ]
             else:
-                runs = decode_batch(model, group, cfg, index=g * batch, pad_id=pad_id,
-                                    forward=recorder.forward)  # fmt: skip
+                runs = decode_batch(
+                    model, group, cfg, index=g * batch, pad_id=pad_id, forward=recorder.forward
+                )
             recorder.gen.decoded += runs
             bar.update(len(group))
     bar.close()

@@ -95,20 +95,27 @@ class OffloadHandle:
         self.store.check({}, L, spec.num_experts, layout)
         self.cache = build_cache(pc, spec, layout, predictor, str(self.device), horizon)
         backlog_s = pc.prefetch_backlog * opts.link.seconds(self.cache.nbytes)
-        self.loader = Loader(self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s,
-                             guard=PrefetchGuard())  # fmt: skip
+        self.loader = Loader(
+            self.store, self.cache, opts.io_threads, max_backlog_s=backlog_s, guard=PrefetchGuard()
+        )
         self.experts = [getattr(moe_block(model, spec, m), spec.experts_attr) for m in range(L)]
         for m, mod in enumerate(self.experts):
             for name, _ in layout.parts:
                 setattr(mod, name, None)  # the weights live only in the store
             mod.forward = OffloadedExperts(mod, spec.family, layout, m, self._active)
         self.hooks = PredictionHooks(
-            model, spec, self.clock, self.history, predictor, self.loader, self.cache,
+            model,
+            spec,
+            self.clock,
+            self.history,
+            predictor,
+            self.loader,
+            self.cache,
             extra=prefetch_extra,
             on_route=lambda m, ids_TK: self.experts[m].forward.route(ids_TK),
             horizon=horizon,
             token_ahead_layers=pc.token_ahead_layers,
-        ).__enter__()  # fmt: skip
+        ).__enter__()
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)
         self._phase: tuple[str, CacheStats, float] | None = None

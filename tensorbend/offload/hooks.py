@@ -75,8 +75,9 @@ class PredictionHooks:
     ):
         self.loader, self.cache = loader, cache
         self.on_route = on_route  # (m, ids_TK): layer m's demand loads, before any prefetch
-        self.prefetcher = Prefetcher(spec, predictor, horizon, extra, token_ahead_layers,
-                                     clock=clock, history=history)  # fmt: skip
+        self.prefetcher = Prefetcher(
+            spec, predictor, horizon, extra, token_ahead_layers, clock=clock, history=history
+        )
         self.observed: list | None = None  # (inputs, predictions) per call, when recording
         self.predict_s = 0.0  # wall seconds inside the Prefetcher and queueing, this run
         self.predict_calls = 0  # hook calls that predicted (one per source point and forward)
@@ -90,9 +91,11 @@ class PredictionHooks:
         self._unsettled = 0.0  # decode prediction seconds since the last MoE layer settled
         layer_input = self.prefetcher.wants_layer_input
         self._hooks = RouterHooks(
-            model, spec, on_route=self._route,
+            model,
+            spec,
+            on_route=self._route,
             on_layer_input=self._layer_input if layer_input else None,
-        )  # fmt: skip
+        )
 
     def __enter__(self) -> PredictionHooks:
         self._hooks.__enter__()
@@ -149,8 +152,11 @@ class PredictionHooks:
         first = self.observed is not None and not pf.history.prev
         preds = pf.observe(m, hidden_TD=hidden, routed_ids_TK=ids_TK)
         if self.observed is not None:  # tests: replay these through a standalone Prefetcher
-            inputs = (m, hidden.detach().cpu().clone(),
-                      None if ids_TK is None else ids_TK.detach().cpu().clone())  # fmt: skip
+            inputs = (
+                m,
+                hidden.detach().cpu().clone(),
+                None if ids_TK is None else ids_TK.detach().cpu().clone(),
+            )
             self.observed.append((inputs, preds, (pf.clock.forward, first, pf.forecast)))
         t0 = time.perf_counter()
         if pf.forecast is not before and self.cache is not None:

@@ -34,8 +34,9 @@ _POW2 = torch.pow(2.0, torch.arange(256) - 127)  # by e8m0 byte, float32 (255: i
 def mxfp4_nbytes(parts, dtype: torch.dtype) -> int:
     """Bytes of one stored expert: per weight half a byte and a scale byte per 32; a bias
     (1-D part) its values in `dtype`."""
-    return sum(_numel(s) * dtype.itemsize if len(s) == 1 else _numel(s) * 17 // 32
-               for _, s in parts)  # fmt: skip
+    return sum(
+        _numel(s) * dtype.itemsize if len(s) == 1 else _numel(s) * 17 // 32 for _, s in parts
+    )
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -44,8 +44,14 @@ from tensorbend.offload import int4, mxfp4
 from tensorbend.offload.int4 import Int4, int4_format
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "half": "float16",
-           "f16": "float16", "bf16": "bfloat16"}  # fmt: skip
+ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bf16": "bfloat16",
+}
 SERVED = "an unquantized, fp8 (block), mxfp4 or compressed-tensors int4 (W4A16) checkpoint"
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every value
 ACCEPTED = "auto, float32 (fp32), float16 (fp16) or bfloat16 (bf16), as a name or a torch dtype"

@@ -178,9 +178,19 @@ class OffloadSession:
         elif pc.policy != "prefetch":
             predictor = None
         opts = AttachOptions(self.cfg.io, self.cfg.io_threads, link, drive_clock=False)
-        handle = OffloadHandle(self.model, self.spec, self.layout, self.store_path, pc,
-                               predictor, horizon, opts, self.clock, self.history,
-                               prefetch_extra=prefetch_extra)  # fmt: skip
+        handle = OffloadHandle(
+            self.model,
+            self.spec,
+            self.layout,
+            self.store_path,
+            pc,
+            predictor,
+            horizon,
+            opts,
+            self.clock,
+            self.history,
+            prefetch_extra=prefetch_extra,
+        )
         cache = handle.cache
         try:
             gen = self._generate(handle.hooks, cache)
@@ -190,10 +200,17 @@ class OffloadSession:
                 mod.forward = _not_attached
         result = self._result(pc, predictor, link, gen, cache, prefetch_extra)
         decode, c = gen.tokens["decode"], handle.prediction_counters()
-        per_token = {f"{k}_per_token": v / decode if decode else None
-                     for k, v in c.items() if k.endswith("_s")}  # fmt: skip
-        result = dataclasses.replace(result, **per_token, predict_calls=c["predict_calls"],
-                                     expert_compute=c["expert_compute"])  # fmt: skip
+        per_token = {
+            f"{k}_per_token": v / decode if decode else None
+            for k, v in c.items()
+            if k.endswith("_s")
+        }
+        result = dataclasses.replace(
+            result,
+            **per_token,
+            predict_calls=c["predict_calls"],
+            expert_compute=c["expert_compute"],
+        )
         if horizon is not None:
             result = dataclasses.replace(
                 result,
@@ -211,11 +228,20 @@ class OffloadSession:
 
     def _generate(self, hooks: PredictionHooks, cache=None) -> Generation:
         self.clock.forward = -1
-        rec = Recorder(self.model, self.clock, self.history, cache, record_routing=cache is None,
-                       hooks=hooks)  # fmt: skip
+        rec = Recorder(
+            self.model, self.clock, self.history, cache, record_routing=cache is None, hooks=hooks
+        )
         with contextlib.nullcontext() if cache is not None else hooks:  # a handle's: entered
-            return generate(self.model, self.inputs, self.cfg.decode, self.eos, rec,
-                            self.cfg.progress, self.cfg.batch, self.pad)  # fmt: skip
+            return generate(
+                self.model,
+                self.inputs,
+                self.cfg.decode,
+                self.eos,
+                rec,
+                self.cfg.progress,
+                self.cfg.batch,
+                self.pad,
+            )
 
     def _declare(self, result: RunResult, link: Link, predictor=None, horizon=None) -> RunResult:
         """`result` with its time model (offload/time_model.py): each predictor's modelled cost

@@ -79,14 +79,22 @@ class Checkpoint:
                 **{k: refs[k + "_packed"] for k in packed},
             }
         elif block == MXFP4:  # `{proj}_blocks` indexed as `{proj}`, their `{proj}_scales` apart
-            self.scales = {k.removesuffix("_scales"): r for k, r in refs.items()
-                           if k.endswith("_scales") and k[:-7] + "_blocks" in refs}  # fmt: skip
-            refs = {k[:-7] if k.endswith("_blocks") and k[:-7] in self.scales else k: r
-                    for k, r in refs.items()
-                    if not (k.endswith("_scales") and k[:-7] in self.scales)}  # fmt: skip
+            self.scales = {
+                k.removesuffix("_scales"): r
+                for k, r in refs.items()
+                if k.endswith("_scales") and k[:-7] + "_blocks" in refs
+            }
+            refs = {
+                k[:-7] if k.endswith("_blocks") and k[:-7] in self.scales else k: r
+                for k, r in refs.items()
+                if not (k.endswith("_scales") and k[:-7] in self.scales)
+            }
         else:
-            self.scales = {k.removesuffix("_scale_inv"): r for k, r in refs.items()
-                           if k.endswith(".weight_scale_inv")}  # fmt: skip
+            self.scales = {
+                k.removesuffix("_scale_inv"): r
+                for k, r in refs.items()
+                if k.endswith(".weight_scale_inv")
+            }
             refs = {k: r for k, r in refs.items() if not k.endswith(".weight_scale_inv")}
         self.refs = refs
         self._digests: dict[Path, hashlib.blake2b] | None = None  # while `hashing`

@@ -155,8 +155,10 @@ def store_header(num_layers: int, num_experts: int, layout: ExpertLayout, meta: 
             at += nbytes
             if pad:  # (safetensors allows no holes: the padding is a tensor of its own)
                 header[f"pad.{m:03d}.{e:04d}"] = {
-                    "dtype": "U8", "shape": [pad], "data_offsets": [at, at + pad]
-                }  # fmt: skip
+                    "dtype": "U8",
+                    "shape": [pad],
+                    "data_offsets": [at, at + pad],
+                }
                 at += pad
     header["__metadata__"] = {
         **meta,
@@ -252,8 +254,11 @@ class ExpertStore:
             ) from e
         found = header.get("__metadata__", {}).get("format_version") if header else None
         if found != FORMAT_VERSION:
-            what = (f"a store of format_version {found} (an older tensorbend's)" if found
-                    else "another file")  # fmt: skip
+            what = (
+                f"a store of format_version {found} (an older tensorbend's)"
+                if found
+                else "another file"
+            )
             raise StoreError(
                 f"expert store {path}: expected a tensorbend store (format_version "
                 f"{FORMAT_VERSION}), found {what}; delete it and rerun to rebuild it"
@@ -284,14 +289,20 @@ class ExpertStore:
             return [[n, list(shape)] for n, shape in p]
 
         fmt = block_meta(layout.block)
-        want = {**identity, "experts": f"{num_layers} x {num_experts}",
-                "layout": parts(layout.parts), "expert bytes": f"{layout.stored_nbytes}",
-                "format": fmt}  # fmt: skip
+        want = {
+            **identity,
+            "experts": f"{num_layers} x {num_experts}",
+            "layout": parts(layout.parts),
+            "expert bytes": f"{layout.stored_nbytes}",
+            "format": fmt,
+        }
         found = {k: self.meta.get(k) for k in identity}
-        found |= {"experts": f"{self.num_layers} x {self.num_experts}",
-                  "layout": parts(json.loads(self.meta.get("layout", "[]"))),
-                  "expert bytes": f"{self.expert_nbytes}",
-                  "format": {k: v for k, v in self.meta.items() if k in _FORMAT_KEYS}}  # fmt: skip
+        found |= {
+            "experts": f"{self.num_layers} x {self.num_experts}",
+            "layout": parts(json.loads(self.meta.get("layout", "[]"))),
+            "expert bytes": f"{self.expert_nbytes}",
+            "format": {k: v for k, v in self.meta.items() if k in _FORMAT_KEYS},
+        }
         diff = [k for k in want if want[k] != found[k]]
         if diff:
             self.close()

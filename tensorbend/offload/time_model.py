@@ -100,8 +100,11 @@ def declare(
     layers: MoE layers, for the host layer time this run itself computed at, `slowdown_in_run`:
     a decode forward's seconds less stall and prediction, per layer, over the target's)."""
     target = getattr(link, "target", None)
-    out = {"regime": regime(link.name.split(" ")[0], run["io"], target), "target": target,
-           "host_layer_ms": round(host_layer_s * 1e3, 6)}  # fmt: skip
+    out = {
+        "regime": regime(link.name.split(" ")[0], run["io"], target),
+        "target": target,
+        "host_layer_ms": round(host_layer_s * 1e3, 6),
+    }
     if target is None:
         out["prediction"] = "host seconds, as measured"
         return out
@@ -142,8 +145,10 @@ def label(tm: dict | None, before: str = "2026-12-05") -> str:
     if not tm:
         return f"time model not recorded (run before {before})"
     if tm["regime"] == "emulated link":
-        return (f"emulated link (target {tm['target']}, s={tm['slowdown']:.1f}, prediction "
-                "charged as run and at s x the target's modelled cost)")  # fmt: skip
+        return (
+            f"emulated link (target {tm['target']}, s={tm['slowdown']:.1f}, prediction "
+            "charged as run and at s x the target's modelled cost)"
+        )
     if tm["regime"] == "simulated":
         return f"simulated ({tm['target']}, prediction charged {tm['prediction']})"
     return f"{tm['regime']} ({tm['prediction']})"

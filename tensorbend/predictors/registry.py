@@ -160,8 +160,15 @@ TrainableKind = Literal[TRAINABLE]  # type: ignore[valid-type]
 BaselineName = Literal[BASELINES]  # type: ignore[valid-type]
 BaselineChoice = Literal[(*BASELINES, "all")]  # type: ignore[valid-type]
 _TRAIN_OPTIONS = (
-    "loss", "width", "epochs", "prev_routing", "src_scores", "foresight", "inputs", "fit_layers"
-)  # fmt: skip
+    "loss",
+    "width",
+    "epochs",
+    "prev_routing",
+    "src_scores",
+    "foresight",
+    "inputs",
+    "fit_layers",
+)
 CROSS_TOKEN_OPTIONS = ("foresight", "inputs")
 
 

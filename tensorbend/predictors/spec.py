@@ -61,8 +61,9 @@ class PredictorSpec:
                     f"{flag} {path}: expected a checkpoint file, found none; train one with "
                     f"`tensorbend train{how}`"
                 )
-        kinds = [None if p is None else read_metadata(p)["kind"]
-                 for p in (self.predictor, self.horizon)]  # fmt: skip
+        kinds = [
+            None if p is None else read_metadata(p)["kind"] for p in (self.predictor, self.horizon)
+        ]
         check_roles(*kinds, ("--predictor", "--horizon"))
 
     def check_policy(self, policy: str) -> None:

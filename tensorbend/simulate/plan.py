@@ -126,5 +126,9 @@ def add_horizon(work: list[ForwardWork], mapping: Mapping, forecasts, ahead_laye
 
 def steps_by_key(work: list[ForwardWork]) -> dict[Key, list[int]]:
     """Sorted steps (forward * L + g) at which each (g, e) is demanded (cache/oracle.py)."""
-    return oracle_steps((f * len(fw.layers) + g, g, e) for f, fw in enumerate(work)
-                        for g, lw in enumerate(fw.layers) for e, _ in lw.demand)  # fmt: skip
+    return oracle_steps(
+        (f * len(fw.layers) + g, g, e)
+        for f, fw in enumerate(work)
+        for g, lw in enumerate(fw.layers)
+        for e, _ in lw.demand
+    )

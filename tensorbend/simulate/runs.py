@@ -50,13 +50,24 @@ def run_one(
         ranked = Ranked("oracle", la.name, la.distance, None, None)
     o = cfg.offload
     adm = admission_rule(o.admission, policy)
-    rs = make_resident_set(policy, units, L, o.pool, adm, o.admission_window, steps,
-                           o.foresight, forecasts is not None, beyond)  # fmt: skip
+    rs = make_resident_set(
+        policy,
+        units,
+        L,
+        o.pool,
+        adm,
+        o.admission_window,
+        steps,
+        o.foresight,
+        forecasts is not None,
+        beyond,
+    )
     backlog = cfg.offload.prefetch_backlog * costs.transfer_s()
     predict_s = predict_call_s(costs, ranked, hw) if policy == "prefetch" else 0.0
     forecast_s = costs.forecast_s if policy == "prefetch" or forecasts is not None else 0.0
-    times = Times(costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s,
-                  forecast_s)  # fmt: skip
+    times = Times(
+        costs.attn_s, costs.expert_s, costs.forward_s, predict_s, costs.miss_s, forecast_s
+    )
     link = IOThreads(Link(costs.link_bandwidth, costs.link_latency), costs.io_slots, backlog)
     run = EventRun(rs, link, times, scratch=o.staging(K), unit_bytes=costs.unit_bytes)
     if not bounded:

@@ -97,7 +97,7 @@ class SimulateConfig:
     offload: PolicyConfig = field(
         default_factory=lambda: PolicyConfig("oracle"),
         metadata={"skip": ("policy", "cache_frac", "cache_bytes", "oracle_beyond")},
-    )  # fmt: skip
+    )
     """The cache options of `tensorbend run` (--pool, --admission, --foresight, --lookahead,
     ...), each applied to the policies it concerns; its policy is not read (--policy lists the
     simulated ones; oracle, the default, accepts every option)."""
@@ -251,10 +251,14 @@ def simulate_peers(cfg: SimulateConfig, peers: tuple[str, ...]) -> list[dict]:
     """The peers that predict (`peers`: names such as spec_gate, or checkpoints such as the
     seed's MLP) simulated as prefetchers with cfg's cache and admission and no horizon: their
     rows only, each marked `peer` (the `prefetch:none` run beside them is left out)."""
-    only = dataclasses.replace(cfg, policies=("prefetch",), predictors=tuple(peers),
-                               prediction=PredictorSpec())  # fmt: skip
-    return [{**r, "peer": True} for r in simulate(only).to_json()["results"]
-            if r["predictor"] not in (None, "none")]  # fmt: skip
+    only = dataclasses.replace(
+        cfg, policies=("prefetch",), predictors=tuple(peers), prediction=PredictorSpec()
+    )
+    return [
+        {**r, "peer": True}
+        for r in simulate(only).to_json()["results"]
+        if r["predictor"] not in (None, "none")
+    ]
 
 
 def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> tuple[list, PredictorCost]:
@@ -283,8 +287,14 @@ def _setup(cfg: SimulateConfig, tr: Trace):
         geo = geometry_from_trace(spec, cal.expert_bytes, f"{cfg.trace} + {cfg.calibration}")
     else:
         geo = get_geometry(cfg.geometry)
-    mapping = make_mapping(spec.num_moe_layers, spec.num_experts, spec.top_k,
-                           geo.num_moe_layers, geo.num_experts, geo.top_k)  # fmt: skip
+    mapping = make_mapping(
+        spec.num_moe_layers,
+        spec.num_experts,
+        spec.top_k,
+        geo.num_moe_layers,
+        geo.num_experts,
+        geo.top_k,
+    )
     if cal is not None:
         costs = Costs.from_calibration(cal, mapping.unit_scale)
     else:

@@ -61,8 +61,13 @@ def evaluate(
     device = next(model.parameters()).device
     nll_sum, n_targets = 0.0, 0
     with RouterHooks(model, spec, on_route=on_route):
-        for i in tqdm(range(0, len(windows_WS), 8), desc="evaluate held-out", unit="batch",
-                      disable=not progress, file=sys.stderr):  # fmt: skip
+        for i in tqdm(
+            range(0, len(windows_WS), 8),
+            desc="evaluate held-out",
+            unit="batch",
+            disable=not progress,
+            file=sys.stderr,
+        ):
             ids_BS = windows_WS[i : i + 8].to(device)
             logits_BSV = model(input_ids=ids_BS).logits.float()
             nll = torch.nn.functional.cross_entropy(
@@ -155,7 +160,7 @@ def write_cards(out: Path, model: torch.nn.Module, cfg, run: dict, stats: dict) 
                     "heldout_bytes": s["heldout"]["bytes"],
                 }
                 for name, s in corpus.get("sources", {}).items()
-            },  # fmt: skip
+            },
             "heldout": "about 2% of documents, chosen by hash of the document name",
         },
         "software": {
@@ -180,8 +185,10 @@ def _balancing(cfg) -> str:
         return (
             f"aux-loss-free: bias += {cfg.bias_gamma:g} * sign(mean_load - load) after every step"
         )
-    return (f"Switch aux loss per MoE layer (E * sum f_e * P_e), summed over layers, "
-            f"coefficient {cfg.aux_loss_coef:g}")  # fmt: skip
+    return (
+        f"Switch aux loss per MoE layer (E * sum f_e * P_e), summed over layers, "
+        f"coefficient {cfg.aux_loss_coef:g}"
+    )
 
 
 def _set_overlap(a_TK: torch.Tensor, b_TK: torch.Tensor, num_experts: int) -> float:
@@ -204,8 +211,13 @@ def _generate_samples(model: torch.nn.Module, tok, new_tokens: int = 40) -> list
     samples = []
     for prompt in GENERATION_PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids.to(device)
-        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                             repetition_penalty=1.3, pad_token_id=tok.eos_token_id)  # fmt: skip
+        gen = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=tok.eos_token_id,
+        )
         samples.append({"prompt": prompt, "greedy_rep1.3": tok.decode(gen[0, ids.shape[1] :])})
     return samples
 
@@ -257,16 +269,32 @@ def _markdown(card: dict) -> str:
         "|---|---|---|---|",
     ]
     for name, s in card["corpus"]["sources"].items():
-        lines.append(f"| {name} ({s['origin']}) | {s['licence']} | {s['train_bytes']:,} | "
-                     f"{s['heldout_bytes']:,} |")  # fmt: skip
-    lines += ["", "Held-out text: " + card["corpus"]["heldout"] + ".", "", "## Samples (greedy, "
-              "repetition penalty 1.3)", ""]  # fmt: skip
+        lines.append(
+            f"| {name} ({s['origin']}) | {s['licence']} | {s['train_bytes']:,} | "
+            f"{s['heldout_bytes']:,} |"
+        )
+    lines += [
+        "",
+        "Held-out text: " + card["corpus"]["heldout"] + ".",
+        "",
+        "## Samples (greedy, repetition penalty 1.3)",
+        "",
+    ]
     for s in card["samples"]:
         text = s["greedy_rep1.3"].replace("\n", " ⏎ ")
         lines.append(f"- **{s['prompt']}** → {text}")
-    lines += ["", "## Load", "", "```python", "from transformers import AutoModelForCausalLM, "
-              "AutoTokenizer", "from tensorbend.zoo import model_path", "",
-              f"path = model_path({json.dumps(card['name'])})",
-              'model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")',
-              "tok = AutoTokenizer.from_pretrained(path)", "```", ""]  # fmt: skip
+    lines += [
+        "",
+        "## Load",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "from tensorbend.zoo import model_path",
+        "",
+        f"path = model_path({json.dumps(card['name'])})",
+        'model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")',
+        "tok = AutoTokenizer.from_pretrained(path)",
+        "```",
+        "",
+    ]
     return "\n".join(lines)

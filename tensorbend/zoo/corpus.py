@@ -281,12 +281,44 @@ def _strip_gutenberg(text: str) -> str:
     return text
 
 
-_BLOCK_TAGS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "dt", "dd",
-               "table", "section", "blockquote", "ul", "ol", "dl", "hr", "title"}  # fmt: skip
+_BLOCK_TAGS = {
+    "p",
+    "div",
+    "br",
+    "li",
+    "tr",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "pre",
+    "dt",
+    "dd",
+    "table",
+    "section",
+    "blockquote",
+    "ul",
+    "ol",
+    "dl",
+    "hr",
+    "title",
+}
 _VOID_TAGS = {"br", "img", "hr", "meta", "link", "input", "wbr", "col", "area", "base", "source"}
 _SKIP_TAGS = {"script", "style", "head", "nav", "noscript"}
-_SKIP_CLASSES = {"headerlink", "sphinxsidebar", "related", "footer", "navheader", "navfooter",
-                 "toc", "docnav", "mobile-nav", "breadcrumbs"}  # fmt: skip
+_SKIP_CLASSES = {
+    "headerlink",
+    "sphinxsidebar",
+    "related",
+    "footer",
+    "navheader",
+    "navfooter",
+    "toc",
+    "docnav",
+    "mobile-nav",
+    "breadcrumbs",
+}
 
 
 class _TextExtractor(HTMLParser):

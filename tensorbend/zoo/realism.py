@@ -104,18 +104,25 @@ def routing_card(trace, cache_frac: float = 0.25, max_requests: int | None = Non
             fit_tokens, fit_ids, fit["prompt_index_T"].numpy(), held_tokens, held_ids, E, K
         )
     else:
-        for key in ("token_table_recall", "token_table_recall_by_layer",
-                    "token_table_by_fit_count", "token_table_fit_fraction"):  # fmt: skip
+        for key in (
+            "token_table_recall",
+            "token_table_recall_by_layer",
+            "token_table_by_fit_count",
+            "token_table_fit_fraction",
+        ):
             out[key] = None
     ids_FLK = [[sorted(map(int, u_LK[m])) for m in range(L)] for u in used for u_LK in u]
-    out["routing_foresight_gap"] = foresight_gaps(ids_FLK, ids_FLK, L, E, cache_frac,
-                                                  "per_layer", ROUTING_H)  # fmt: skip
+    out["routing_foresight_gap"] = foresight_gaps(
+        ids_FLK, ids_FLK, L, E, cache_frac, "per_layer", ROUTING_H
+    )
     if table is not None:
         guess = np.argsort(-table, axis=-1, kind="stable")[..., :K]  # [V, L, K]
-        pred_FLK = [[sorted(map(int, guess[t, m])) for m in range(L)]
-                    for t in np.concatenate(tokens)]  # fmt: skip
-        out["token_foresight_gap"] = foresight_gaps(ids_FLK, pred_FLK, L, E, cache_frac,
-                                                    "global", TOKEN_H)  # fmt: skip
+        pred_FLK = [
+            [sorted(map(int, guess[t, m])) for m in range(L)] for t in np.concatenate(tokens)
+        ]
+        out["token_foresight_gap"] = foresight_gaps(
+            ids_FLK, pred_FLK, L, E, cache_frac, "global", TOKEN_H
+        )
     else:
         out["token_foresight_gap"] = None
     return out
@@ -157,13 +164,24 @@ def recall_by_fit_count(table_VLE, fit_count_V, token_ids_T, ids_TLK, K: int) ->
         label = _bucket(lo, hi)
         sel = (count_T >= lo) & ((count_T <= hi) if hi is not None else True)
         recall = table_recall(table_VLE, token_ids_T[sel], ids_TLK[sel], K) if sel.any() else None
-        out[label] = {"share": round(float(sel.mean()), 4),
-                      "recall": None if recall is None else round(float(recall.mean()), 4)}  # fmt: skip
+        out[label] = {
+            "share": round(float(sel.mean()), 4),
+            "recall": None if recall is None else round(float(recall.mean()), 4),
+        }
     return out
 
 
-def recall_by_fit_fraction(fit_tokens_T, fit_ids_TLK, fit_prompt_T, token_ids_T, ids_TLK, E: int,
-                           K: int, fractions=FIT_FRACTIONS, seed: int = 0) -> dict:  # fmt: skip
+def recall_by_fit_fraction(
+    fit_tokens_T,
+    fit_ids_TLK,
+    fit_prompt_T,
+    token_ids_T,
+    ids_TLK,
+    E: int,
+    K: int,
+    fractions=FIT_FRACTIONS,
+    seed: int = 0,
+) -> dict:
     """{share: recall (mean over layers)} of the table fit on a seeded sample of that share of
     the fit prompts (at least one prompt)."""
     prompts = np.unique(fit_prompt_T)
@@ -224,22 +242,39 @@ def format_card(cards: dict[str, dict], reference: dict = REFERENCE) -> str:
         return f"| {label} | {cell(get(reference))} | " + " | ".join(vals) + " |"
 
     lines = [
-        "| statistic | real (" + reference["model"].split(" (")[0] + ") | " + " | ".join(names)
+        "| statistic | real ("
+        + reference["model"].split(" (")[0]
+        + ") | "
+        + " | ".join(names)
         + " |",
         "|---|---|" + "---|" * len(names),
-        row("token-id table -> same forward's routing, recall@k (mean over layers)",
-            lambda c: c.get("token_table_recall")),
-    ]  # fmt: skip
+        row(
+            "token-id table -> same forward's routing, recall@k (mean over layers)",
+            lambda c: c.get("token_table_recall"),
+        ),
+    ]
     for j in WINDOWS:
-        lines.append(row(f"recurrence in the same layer within {j} token(s)",
-                         lambda c, j=j: _at(c.get("recurrence"), j)))  # fmt: skip
+        lines.append(
+            row(
+                f"recurrence in the same layer within {j} token(s)",
+                lambda c, j=j: _at(c.get("recurrence"), j),
+            )
+        )
     for h in ROUTING_H:
-        lines.append(row(f"exact routing of {h} token(s) as eviction foresight: share of the "
-                         f"LRU->Belady gap (per-layer caches)",
-                         lambda c, h=h: _at(c.get("routing_foresight_gap"), h)))  # fmt: skip
+        lines.append(
+            row(
+                f"exact routing of {h} token(s) as eviction foresight: share of the "
+                f"LRU->Belady gap (per-layer caches)",
+                lambda c, h=h: _at(c.get("routing_foresight_gap"), h),
+            )
+        )
     for h in TOKEN_H:
-        lines.append(row(f"exact future token ids (token table) as foresight, h = {h} (one "
-                         f"global cache)", lambda c, h=h: _at(c.get("token_foresight_gap"), h)))  # fmt: skip
+        lines.append(
+            row(
+                f"exact future token ids (token table) as foresight, h = {h} (one global cache)",
+                lambda c, h=h: _at(c.get("token_foresight_gap"), h),
+            )
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -253,13 +288,17 @@ def format_fit_detail(cards: dict[str, dict]) -> str:
         cells = []
         for c in cards.values():
             b = (c.get("token_table_by_fit_count") or {}).get(label)
-            cells.append("-" if b is None or b["recall"] is None
-                         else f"{b['recall']:.3f} ({100 * b['share']:.1f}% of rows)")  # fmt: skip
+            cells.append(
+                "-"
+                if b is None or b["recall"] is None
+                else f"{b['recall']:.3f} ({100 * b['share']:.1f}% of rows)"
+            )
         lines.append(f"| held-out token seen {label} time(s) in fit | " + " | ".join(cells) + " |")
     for frac in FIT_FRACTIONS:
         cells = [_cell(_at(c.get("token_table_fit_fraction"), frac)) for c in cards.values()]
-        lines.append(f"| table fit on {100 * frac:g}% of the fit prompts | " + " | ".join(cells)
-                     + " |")  # fmt: skip
+        lines.append(
+            f"| table fit on {100 * frac:g}% of the fit prompts | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -70,8 +70,13 @@ def tokenize_split(
     eos = tok.eos_token_id
     parts = []
     chunk = 256
-    for i in tqdm(range(0, len(docs), chunk), desc=f"tokenize {split}", unit="chunk",
-                  disable=not progress, file=sys.stderr):  # fmt: skip
+    for i in tqdm(
+        range(0, len(docs), chunk),
+        desc=f"tokenize {split}",
+        unit="chunk",
+        disable=not progress,
+        file=sys.stderr,
+    ):
         for ids in tok.backend_tokenizer.encode_batch(docs[i : i + chunk]):
             parts.append(np.asarray(ids.ids + [eos], dtype=np.uint16))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)

@@ -149,8 +149,9 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
     _save_checkpoint(ckpt_path, cfg, model, opt, run)
 
     model.eval()
-    stats = zoo_card.evaluate(model, tok, train_ids_N, heldout_ids_N, size.seq_len,
-                              cfg.eval_tokens, progress=progress)  # fmt: skip
+    stats = zoo_card.evaluate(
+        model, tok, train_ids_N, heldout_ids_N, size.seq_len, cfg.eval_tokens, progress=progress
+    )
     _save_hf(model, tok, out)
     zoo_card.write_cards(out, model, cfg, run, stats)
     return out
@@ -174,8 +175,9 @@ def _build_model(cfg: ZooTrainConfig, size, tok, device: torch.device):
     return model, opt
 
 
-def _train_loop(cfg: ZooTrainConfig, model, opt, run: dict, train_ids_N, state_dir: Path,
-                progress: bool) -> None:  # fmt: skip
+def _train_loop(
+    cfg: ZooTrainConfig, model, opt, run: dict, train_ids_N, state_dir: Path, progress: bool
+) -> None:
     """Steps until the budget; checkpoints periodically and on Ctrl-C / SIGTERM (then raises)."""
     size, device = cfg.size_preset(), next(model.parameters()).device
     ckpt_path = state_dir / CHECKPOINT
@@ -185,16 +187,24 @@ def _train_loop(cfg: ZooTrainConfig, model, opt, run: dict, train_ids_N, state_d
     total_steps = math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None
     budget_s = cfg.minutes * 60 if cfg.minutes else None
     log = open(state_dir / "train_log.jsonl", "a")
-    bar = tqdm(total=total_steps, initial=run["step"], desc=f"train {cfg.arch}", unit="step",
-               disable=not progress, file=sys.stderr)  # fmt: skip
+    bar = tqdm(
+        total=total_steps,
+        initial=run["step"],
+        desc=f"train {cfg.arch}",
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+    )
     stop = _StopFlag()
     t_start, t_ckpt = time.monotonic() - run["train_seconds"], time.monotonic()
     model.train()
     try:
         while True:
             run["train_seconds"] = time.monotonic() - t_start
-            done = [run["step"] / total_steps if total_steps else 0.0,
-                    run["train_seconds"] / budget_s if budget_s else 0.0]  # fmt: skip
+            done = [
+                run["step"] / total_steps if total_steps else 0.0,
+                run["train_seconds"] / budget_s if budget_s else 0.0,
+            ]
             if max(done) >= 1.0:
                 break
             lr = size.lr * _lr_factor(run["step"], max(done))
@@ -230,12 +240,23 @@ def _report(bar, log, run: dict, lr: float, load_LE: torch.Tensor, seconds: floa
     """Progress bar every step; a JSON line in train_log.jsonl every 25 steps."""
     imbalance = float((load_LE.max(1).values / load_LE.mean(1)).max())
     bar.update(1)
-    bar.set_postfix(loss=f"{run['last_loss']:.3f}", lr=f"{lr:.1e}",
-                    max_over_mean=f"{imbalance:.2f}")  # fmt: skip
+    bar.set_postfix(
+        loss=f"{run['last_loss']:.3f}", lr=f"{lr:.1e}", max_over_mean=f"{imbalance:.2f}"
+    )
     if run["step"] % 25 == 0:
-        log.write(json.dumps({"step": run["step"], "tokens": run["tokens_seen"],
-                              "seconds": round(seconds, 1), "loss": round(run["last_loss"], 4),
-                              "lr": lr, "max_over_mean_load": round(imbalance, 3)}) + "\n")  # fmt: skip
+        log.write(
+            json.dumps(
+                {
+                    "step": run["step"],
+                    "tokens": run["tokens_seen"],
+                    "seconds": round(seconds, 1),
+                    "loss": round(run["last_loss"], 4),
+                    "lr": lr,
+                    "max_over_mean_load": round(imbalance, 3),
+                }
+            )
+            + "\n"
+        )
         log.flush()
 
 
@@ -321,8 +342,13 @@ def _prepare_data(cfg: ZooTrainConfig, vocab_size: int, state_dir: Path, progres
 def _save_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt, run: dict) -> None:
     """Weights + AdamW state + RNG in one safetensors file, replaced atomically."""
     tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-    tensors.update({f"model.{n}": b.cpu().contiguous() for n, b in model.named_buffers()
-                    if "correction_bias" in n})  # fmt: skip
+    tensors.update(
+        {
+            f"model.{n}": b.cpu().contiguous()
+            for n, b in model.named_buffers()
+            if "correction_bias" in n
+        }
+    )
     opt_sd = opt.state_dict()
     for idx, st in opt_sd["state"].items():
         for k, v in st.items():
