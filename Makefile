@@ -69,6 +69,7 @@ docs: setup
 	$(PY) -m tools.report
 	$(PY) -m tools.readme_table
 	$(PY) tools/cli_reference.py
+	$(PY) -m tools.architecture
 
 # Every published number, regenerated (docs/results/; then `make docs`). The accuracy part is
 # deterministic; the timing part must run alone on the machine (nothing else on the cores).
@@ -78,7 +79,7 @@ DOMAIN_TOPICS := multilingual,poetry,python,tables
 # A trace is done when it opens and says complete (Trace.info, as `trace info` prints it): an
 # interrupted collection leaves a manifest that does not, and `collect --resume` continues it,
 # keeping every finished prompt.
-trace_done = $(PY) -c "import sys; from tensorbend.trace import Trace; \
+trace_done = $(PY) -c "import sys; from tensorbend.capture.trace import Trace; \
 	sys.exit(not Trace.open(sys.argv[1]).info()['complete'])" $(1) 2>/dev/null
 TRACE_FLAGS := --decode teacher --max-new-tokens 64 --features ids weights gate_input layer_input
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from bench.record import command, emit
-from tensorbend.hf import cache_kwarg, cache_of, load_model
+from tensorbend.capture.hf import cache_kwarg, cache_of, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.runner import build_predictor
-from tensorbend.prefetch import Prefetcher
+from tensorbend.predictors.prefetch import Prefetcher
 
 CONDITIONS = ("back_to_back", "spin_2ms", "sleep_2ms", "decode_forward")
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.record import command, emit
-from tensorbend.hf import load_model
+from tensorbend.capture.hf import load_model
 
 CONDITIONS = ("alone", "memoryview", "tensor")
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from bench.pages.foresight import markdown
 from bench.record import command, emit
 from tensorbend.atomic import atomic_write_text
-from tensorbend.foresight import evaluate_foresight
+from tensorbend.capture.trace import Trace
 from tensorbend.predictors.checkpoint import load_predictor
-from tensorbend.trace import Trace
-from tensorbend.train import TrainConfig, train
+from tensorbend.predictors.foresight import evaluate_foresight
+from tensorbend.predictors.train import TrainConfig, train
 
 INPUTS = ("routing+hidden", "routing")
 

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.prompts import load_prompts
 
     prompts = load_prompts(split=args.split)
     meter, rows = CpuMeter(), []

@@ -330,8 +330,8 @@ def _evict(path: Path) -> None:
 def _long_prompt(gguf: Path, tokens: int) -> str:
     """The held-out test prompts joined until they make at least `tokens` tokens (counted by
     the zoo tokenizer that wrote `gguf`: every zoo model shares it)."""
-    from tensorbend.hf import load_tokenizer
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.hf import load_tokenizer
+    from tensorbend.capture.prompts import load_prompts
     from tensorbend.zoo import resolve_model
 
     tok = load_tokenizer(resolve_model("zoo:default"))

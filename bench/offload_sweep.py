@@ -49,7 +49,8 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.cache.config import POLICIES, PolicyConfig, no_prediction
 from tensorbend.cache.report import best_rule, host_warning, median_row, run_label, what_ran
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
-from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.runner import build_predictor
@@ -57,7 +58,6 @@ from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out
 from tensorbend.predictors.spec import NEEDS_TRACE
-from tensorbend.prompts import load_prompts
 
 
 def main(argv=None) -> int:
@@ -310,8 +310,8 @@ def _plot_foresight(links: list[dict], report: dict, path: Path) -> None:
 
 def _prepare(a, trace: Path | None) -> list[Path]:
     """Collect the trace if missing; train our predictor on it if missing."""
-    from tensorbend.collect import CollectConfig, collect
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.capture.collect import CollectConfig, collect
+    from tensorbend.predictors.train import TrainConfig, train
 
     assert trace is not None, "--prepare needs --trace DIR"
     if not (trace / "manifest.json").is_file():

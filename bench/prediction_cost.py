@@ -38,8 +38,8 @@ import time
 import torch
 
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.hf import cache_kwarg, cache_of
-from tensorbend.prefetch import Prefetcher
+from tensorbend.capture.hf import cache_kwarg, cache_of
+from tensorbend.predictors.prefetch import Prefetcher
 
 TARGET_RATIO = 0.02  # issue 17's goal for the whole stack (5%: its limit)
 

@@ -34,11 +34,11 @@ from bench.prediction_cost import (
     whole_stacks,
 )
 from bench.record import command, emit
-from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts
 from tensorbend.models import describe_model
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.prompts import load_prompts
 
 
 def main(argv=None) -> int:

@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from tensorbend.collect import CollectConfig, collect
-from tensorbend.evaluate import EvalConfig, evaluate, format_table
-from tensorbend.hf import DecodeConfig
-from tensorbend.plots import plot_eval
-from tensorbend.train import TrainConfig, train
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.predictors.evaluate import EvalConfig, evaluate, format_table
+from tensorbend.predictors.plots import plot_eval
+from tensorbend.predictors.train import TrainConfig, train
 
 OURS = ("pre_attn", "d1", "d2", "d3")
 SEED = ("same_layer", "d1", "d2", "d3")

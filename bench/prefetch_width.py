@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 
 from tensorbend.atomic import write_generated
+from tensorbend.capture.trace import Trace
 from tensorbend.predictors.base import sources_from_rows
 from tensorbend.predictors.checkpoint import load_predictor
 from tensorbend.predictors.registry import KINDS
-from tensorbend.trace import Trace
 
 BINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TAUS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)

@@ -29,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from tensorbend.evaluate import EvalConfig, evaluate
+from tensorbend.capture.trace import Trace
 from tensorbend.predictors.checkpoint import read_metadata
-from tensorbend.trace import Trace
-from tensorbend.train import TrainConfig, train
+from tensorbend.predictors.evaluate import EvalConfig, evaluate
+from tensorbend.predictors.train import TrainConfig, train
 
 ROWS = (  # (key in the JSON, label in the doc)
     ("base", "seed as published (weighted BCE, p=256, previous token's routing, all prompts)"),

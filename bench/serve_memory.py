@@ -25,7 +25,7 @@ the cache and admission ours uses, the page cache (`--policy on_demand --io buff
 expert cache of tensorbend's, the kernel's page cache holds the experts), ours, and
 `--accelerate`'s baseline without tensorbend: `tensorbend generate --engine accelerate`
 (transformers + accelerate's `device_map="auto"` within the same budget, the rest streamed in
-from disk every forward; `tensorbend.hf_offload`). A llama.cpp row plugs in through
+from disk every forward; `tensorbend.serving.accelerate_baseline`). A llama.cpp row plugs in through
 `serve_rows.EXTERNAL` (not wired here). `--memory-cap` runs every row in a memory
 cgroup of import baseline + budget + `--cap-margin` (`bench.memory_cap`: the page cache
 its reads fill counts too), as on a machine with only that much RAM; needs root.
@@ -319,14 +319,14 @@ def _run(cmd: list[str], cap: int | None = None) -> dict:
 
 
 def _import_rss() -> int:
-    from tensorbend.serving import IMPORT_BASELINE as code
+    from tensorbend.serving.offloaded import IMPORT_BASELINE as code
 
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               check=True).stdout)  # fmt: skip
 
 
 def _test_prompts(path: Path, n: int) -> Path:
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.prompts import load_prompts
 
     rows = [{"id": p.id, "text": p.text} for p in load_prompts(None, "test")[:n]]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -127,8 +127,8 @@ def prefill_prompt(path: Path, model_dir: Path, min_tokens: int) -> dict:
     """A JSONL of one prompt of >= min_tokens tokens: held-out prose, the shipped prompts'
     test split from its last prompt backwards (the decode runs take the first), joined by blank
     lines. Returns {"ids", "tokens"}: the prompts it joined and its token count."""
-    from tensorbend.hf import load_tokenizer
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.hf import load_tokenizer
+    from tensorbend.capture.prompts import load_prompts
 
     tok = load_tokenizer(model_dir)
     taken, text = [], ""

@@ -31,18 +31,18 @@ from bench.sim_calibration import calibrate
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.report import run_label, what_ran
 from tensorbend.cache.transfers import Link
-from tensorbend.collect import CollectConfig, collect
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
 from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors import get_lookahead
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.prompts import load_prompts
 from tensorbend.simulate.simulator import SimulateConfig, simulate
-from tensorbend.trace import Trace
 
 METRICS = ("decode_tok_s", "stall_s_per_token", "bytes_read_per_token")
 BAR = 0.15  # the validation bar: every configuration within 15% on each metric

@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from tensorbend.capture import RoutingCapture
-from tensorbend.hf import DecodeConfig, PromptInput, decode_prompt
+from tensorbend.capture.hf import DecodeConfig, PromptInput, decode_prompt
+from tensorbend.capture.routing import RoutingCapture
 
 
 def build_model(spec: str | None):
     if spec:
-        from tensorbend.hf import load_model
+        from tensorbend.capture.hf import load_model
 
         try:
             return load_model(spec)[0], spec

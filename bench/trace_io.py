@@ -25,9 +25,9 @@ import torch
 
 from bench.record import emit
 from bench.timing import build_model, run_once
+from tensorbend.capture.trace import FEATURE_TENSORS
+from tensorbend.capture.writer import TraceWriter
 from tensorbend.models import describe_model
-from tensorbend.trace import FEATURE_TENSORS
-from tensorbend.trace_writer import TraceWriter
 
 FEATURE_SETS = {
     "ids": ("ids",),

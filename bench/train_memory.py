@@ -68,7 +68,7 @@ def replicate(src: Path, dst: Path, times: int) -> Path:
     from safetensors.torch import save as save_bytes
 
     from tensorbend.atomic import atomic_write_bytes, atomic_write_text
-    from tensorbend.trace import MANIFEST, ROUTER_FILE, Trace, file_sha256
+    from tensorbend.capture.trace import MANIFEST, ROUTER_FILE, Trace, file_sha256
 
     if (dst / MANIFEST).is_file():
         return dst
@@ -114,13 +114,13 @@ def _run_child(a, mode: str, trace: Path, ckpt: Path) -> float:
 def _child(a) -> int:
     import torch
 
-    from tensorbend.evaluate import EvalConfig, evaluate
+    from tensorbend.capture.rows import RowSelection, select_rows
+    from tensorbend.capture.trace import Trace
     from tensorbend.memory import peak_rss_bytes
     from tensorbend.predictors.checkpoint import load_predictor
-    from tensorbend.rows import RowSelection, select_rows
-    from tensorbend.scoring import score_predictor
-    from tensorbend.trace import Trace
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.evaluate import EvalConfig, evaluate
+    from tensorbend.predictors.scoring import score_predictor
+    from tensorbend.predictors.train import TrainConfig, train
 
     torch.set_num_threads(1)
     tr = Trace.open(a.trace)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.pages.zoo_card import TITLE, markdown
 from tensorbend.atomic import write_generated
-from tensorbend.trace import Trace
+from tensorbend.capture.trace import Trace
 from tensorbend.zoo.realism import routing_card
 
 

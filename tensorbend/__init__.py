@@ -3,7 +3,7 @@
 Usage (public names import lazily from the package; torch loads on first use):
     >>> from pathlib import Path
     >>> from tensorbend import CollectConfig, DecodeConfig, Trace, describe_model
-    >>> from tensorbend.collect import collect        # each verb's function lives in its module
+    >>> from tensorbend.capture.collect import collect        # each verb's function lives in its module
     >>> CollectConfig(model="zoo:default", out=Path("runs/t")).decode == DecodeConfig()
     True
 
@@ -13,33 +13,33 @@ The data flow: `collect.collect` (model -> trace) -> `train.train` (trace -> pre
 `importers.import_trace` turns a serving engine's routing dump into a trace.
 Each takes one config dataclass and returns a result dataclass with `to_json()`; the keys are
 documented in docs/guide/formats.md. (The verb functions are not re-exported here because their
-names are also module names: `tensorbend.collect` must stay the module.)
+names are also module names: `tensorbend.capture.collect` must stay the module.)
 """
 
 from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from tensorbend.version import __version__  # noqa: F401  (re-exported)
 
 # public name -> module that defines it
 _EXPORTS = {
     "TensorbendError": "tensorbend.errors",
-    "load_model": "tensorbend.hf",
-    "DecodeConfig": "tensorbend.hf",
+    "load_model": "tensorbend.capture.hf",
+    "DecodeConfig": "tensorbend.capture.hf",
     "describe_model": "tensorbend.models",
     "RoutingSpec": "tensorbend.models",
     "RouterHooks": "tensorbend.models",
-    "RoutingCapture": "tensorbend.capture",
-    "Trace": "tensorbend.trace",
-    "TraceWriter": "tensorbend.trace_writer",
-    "load_prompts": "tensorbend.prompts",
-    "CollectConfig": "tensorbend.collect",
-    "CollectResult": "tensorbend.collect",
-    "TrainConfig": "tensorbend.train",
-    "TrainResult": "tensorbend.train",
-    "EvalConfig": "tensorbend.evaluate",
-    "EvalReport": "tensorbend.evaluate",
+    "RoutingCapture": "tensorbend.capture.routing",
+    "Trace": "tensorbend.capture.trace",
+    "TraceWriter": "tensorbend.capture.writer",
+    "load_prompts": "tensorbend.capture.prompts",
+    "CollectConfig": "tensorbend.capture.collect",
+    "CollectResult": "tensorbend.capture.collect",
+    "TrainConfig": "tensorbend.predictors.train",
+    "TrainResult": "tensorbend.predictors.train",
+    "EvalConfig": "tensorbend.predictors.evaluate",
+    "EvalReport": "tensorbend.predictors.evaluate",
     "LOOKAHEADS": "tensorbend.predictors",
     "KINDS": "tensorbend.predictors",
     "load_predictor": "tensorbend.predictors",
@@ -49,11 +49,11 @@ _EXPORTS = {
     "PolicyConfig": "tensorbend.cache.config",
     "SimulateConfig": "tensorbend.simulate.simulator",
     "SimulateResult": "tensorbend.simulate.simulator",
-    "ImportConfig": "tensorbend.importers",
-    "import_trace": "tensorbend.importers",
+    "ImportConfig": "tensorbend.engines.importers",
+    "import_trace": "tensorbend.engines.importers",
     "ExpertPredictorSet": "tensorbend.predictors.seed_api",
-    "load_offloaded": "tensorbend.serving",
-    "ServeConfig": "tensorbend.serving",
+    "load_offloaded": "tensorbend.serving.offloaded",
+    "ServeConfig": "tensorbend.serving.offloaded",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -74,15 +74,21 @@ def _warning_line(show):
 
 
 def _cmd_collect(args) -> int:
-    from tensorbend.collect import CollectConfig, collect
+    from tensorbend.capture.collect import CollectConfig, collect
 
-    result = collect(config_from_args(CollectConfig, args), progress=not args.quiet)
+    cfg = config_from_args(CollectConfig, args)
+    engine = None
+    if cfg.engine == "vllm":
+        from tensorbend.engines.vllm_engine import VllmEngine  # (imports vllm: this path only)
+
+        engine = VllmEngine(cfg.model, cfg.model_dtype, cfg.decode)
+    result = collect(cfg, progress=not args.quiet, engine=engine)
     print(_format_summary(result.to_json()))
     return 0
 
 
 def _cmd_trace_info(args) -> int:
-    from tensorbend.trace import Trace
+    from tensorbend.capture.trace import Trace
 
     info = Trace.open(Path(args.trace_dir)).info()
     print(json.dumps(info, indent=2) if args.json else _format_summary(info))
@@ -90,7 +96,7 @@ def _cmd_trace_info(args) -> int:
 
 
 def _cmd_trace_resplit(args) -> int:
-    from tensorbend.resplit import resplit
+    from tensorbend.capture.resplit import resplit
 
     topics = tuple(t.strip() for t in args.test_topics.split(",") if t.strip())
     record = resplit(Path(args.trace_dir), Path(args.out), topics)
@@ -99,8 +105,8 @@ def _cmd_trace_resplit(args) -> int:
 
 
 def _cmd_trace_export(args) -> int:
-    from tensorbend.importers.csv import trace_rows, write_csv
-    from tensorbend.trace import Trace
+    from tensorbend.capture.trace import Trace
+    from tensorbend.engines.importers.csv import trace_rows, write_csv
 
     trace, out = Trace.open(Path(args.trace_dir)), Path(args.out)
     write_csv(out, trace_rows(trace))  # (atomic: a kill leaves no half-written CSV)
@@ -114,7 +120,7 @@ def _cmd_trace_export(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.train import TrainConfig, train
 
     result = train(config_from_args(TrainConfig, args), progress=not args.quiet)
     print(_format_summary(result.to_json()))
@@ -131,13 +137,13 @@ def _cmd_live(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from tensorbend.evaluate import EvalConfig, evaluate, format_table
+    from tensorbend.predictors.evaluate import EvalConfig, evaluate, format_table
 
     report = evaluate(config_from_args(EvalConfig, args))
     print(format_table(report))
     _write_json(args.json, report.to_json())
     if args.plots:
-        from tensorbend.plots import plot_eval
+        from tensorbend.predictors.plots import plot_eval
 
         for p in plot_eval(report, Path(args.plots)):
             print(f"plot: {p}")
@@ -157,7 +163,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from tensorbend.generate import GenerateConfig, generate
+    from tensorbend.serving.generate import GenerateConfig, generate
 
     cfg = config_from_args(GenerateConfig, args)
     decode = replace(cfg.decode, decode="sample") if args.sample else cfg.decode
@@ -177,7 +183,7 @@ def _cmd_simulate(args) -> int:
 
 
 def _cmd_trace_import(args) -> int:
-    from tensorbend.importers import ImportConfig, import_trace
+    from tensorbend.engines.importers import ImportConfig, import_trace
 
     result = import_trace(config_from_args(ImportConfig, args, progress=not args.quiet))
     print(_format_summary(result.to_json()))
@@ -213,7 +219,7 @@ def _cmd_zoo_train(args) -> int:
 
 
 def _cmd_zoo_card(args) -> int:
-    from tensorbend.trace import Trace
+    from tensorbend.capture.trace import Trace
     from tensorbend.zoo.realism import format_card, format_fit_detail, routing_card
 
     cards = {}
@@ -234,7 +240,7 @@ def _cmd_zoo_corpus(args) -> int:
 
 
 def _cmd_store_list(args) -> int:
-    from tensorbend.stores import format_stores, list_stores, store_root
+    from tensorbend.serving.stores import format_stores, list_stores, store_root
 
     stores = list_stores(args.store_dir)
     print(
@@ -246,7 +252,7 @@ def _cmd_store_list(args) -> int:
 
 
 def _cmd_store_rm(args) -> int:
-    from tensorbend.stores import remove_partial, remove_store
+    from tensorbend.serving.stores import remove_partial, remove_store
 
     if (args.target is None) == (not args.partial):
         raise _UsageError(
@@ -264,9 +270,9 @@ def _cmd_store_rm(args) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from tensorbend import __version__
-    from tensorbend.collect import CollectConfig
-    from tensorbend.importers import ImportConfig
+    from tensorbend.capture.collect import CollectConfig
+    from tensorbend.engines.importers import ImportConfig
+    from tensorbend.version import __version__
 
     p = _Parser(
         prog="tensorbend",
@@ -313,9 +319,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(tim, ImportConfig, skip=("progress",), positional=("path",))
 
     from tensorbend.engines.vllm_live import LiveConfig
-    from tensorbend.evaluate import EvalConfig
     from tensorbend.offload.runner import RunConfig
-    from tensorbend.train import TrainConfig
+    from tensorbend.predictors.evaluate import EvalConfig
+    from tensorbend.predictors.train import TrainConfig
 
     add_config_flags(_verb(sub, "train", _cmd_train, "train a predictor on a trace"), TrainConfig)
     ev = _verb(sub, "eval", _cmd_eval, "score predictors and peers on held-out prompts")
@@ -329,7 +335,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_config_flags(rn, RunConfig)
     rn.add_argument("--json", help="write the result as JSON (keys in docs/guide/formats.md)")
 
-    from tensorbend.generate import GenerateConfig
+    from tensorbend.serving.generate import GenerateConfig
 
     gn = _verb(sub, "generate", _cmd_generate, "stream text from a model larger than memory")
     add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"))

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
-from tensorbend.demo_summary import DemoSummary
 from tensorbend.errors import TensorbendError
+from tensorbend.report.demo_summary import DemoSummary
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class DemoConfig:
 def demo(cfg: DemoConfig) -> DemoSummary:
     import torch
 
-    from tensorbend.trace import Trace
+    from tensorbend.capture.trace import Trace
 
     t0 = time.perf_counter()
     out = Path(cfg.out)
@@ -166,8 +166,8 @@ def _say(cfg: DemoConfig, msg: str) -> None:
 
 
 def _collect(cfg: DemoConfig, out: Path) -> Path:
-    from tensorbend.collect import CollectConfig, collect
-    from tensorbend.hf import DecodeConfig
+    from tensorbend.capture.collect import CollectConfig, collect
+    from tensorbend.capture.hf import DecodeConfig
 
     trace = out / "trace"
     if not _done(trace / "manifest.json", cfg, "collect"):
@@ -187,7 +187,7 @@ def _collect(cfg: DemoConfig, out: Path) -> Path:
 
 
 def _train(cfg: DemoConfig, out: Path, trace: Path, steps: dict) -> dict[str, Path]:
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.train import TrainConfig, train
 
     jobs = {
         "tensorbend": dict(predictor="tensorbend", lookahead="d1"),
@@ -208,8 +208,8 @@ def _train(cfg: DemoConfig, out: Path, trace: Path, steps: dict) -> dict[str, Pa
 
 
 def _eval(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict, report: Path) -> dict:
-    from tensorbend.evaluate import EvalConfig, evaluate
-    from tensorbend.plots import plot_eval
+    from tensorbend.predictors.evaluate import EvalConfig, evaluate
+    from tensorbend.predictors.plots import plot_eval
 
     path = report / "eval.json"
     if not _done(path, cfg, "eval (held-out test prompts)"):
@@ -233,13 +233,13 @@ def _run(cfg: DemoConfig, out: Path, trace: Path, ckpts: dict) -> list[dict]:
         run_label,
         what_ran,
     )
-    from tensorbend.hf import DecodeConfig, load_model
+    from tensorbend.capture.hf import DecodeConfig, load_model
+    from tensorbend.capture.prompts import load_prompts
     from tensorbend.host_load import warning
     from tensorbend.offload.hooks import NoPredictor
     from tensorbend.offload.runner import build_predictor
     from tensorbend.offload.session import OffloadSession, SessionConfig
     from tensorbend.predictors.base import get_lookahead
-    from tensorbend.prompts import load_prompts
 
     path = out / "report" / "run.json"
     if _done(path, cfg, "offloaded generation (25% cache, h100-pcie5-kimi link)", _has_peers):

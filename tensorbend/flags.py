@@ -2,7 +2,7 @@
 
 Usage:
     >>> import argparse
-    >>> from tensorbend.hf import DecodeConfig
+    >>> from tensorbend.capture.hf import DecodeConfig
     >>> p = argparse.ArgumentParser()
     >>> add_config_flags(p, DecodeConfig)
     >>> config_from_args(DecodeConfig, p.parse_args(["--decode", "teacher", "--seed", "3"]))

@@ -1,7 +1,7 @@
 """Find the MoE layers and routers of a loaded HF transformers model, and describe its routing.
 
 Usage:
-    >>> from tensorbend.hf import load_model
+    >>> from tensorbend.capture.hf import load_model
     >>> model, tok = load_model("zoo:default")
     >>> spec = describe_model(model)            # RoutingSpec: layers, experts, top-k, router kind
     >>> spec.family, spec.num_moe_layers, spec.num_experts, spec.top_k

@@ -2,7 +2,7 @@
 the model fingerprint built from them.
 
 Usage:
-    >>> from tensorbend.hf import load_model
+    >>> from tensorbend.capture.hf import load_model
     >>> from tensorbend.models import describe_model
     >>> model, tok = load_model("zoo:default")
     >>> spec = describe_model(model)

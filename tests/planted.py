@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tensorbend.capture.writer import TraceWriter
 from tensorbend.models import RoutingSpec
-from tensorbend.trace_writer import TraceWriter
 
 
 def _spec(L: int, E: int, K: int, D: int) -> RoutingSpec:
@@ -49,7 +49,7 @@ def _writer(root, spec, router, fingerprint: str):
 
 
 def _record(i: int, tokens: int, decode: int) -> dict:
-    from tensorbend.prompts import split_of
+    from tensorbend.capture.prompts import split_of
 
     pid = f"q{i:03d}"
     return {"id": pid, "split": split_of(pid), "topic": None, "prefill": tokens, "decode": decode}
@@ -138,8 +138,8 @@ def tiny_real_trace(d):
     """A trace of a real (tiny, random-init) DeepSeek-V3 with group-limited routing, in fp32."""
     from tiny_models import save_checkpoint, write_prompts
 
-    from tensorbend.collect import CollectConfig, collect
-    from tensorbend.hf import DecodeConfig
+    from tensorbend.capture.collect import CollectConfig, collect
+    from tensorbend.capture.hf import DecodeConfig
 
     save_checkpoint("deepseek_v3", d / "model")
     write_prompts(d / "p.jsonl", n=16)

@@ -45,8 +45,8 @@ from test_simulate import sim_config
 from tensorbend.cache.config import make_resident_set
 from tensorbend.cache.replay import planted_trace
 from tensorbend.cache.transfers import Link
-from tensorbend.importers import ImportConfig, import_trace
-from tensorbend.importers.csv import write_csv
+from tensorbend.engines.importers import ImportConfig, import_trace
+from tensorbend.engines.importers.csv import write_csv
 from tensorbend.offload.cache import CacheConfig, ExpertCache
 from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.simulate import simulate
@@ -123,11 +123,11 @@ def simulated(root: Path) -> dict:
 def horizon(root: Path) -> dict:
     """Random forecasts (fixed seed) handed to `Reuse` after every forward, next-forward
     prefetches of two layers."""
+    from tensorbend.capture.rows import forwards
+    from tensorbend.capture.trace import Trace
     from tensorbend.predictors.horizon import Forecast
-    from tensorbend.rows import forwards
     from tensorbend.simulate import plan, runs, simulator
     from tensorbend.simulate.predictions import rank_all
-    from tensorbend.trace import Trace
 
     trace = _trace(root / "a", prompts=40, L=3, E=8, K=2, prefill=4, decode=6, seed=3)
     cfg = sim_config(trace=trace, hardware="h100-pcie5", geometry="from-trace",

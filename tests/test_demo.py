@@ -5,8 +5,8 @@ import json
 import math
 import re
 
+from tensorbend.capture.trace import Trace
 from tensorbend.cli import main
-from tensorbend.trace import Trace
 from tensorbend.zoo import resolve_model
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from tiny_models import save_checkpoint, write_prompts
 
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.trace import Trace
 from tensorbend.cli import main
-from tensorbend.collect import CollectConfig, collect
-from tensorbend.hf import DecodeConfig
-from tensorbend.trace import Trace
 
 FEATURES = ("ids", "gate_input", "layer_input")
 
@@ -129,7 +129,7 @@ def test_training_over_two_ranks_writes_the_single_process_bytes(setup, kind):
     """Rank r fits target layers r, r + 2, ... (each rank some, none twice: logged per rank),
     and the merged checkpoint is byte for byte the single process's."""
     import tensorbend
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.train import TrainConfig, train
 
     script = setup / "fit_logger.py"
     script.write_text(FIT_LOGGER)

@@ -374,3 +374,14 @@ def test_projections_compare_ours_with_the_peers_that_predict_by_hand():
              if ln.startswith("| simulated |")]  # fmt: skip
     ratio = mine["decode_tok_s"] / best["decode_tok_s"]
     assert f"over the best peer ({run_label(best)}): {ratio:.2f}x" in row
+
+
+def test_architecture_module_map_is_what_the_modules_say():
+    """docs/architecture.md's module map is tools/architecture.py's rendering of every module's
+    docstring: a module added, moved or renamed without `make docs` fails here."""
+    from tools import architecture
+
+    text = architecture.DOC.read_text()
+    assert architecture.render(text) == text, "run `python -m tools.architecture`"
+    for f in (ROOT / "tensorbend").rglob("*.py"):
+        assert f"`{f.relative_to(ROOT / 'tensorbend')}`" in text, f

@@ -174,9 +174,9 @@ def test_there_are_at_least_25_cases():
 
 
 def test_a_trace_refuses_more_experts_than_int16_ids_hold(tmp_path):
+    from tensorbend.capture.writer import TraceWriter
     from tensorbend.errors import TraceError
     from tensorbend.models import RoutingSpec
-    from tensorbend.trace_writer import TraceWriter
 
     spec = RoutingSpec("qwen3_moe", "softmax", 40_000, 8, 16, 2, (0, 1))
     with pytest.raises(TraceError, match="40000 routed experts per layer: .* at most 32768"):
@@ -187,8 +187,8 @@ def test_a_trace_refuses_more_experts_than_int16_ids_hold(tmp_path):
 def test_a_teacher_batch_with_an_empty_continuation_is_refused_before_any_forward():
     import torch
 
+    from tensorbend.capture.hf import DecodeConfig, PromptInput, decode_batch
     from tensorbend.errors import TensorbendError
-    from tensorbend.hf import DecodeConfig, PromptInput, decode_batch
 
     ids = torch.tensor([[1, 2, 3]])
     inps = [PromptInput("a", ids, [4, 5]), PromptInput("b", ids, [])]  # "b": tokenized to nothing
@@ -264,7 +264,7 @@ def test_bad_serving_input_is_refused_in_one_line_before_a_store_is_built(
 
 
 def test_a_budget_above_physical_memory_is_a_warning_line(serving_env, capsys, monkeypatch):
-    monkeypatch.setattr("tensorbend.serving.physical_bytes", lambda device: 10**9)
+    monkeypatch.setattr("tensorbend.serving.offloaded.physical_bytes", lambda device: 10**9)
     argv = f"generate --model {serving_env}/model --prompt hi --max-new-tokens 1 --quiet"
     argv += f" --max-memory 2GB --store-dir {serving_env}/store-big"
     assert main(argv.split()) == 0
@@ -282,7 +282,7 @@ def test_load_offloaded_takes_python_types_as_their_users_write_them(serving_env
     policy serve the same greedy text as their string forms."""
     import torch
 
-    from tensorbend.serving import load_offloaded
+    from tensorbend.serving.offloaded import load_offloaded
 
     ids = torch.tensor([[40, 41, 42]])
     texts = []
@@ -304,7 +304,7 @@ def test_load_offloaded_refuses_python_values_it_cannot_read_in_one_line():
 
     from tensorbend.cache.config import POLICIES
     from tensorbend.errors import TensorbendError
-    from tensorbend.serving import ServeConfig
+    from tensorbend.serving.offloaded import ServeConfig
 
     cases = [
         ({"max_memory": {"disk": "8GB"}},

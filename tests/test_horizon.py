@@ -4,13 +4,13 @@ import pytest
 import torch
 from planted import cycle_trace, permutation_trace, router_trace
 
+from tensorbend.capture.trace import Trace
 from tensorbend.cli import main
 from tensorbend.errors import TensorbendError
-from tensorbend.foresight import evaluate_foresight
 from tensorbend.predictors.base import TrainData
 from tensorbend.predictors.checkpoint import load_predictor
+from tensorbend.predictors.foresight import evaluate_foresight
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor, first_use_class
-from tensorbend.trace import Trace
 
 
 def test_first_use_class_by_hand():
@@ -99,7 +99,7 @@ def test_train_eval_cli_round_trip_and_refusals(tmp_path, capsys):
 
 def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
     """An imported (routing-only) trace: inputs=routing trains; routing+hidden says why not."""
-    from tensorbend.importers import ImportConfig, import_trace
+    from tensorbend.engines.importers import ImportConfig, import_trace
 
     csv = tmp_path / "r.csv"
     lines = ["prompt_id,layer,position,expert_ids,phase"]
@@ -124,7 +124,7 @@ def test_routing_only_horizon_trains_on_a_trace_without_hidden_states(tmp_path):
     assert main(["train", "--trace", t, "--predictor", "transition", "--quiet",
                  "--out", str(tmp_path / "tr.safetensors")]) == 0  # fmt: skip
     with pytest.raises(TensorbendError, match="--inputs routing"):
-        from tensorbend.train import TrainConfig, train
+        from tensorbend.predictors.train import TrainConfig, train
 
         train(TrainConfig(tmp_path / "t", tmp_path / "x.safetensors", "horizon"), progress=False)
 
@@ -162,8 +162,8 @@ def test_horizon_training_streams_at_most_its_row_limits(tmp_path, monkeypatch):
     """Rows (forwards) come out of the shards one shard at a time, at most --max-train-rows /
     --max-val-rows of them; without limits the streamed fit is the in-memory fit, byte for byte,
     and its val recalls are foresight.evaluate_foresight's on the whole val requests."""
-    from tensorbend.foresight import dataset_recalls
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.foresight import dataset_recalls
+    from tensorbend.predictors.train import TrainConfig, train
 
     permutation_trace(tmp_path / "t", prompts=16)  # 32 rows a prompt, shards of 200 rows
     tr = Trace.open(tmp_path / "t")

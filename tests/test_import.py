@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from tensorbend.capture.trace import Trace
+from tensorbend.engines.importers import ImportConfig, import_trace
+from tensorbend.engines.importers.csv import write_csv
 from tensorbend.errors import TraceError
-from tensorbend.importers import ImportConfig, import_trace
-from tensorbend.importers.csv import write_csv
-from tensorbend.trace import Trace
 
 
 def planted_routing(prompts=12, L=3, E=16, K=2, prefill=5, decode=4, seed=0):

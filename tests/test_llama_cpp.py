@@ -48,7 +48,7 @@ def test_gguf_greedy_text_equals_transformers(tmp_path, name):
     """The zoo model converted at its own precision (f32) continues two prompts with the
     same greedy text as transformers (eager experts). The DeepSeek-V3 zoo models convert but
     llama.cpp refuses to load them (docs/guide/peers.md)."""
-    from tensorbend.hf import load_model
+    from tensorbend.capture.hf import load_model
 
     ckpt = resolve_model(f"zoo:{name}")
     gguf = llama_cpp.convert(ckpt, tmp_path / f"{name}.gguf", tools=tools)
@@ -81,7 +81,7 @@ def test_warm_serve_continues_every_prompt_with_transformers_greedy_text(tmp_pat
     continued with transformers' greedy text (f32 GGUF of zoo:qwen3moe-tiny), prefill and
     decode timed apart, decode steps = new tokens - 1."""
     from bench.llama_cpp_serve import serve
-    from tensorbend.hf import load_model
+    from tensorbend.capture.hf import load_model
 
     ckpt = resolve_model("zoo:qwen3moe-tiny")
     gguf = llama_cpp.convert(ckpt, tmp_path / "q.gguf", tools=tools)

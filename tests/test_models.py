@@ -5,7 +5,7 @@ import torch
 import transformers
 from tiny_models import CONFIGS, EXPECTED_MOE_LAYERS, build
 
-from tensorbend.capture import RoutingCapture
+from tensorbend.capture.routing import RoutingCapture
 from tensorbend.errors import UnsupportedModelError
 from tensorbend.models import describe_model, moe_block
 from tensorbend.routers import router_params, select_experts

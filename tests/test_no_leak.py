@@ -9,18 +9,18 @@ import pytest
 import torch
 from planted import router_trace, tiny_real_trace
 
+from tensorbend.capture.rows import RowSelection, select_rows
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
-from tensorbend.evaluate import EvalConfig, evaluate
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import HEADLINE_LOOKAHEADS, LOOKAHEADS, TrainData, sources_from_rows
+from tensorbend.predictors.evaluate import EvalConfig, evaluate
 from tensorbend.predictors.fit import FitConfig
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
 from tensorbend.predictors.registry import KINDS, build
 from tensorbend.predictors.residual_gate import ResidualGateConfig
 from tensorbend.predictors.seed_mlp import SEED_FIT, SeedMLPConfig
-from tensorbend.rows import RowSelection, select_rows
-from tensorbend.trace import Trace
-from tensorbend.train import TrainConfig, train
+from tensorbend.predictors.train import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,8 @@ def test_the_foresight_replay_decides_nothing_before_a_forward_from_its_future(
     forecasts after forwards 0..CUT, and every placement and eviction of the caches that use
     no oracle before forward CUT + 1 starts, are the same with the future scrambled; from
     forward CUT + 1 on they differ (the replay does read what it is given)."""
-    from tensorbend import foresight
     from tensorbend.cache import replay as demand
+    from tensorbend.predictors import foresight
 
     spec, pred, rows, scrambled = request_pair
     L, log, replay = spec.num_moe_layers, [], demand.replay
@@ -246,10 +246,10 @@ def test_the_prefetcher_predicts_nothing_before_a_forward_from_its_future(reques
     the replay's (`foresight.forecasts`) for the same forward."""
     import numpy as np
 
-    from tensorbend.foresight import forecasts
+    from tensorbend.capture.rows import forwards
+    from tensorbend.predictors.foresight import forecasts
+    from tensorbend.predictors.prefetch import Prefetcher
     from tensorbend.predictors.registry import build_baseline
-    from tensorbend.prefetch import Prefetcher
-    from tensorbend.rows import forwards
 
     spec, horizon, rows, scrambled = request_pair
     g = torch.Generator().manual_seed(1)
@@ -289,12 +289,12 @@ def test_the_runtime_predicts_nothing_before_a_forward_from_its_future(monkeypat
     from tiny_models import build, char_tokenizer
 
     from tensorbend.cache.config import PolicyConfig
-    from tensorbend.hf import DecodeConfig
+    from tensorbend.capture.hf import DecodeConfig
+    from tensorbend.capture.prompts import Prompt
     from tensorbend.models import describe_model
     from tensorbend.offload import hooks as hooks_mod
     from tensorbend.offload.session import OffloadSession, SessionConfig
     from tensorbend.predictors.registry import build_baseline
-    from tensorbend.prompts import Prompt
     from tensorbend.routers import router_params
 
     recorded, init = [], hooks_mod.PredictionHooks.__init__

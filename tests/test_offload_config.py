@@ -7,15 +7,15 @@ import pytest
 import torch
 from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
-import tensorbend.hf
+import tensorbend.capture.hf
 from tensorbend.cache.config import PolicyConfig
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import Prompt
 from tensorbend.cli import main
-from tensorbend.hf import DecodeConfig
 from tensorbend.offload import runner
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.registry import build_baseline
 from tensorbend.predictors.spec import PredictorSpec
-from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 
 PROMPTS = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel module river")]
@@ -31,7 +31,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the flags were checked")
 
-    monkeypatch.setattr(tensorbend.hf, "load_model", refuse)
+    monkeypatch.setattr(tensorbend.capture.hf, "load_model", refuse)
 
 
 @pytest.mark.parametrize(

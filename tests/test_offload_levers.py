@@ -10,14 +10,14 @@ from transformers import AutoModelForCausalLM
 
 import tensorbend
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.hf import DecodeConfig
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import Prompt
 from tensorbend.offload import handle as handle_mod
 from tensorbend.offload import loader as loader_mod
 from tensorbend.offload.hooks import NoPredictor
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import LOOKAHEADS
-from tensorbend.prompts import Prompt
 
 PROMPTS = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel module river")]
 THREADS = 2

@@ -9,9 +9,10 @@ from tiny_models import build, char_tokenizer, save_checkpoint, write_prompts
 
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import Link
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import Prompt
 from tensorbend.cli import main
 from tensorbend.errors import StoreError, UnsupportedModelError
-from tensorbend.hf import DecodeConfig
 from tensorbend.models import describe_model
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.recorded import RecordedRouting
@@ -19,7 +20,6 @@ from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.offload.store import ExpertStore
 from tensorbend.predictors.base import LOOKAHEADS
 from tensorbend.predictors.registry import build_baseline
-from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 from tensorbend.zoo import list_models
 
@@ -260,7 +260,7 @@ def test_run_verb_writes_design_json(tmp_path, capsys):
     not any(m["default"] for m in list_models()), reason="zoo:default not bundled yet"
 )
 def test_zoo_default_matches_resident():
-    from tensorbend.hf import load_model
+    from tensorbend.capture.hf import load_model
 
     model, tok = load_model("zoo:default")
     spec = describe_model(model)

@@ -7,12 +7,12 @@ import torch
 from tiny_models import save_checkpoint, write_prompts
 
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.collect import CollectConfig, collect
-from tensorbend.hf import DecodeConfig, load_model
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts
+from tensorbend.capture.trace import Trace
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import LOOKAHEADS, sources_from_rows
-from tensorbend.prompts import load_prompts
-from tensorbend.trace import Trace
 
 
 class RecordingPredictor:
@@ -88,7 +88,7 @@ def test_online_horizon_inputs_equal_offline_request_forwards(setup, monkeypatch
     `horizon.request_forwards` on the trace, and so do its forecasts (the replay's)."""
     import numpy as np
 
-    from tensorbend.foresight import forecasts
+    from tensorbend.predictors.foresight import forecasts
     from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor, request_forwards
     from tensorbend.predictors.horizon_fast import FastHorizon
 

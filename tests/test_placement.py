@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorbend.collect import CollectConfig, collect
-from tensorbend.hf import DecodeConfig, load_model
-from tensorbend.placement import _Realigned
-from tensorbend.trace import Trace
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.placement import _Realigned
+from tensorbend.capture.trace import Trace
 
 pytest.importorskip("accelerate")
 
@@ -27,7 +27,7 @@ def test_a_model_spilled_to_disk_gives_the_resident_trace(tmp_path, monkeypatch)
     "disk", holds their parameters on `meta` (accelerate streams them in per forward) and at
     least the bytes that do not fit the budget there, with files in the offload folder; its
     trace equals the resident one bit for bit."""
-    import tensorbend.collect as collect_mod
+    import tensorbend.capture.collect as collect_mod
 
     total = _model_bytes()
     budget = int(total * 0.4)  # less than half the model fits: most layers on disk

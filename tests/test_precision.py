@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import tensorbend
 from tensorbend.models import describe_model, moe_block
-from tensorbend.serving import ServeConfig
+from tensorbend.serving.offloaded import ServeConfig
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

@@ -8,15 +8,15 @@ import torch
 from planted import permutation_trace, tiny_real_trace
 from safetensors.torch import load_file, save_file
 
+from tensorbend.capture.trace import Trace
 from tensorbend.cli import main
 from tensorbend.errors import CheckpointError, PredictorConfigError, TensorbendError
-from tensorbend.evaluate import EvalConfig, evaluate
-from tensorbend.metrics import set_metrics
 from tensorbend.predictors import build_baseline, load_predictor, sources_from_rows
 from tensorbend.predictors.checkpoint import META_KEY
-from tensorbend.scoring import score_predictor
-from tensorbend.trace import Trace
-from tensorbend.train import TrainConfig, train
+from tensorbend.predictors.evaluate import EvalConfig, evaluate
+from tensorbend.predictors.metrics import set_metrics
+from tensorbend.predictors.scoring import score_predictor
+from tensorbend.predictors.train import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_ours_one_token_numpy_path_ranks_like_the_torch_path(real_trace, tmp_pat
     """Decode scores one token in numpy (residual_fast.score_token): the same scores as the
     torch fast path up to rounding, and the same top-(K + 2) experts in the same order, also
     as prefetch._token_list names them."""
-    from tensorbend import prefetch
+    from tensorbend.predictors import prefetch
     from tensorbend.predictors.residual_fast import score_folded
 
     for la in ("d1", "pre_attn"):

@@ -7,14 +7,14 @@ import torch
 from tiny_models import build, char_tokenizer
 
 from tensorbend.cache.config import PolicyConfig
-from tensorbend.hf import DecodeConfig
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import Prompt
 from tensorbend.models import describe_model
 from tensorbend.offload import hooks as hooks_mod
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
+from tensorbend.predictors.prefetch import Prediction, Prefetcher
 from tensorbend.predictors.registry import build_baseline
-from tensorbend.prefetch import Prediction, Prefetcher
-from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
 
 PROMPTS = [Prompt("a", "the quick brown fox"), Prompt("b", "kernel module river")]
@@ -136,7 +136,7 @@ def test_serving_run_and_simulate_check_one_predictor_spec_alike(tmp_path, capsy
     load_offloaded's keywords reach the spec too."""
     from tensorbend.cli import main
     from tensorbend.predictors.checkpoint import save_predictor
-    from tensorbend.serving import ServeConfig, _with_overrides
+    from tensorbend.serving.offloaded import ServeConfig, _with_overrides
 
     spec = describe_model(build("deepseek_v3", 0))
     rows = {"expert_ids_TLK": torch.randint(0, spec.num_experts, (8, spec.num_moe_layers,
@@ -181,7 +181,7 @@ def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand()
     import math
 
     from tensorbend.models import RoutingSpec
-    from tensorbend.prefetch import RoutingHistory
+    from tensorbend.predictors.prefetch import RoutingHistory
 
     L, E, K, D, B = 2, 4, 2, 4, 2
     spec = RoutingSpec("qwen3_moe", "softmax", E, K, D, L, (0, 1))
@@ -251,7 +251,7 @@ def test_a_batch_of_two_keeps_two_histories_and_merges_their_forecasts_by_hand()
 def test_the_one_token_list_is_the_ranked_rows_list():
     """Decode's list (prefetch._token_list, one topk and two lists) equals the general rule
     (ranked_ids then prefetch_list) on fixed scores, -inf (no guess) included."""
-    from tensorbend.prefetch import _token_list, prefetch_list, ranked_ids
+    from tensorbend.predictors.prefetch import _token_list, prefetch_list, ranked_ids
 
     g = torch.Generator().manual_seed(3)
     for extra in (0, 2):
@@ -314,7 +314,7 @@ def test_a_hidden_state_of_any_dtype_reaches_numpy_as_its_float32_values(kind):
     """prefetch._host_f32 (the one step from a hidden state to the numpy paths' float32
     input) tries the tensor's own numpy view first: whatever the tensor, the values it
     hands over are the tensor's as float32, and a float32 CPU tensor is not copied."""
-    from tensorbend.prefetch import _host_f32
+    from tensorbend.predictors.prefetch import _host_f32
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 8, generator=g)

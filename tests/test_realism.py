@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from planted import _phase, _record, _spec, _writer, cycle_trace
 
-from tensorbend.trace import Trace
+from tensorbend.capture.trace import Trace
 from tensorbend.zoo.realism import (
     REFERENCE,
     TOKEN_H,

@@ -26,8 +26,8 @@ from tensorbend.cache.replay import (
     replay,
     replay_named,
 )
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
-from tensorbend.trace import Trace
 
 
 def _same(ids, cfg, E, seen=None, fc=None):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from planted import router_trace
 
-from tensorbend.evaluate import EvalConfig, evaluate
+from tensorbend.capture.trace import Trace
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import LOOKAHEADS, SourceBatch, sources_from_rows
+from tensorbend.predictors.evaluate import EvalConfig, evaluate
 from tensorbend.predictors.fit import fit
 from tensorbend.predictors.residual_gate import (
     ResidualGateConfig,
@@ -24,8 +25,7 @@ from tensorbend.predictors.seed_mlp import (
     seed_loss,
 )
 from tensorbend.predictors.seed_net import SeedMLPNet
-from tensorbend.trace import Trace
-from tensorbend.train import TrainConfig, train
+from tensorbend.predictors.train import TrainConfig, train
 
 LOGITS = [[2.0, -1.0, 0.0, 1.0], [0.5, 0.0, -2.0, 3.0]]
 TARGET = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]

@@ -87,6 +87,6 @@ def test_every_row_runs_the_admission_its_name_says():
     plain = offload([])
     assert (plain.policy, plain.admission_rule) == ("lfru", "frequency")
     assert offload(["--policy", "prefetch"]).admission_rule == "predicted"
-    from tensorbend.serving import ServeConfig
+    from tensorbend.serving.offloaded import ServeConfig
 
     assert ServeConfig().offload is SERVING  # load_offloaded's default is generate's

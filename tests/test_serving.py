@@ -19,7 +19,7 @@ from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertLayout, ExpertStore
-from tensorbend.placement import build_without_experts
+from tensorbend.serving.model_build import build_without_experts
 
 
 def _resident(path):
@@ -232,7 +232,7 @@ def _wide_checkpoint(path):
 
 
 def _import_baseline() -> int:
-    from tensorbend.serving import IMPORT_BASELINE as code
+    from tensorbend.serving.offloaded import IMPORT_BASELINE as code
 
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               check=True).stdout)  # fmt: skip
@@ -352,7 +352,7 @@ def test_memory_plan_charges_the_measured_model_part():
     bytes charges the tensors; a budget too small names the measured part and the minimum."""
     from tensorbend.cache.config import PolicyConfig
     from tensorbend.models import RoutingSpec
-    from tensorbend.serving import ServeConfig, memory_plan
+    from tensorbend.serving.offloaded import ServeConfig, memory_plan
 
     spec = RoutingSpec(family="qwen3_moe", router_kind="softmax", num_experts=32,
                        top_k=2, hidden_size=16, num_decoder_layers=4,
@@ -438,10 +438,10 @@ def test_same_entry_reproduces_run_bytes(policy, tmp_path):
     the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards),
     load_offloaded with its default admission (auto: frequency for these)."""
     from tensorbend.cache.config import PolicyConfig
-    from tensorbend.hf import DecodeConfig
+    from tensorbend.capture.hf import DecodeConfig
+    from tensorbend.capture.prompts import load_prompts
     from tensorbend.offload.runner import RunConfig, run
     from tensorbend.offload.session import SessionConfig
-    from tensorbend.prompts import load_prompts
     from tensorbend.zoo import resolve_model
 
     n = 6
@@ -524,11 +524,11 @@ def test_bf16_checkpoint_converted_into_a_float32_store(tmp_path):
 def test_generate_flags_build_the_nested_decode_config(monkeypatch):
     """`tensorbend generate` keeps its flags and defaults (--max-new-tokens 64, --sample,
     --temperature, --top-p, --seed) over the one DecodeConfig it nests."""
-    import tensorbend.generate
-    from tensorbend.hf import DecodeConfig
+    import tensorbend.serving.generate
+    from tensorbend.capture.hf import DecodeConfig
 
     got = []
-    monkeypatch.setattr(tensorbend.generate, "generate", lambda cfg: got.append(cfg) or {})
+    monkeypatch.setattr(tensorbend.serving.generate, "generate", lambda cfg: got.append(cfg) or {})
     base = ["generate", "--model", "m", "--prompt", "x", "--quiet"]
     assert main(base) == 0 and main([*base, "--sample", "--seed", "3", "--top-p", "0.5"]) == 0
     assert got[0].decode == DecodeConfig("greedy", max_new_tokens=64) and got[0].top_p == 1.0

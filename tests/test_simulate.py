@@ -16,9 +16,10 @@ import torch
 from test_import import csv_rows, planted_routing
 
 from tensorbend.cache.config import PolicyConfig
+from tensorbend.capture.trace import Trace
+from tensorbend.engines.importers import ImportConfig, import_trace
+from tensorbend.engines.importers.csv import write_csv
 from tensorbend.errors import TensorbendError, TraceError
-from tensorbend.importers import ImportConfig, import_trace
-from tensorbend.importers.csv import write_csv
 from tensorbend.predictors.spec import PredictorSpec
 from tensorbend.simulate import (
     GEOMETRY_NAMES,
@@ -29,10 +30,9 @@ from tensorbend.simulate import (
 )
 from tensorbend.simulate.costs import Calibration
 from tensorbend.simulate.geometry import GEOMETRIES
-from tensorbend.simulate.hardware import HARDWARE
 from tensorbend.simulate.mapping import make_mapping
 from tensorbend.simulate.predictions import build_predictor, ranked_predictions, routing_rows
-from tensorbend.trace import Trace
+from tensorbend.timing.hardware import HARDWARE
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_config_errors_say_how_to_fix():
 
 def test_imported_csv_of_another_shape_evaluates_and_simulates(tmp_path):
     """26 MoE layers, 64 experts, top-6: import, evaluate routing-only peers, simulate."""
-    from tensorbend.scoring import score_predictor
+    from tensorbend.predictors.scoring import score_predictor
 
     routing = planted_routing(prompts=30, L=26, E=64, K=6, prefill=5, decode=6, seed=7)
     src = write_csv(tmp_path / "r.csv", csv_rows(routing))

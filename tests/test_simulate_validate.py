@@ -13,10 +13,10 @@ from tiny_models import save_checkpoint, write_prompts
 from bench import simulate_validate
 from bench.sim_validation import METRICS, ValidateConfig, checks, markdown
 from tensorbend.cache.config import PolicyConfig
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 

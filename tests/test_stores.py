@@ -21,10 +21,10 @@ from tensorbend.cli import main
 from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.blocks import stride
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.placement import build_without_experts
+from tensorbend.serving.model_build import build_without_experts
 
 _SERVE = textwrap.dedent("""
-    import sys, time, torch, tensorbend, tensorbend.serving as serving
+    import sys, time, torch, tensorbend, tensorbend.serving.offloaded as serving
     real = serving.build_store
     def counted(*a, **k):  # (slow, so that the other process arrives while this one builds)
         with open(sys.argv[3], "a") as f:
@@ -112,7 +112,7 @@ def test_budget_disk_space_and_unwritable_root_refused_before_a_byte(tmp_path, m
     one line, before anything is written; the disk message gives the size and the place."""
     import shutil
 
-    import tensorbend.stores as stores
+    import tensorbend.serving.stores as stores
 
     ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
     root = tmp_path / "stores"
@@ -208,14 +208,14 @@ def test_store_list_and_rm(tmp_path, monkeypatch, capsys):
 def test_interrupt_message_names_real_flags(monkeypatch, capsys):
     """Ctrl-C: generate's message says a rerun continues its store (generate has no --resume);
     collect's names its --resume; exit code 130 for both."""
-    import tensorbend.collect
-    import tensorbend.generate
+    import tensorbend.capture.collect
+    import tensorbend.serving.generate
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tensorbend.generate, "generate", interrupted)
-    monkeypatch.setattr(tensorbend.collect, "collect", interrupted)
+    monkeypatch.setattr(tensorbend.serving.generate, "generate", interrupted)
+    monkeypatch.setattr(tensorbend.capture.collect, "collect", interrupted)
     assert main(["generate", "--model", "x", "--prompt", "ab", "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "--resume" not in err and "rerun to continue it" in err

@@ -6,13 +6,13 @@ from tiny_models import build, char_tokenizer
 
 from tensorbend.cache.config import PolicyConfig
 from tensorbend.cache.transfers import Link, parse_link
-from tensorbend.hf import DecodeConfig
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import Prompt
 from tensorbend.offload.session import OffloadSession, SessionConfig
-from tensorbend.offload.time_model import PredictorCost, declare, label
 from tensorbend.predictors.registry import build_baseline
-from tensorbend.prompts import Prompt
 from tensorbend.routers import router_params
-from tensorbend.simulate.hardware import get_hardware
+from tensorbend.timing.hardware import get_hardware
+from tensorbend.timing.time_model import PredictorCost, declare, label
 
 
 class Weights:

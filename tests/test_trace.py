@@ -12,13 +12,13 @@ import pytest
 import torch
 from tiny_models import save_checkpoint, write_prompts
 
+from tensorbend.capture.collect import CollectConfig, collect
+from tensorbend.capture.hf import DecodeConfig, load_model
+from tensorbend.capture.prompts import load_prompts, split_of
+from tensorbend.capture.trace import FORMAT_VERSION, Trace
 from tensorbend.cli import main
-from tensorbend.collect import CollectConfig, collect
 from tensorbend.errors import PromptFileError, TraceError
-from tensorbend.hf import DecodeConfig, load_model
 from tensorbend.models import describe_model
-from tensorbend.prompts import load_prompts, split_of
-from tensorbend.trace import FORMAT_VERSION, Trace
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_decode_rows_equal_full_sequence_routing(ckpt, tmp_path):
     rows = Trace.open(tmp_path / "t").load(("ids",))
     model, _ = load_model(str(ckpt / "model"))
     spec = describe_model(model)
-    from tensorbend.capture import RoutingCapture
+    from tensorbend.capture.routing import RoutingCapture
 
     for pi in range(3):
         sel = rows["prompt_index_T"] == pi
@@ -197,7 +197,7 @@ def test_flipped_byte_in_a_shard_fails_its_checksum(ckpt, tmp_path):
 def test_every_finished_prompt_is_on_disk_and_parts_merge(ckpt, tmp_path):
     """Each prompt is durable as soon as it finishes (a part shard listed in the manifest);
     parts merge into one shard once shard_tokens rows accumulate, and at close."""
-    from tensorbend.trace_writer import TraceWriter
+    from tensorbend.capture.writer import TraceWriter
 
     _collect(ckpt, tmp_path / "t", max_prompts=3)
     tr = Trace.open(tmp_path / "t")
@@ -295,7 +295,7 @@ def test_kill_and_resume_loses_and_duplicates_nothing(ckpt, tmp_path):
 def test_streamed_row_selection_equals_selecting_loaded_rows(ckpt, tmp_path):
     """load_selected (two passes, features of kept rows only) returns exactly what
     select_rows returns on the fully loaded split, over several shards."""
-    from tensorbend.rows import RowSelection, keep_mask, load_selected, select_rows
+    from tensorbend.capture.rows import RowSelection, keep_mask, load_selected, select_rows
 
     _collect(ckpt, tmp_path / "t", features=("ids", "gate_input"), shard_tokens=40)
     tr = Trace.open(tmp_path / "t")
@@ -317,10 +317,10 @@ def test_streamed_row_selection_equals_selecting_loaded_rows(ckpt, tmp_path):
 def test_evaluation_streamed_by_shard_equals_scoring_all_rows_at_once(ckpt, tmp_path):
     """eval scores shard by shard and merges by token counts: the same metrics (to float
     rounding) as score_predictor over the whole split loaded at once."""
-    from tensorbend.evaluate import EvalConfig, evaluate
     from tensorbend.predictors.base import TrainData, get_lookahead
+    from tensorbend.predictors.evaluate import EvalConfig, evaluate
     from tensorbend.predictors.registry import build
-    from tensorbend.scoring import score_predictor
+    from tensorbend.predictors.scoring import score_predictor
 
     _collect(ckpt, tmp_path / "t", features=("ids", "gate_input"), shard_tokens=40)
     tr = Trace.open(tmp_path / "t")
@@ -342,7 +342,7 @@ def test_evaluation_streamed_by_shard_equals_scoring_all_rows_at_once(ckpt, tmp_
 
 
 def test_resplit_by_topic_tests_on_unseen_topics_only(ckpt, tmp_path, capsys):
-    from tensorbend.resplit import UNUSED
+    from tensorbend.capture.resplit import UNUSED
 
     _collect(ckpt, tmp_path / "t")
     src = Trace.open(tmp_path / "t")

@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
+from tensorbend.capture.trace import Trace
 from tensorbend.cli import main
-from tensorbend.trace import Trace
 
 FEATURES = ("ids", "weights", "gate_input", "layer_input")
 COMMON = ["--model", "zoo:qwen3moe-tiny", "--model-dtype", "float32", "--dtype", "float32",

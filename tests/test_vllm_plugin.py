@@ -71,8 +71,8 @@ def test_served_requests_fill_the_counters(tmp_path):
     what `tensorbend live` measures on the same prompts (one request at a time)."""
     from openai import APIConnectionError, OpenAI
 
-    from tensorbend.hf import DecodeConfig, encode_prompt, load_tokenizer
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.hf import DecodeConfig, encode_prompt, load_tokenizer
+    from tensorbend.capture.prompts import load_prompts
     from tensorbend.zoo import resolve_model
 
     common = ["--model", "zoo:qwen3moe-tiny", "--model-dtype", "float32", "--quiet"]

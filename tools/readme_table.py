@@ -27,7 +27,7 @@ from bench.pages.offload import format_peer_ratio, peer_summary
 from bench.pages.projections import sim_regime
 from tensorbend.atomic import write_generated
 from tensorbend.cache.report import compare, format_ratio, ratio_verdict, run_label
-from tensorbend.offload.time_model import regime_line
+from tensorbend.timing.time_model import regime_line
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- table:begin (python -m tools.readme_table) -->", "<!-- table:end -->"

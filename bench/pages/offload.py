@@ -20,7 +20,7 @@ from tensorbend.cache.report import (
 )
 from tensorbend.cache.report import is_ours as ours
 from tensorbend.cache.transfers import BUSY_LINK_PREFETCH
-from tensorbend.offload.time_model import charged_tok_s, regime_line
+from tensorbend.timing.time_model import charged_tok_s, regime_line
 
 TARGET = 1.3  # the gain over the best peer asked about: about the best the field measured (~1.3x)
 

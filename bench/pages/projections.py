@@ -7,7 +7,7 @@ Usage:
 from __future__ import annotations
 
 from bench.pages.offload import peer_summary
-from tensorbend.offload.time_model import label
+from tensorbend.timing.time_model import label
 
 
 def markdown(out: dict) -> str:

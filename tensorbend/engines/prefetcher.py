@@ -1,5 +1,5 @@
-"""The engine-neutral prefetch API's documented path; it lives in `tensorbend.prefetch`."""
+"""The engine-neutral prefetch API's documented path; it lives in `tensorbend.predictors.prefetch`."""
 
-from tensorbend.prefetch import Prediction, Prefetcher, RoutingHistory, StepClock
+from tensorbend.predictors.prefetch import Prediction, Prefetcher, RoutingHistory, StepClock
 
 __all__ = ["Prediction", "Prefetcher", "RoutingHistory", "StepClock"]

@@ -37,7 +37,7 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.engines.vllm_live import LiveMeter
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
-from tensorbend.prefetch import Prefetcher
+from tensorbend.predictors.prefetch import Prefetcher
 
 FORMAT = "tensorbend.vllm_counters/1"
 

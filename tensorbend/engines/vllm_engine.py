@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.capture.hf import DecodeConfig, encode_prompt, load_tokenizer
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, encode_prompt, load_tokenizer
 from tensorbend.models import (
     RouterCall,
     RoutingSpec,
@@ -107,7 +107,7 @@ class VllmEngine:
         """Run one prompt in vLLM; returns (manifest record, rows) as collect._run_prompt."""
         from vllm import SamplingParams
 
-        from tensorbend.collect import prompt_rows
+        from tensorbend.capture.collect import prompt_rows
 
         dc = self.decode
         inp = encode_prompt(self.tokenizer, prompt, dc)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tensorbend.capture.hf import DecodeConfig, encode_prompt
+from tensorbend.capture.prompts import load_prompts
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, encode_prompt
-from tensorbend.prefetch import Prefetcher
-from tensorbend.prompts import load_prompts
+from tensorbend.predictors.prefetch import Prefetcher
 from tensorbend.routers import model_fingerprint
 
 

@@ -102,7 +102,7 @@ def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, in
     from tensorbend.engines.vllm_counters import ServeMeter
     from tensorbend.engines.vllm_engine import VllmRouterHooks, flat_mla_rope, routers_only
     from tensorbend.models import describe_model
-    from tensorbend.prefetch import Prefetcher
+    from tensorbend.predictors.prefetch import Prefetcher
     from tensorbend.routers import model_fingerprint
 
     flat_mla_rope(model)  # vLLM 0.32 CPU's MLA rotary bug (vllm_engine's module note)

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from tensorbend.cache.slots import CacheStats
-from tensorbend.hf import DecodeConfig, Decoded, PromptInput, decode_batch, decode_prompt
+from tensorbend.capture.hf import DecodeConfig, Decoded, PromptInput, decode_batch, decode_prompt
 from tensorbend.host_load import CpuMeter, HostLoad
 from tensorbend.offload.hooks import RoutingHistory, StepClock
 

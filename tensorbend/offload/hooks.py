@@ -30,7 +30,7 @@ import torch
 
 from tensorbend.models import RouterCall, RouterHooks, RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
-from tensorbend.prefetch import INF, Prediction, Prefetcher, RoutingHistory, StepClock
+from tensorbend.predictors.prefetch import INF, Prediction, Prefetcher, RoutingHistory, StepClock
 
 __all__ = ["NoPredictor", "PredictionHooks", "RoutingHistory", "StepClock"]
 

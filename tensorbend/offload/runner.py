@@ -82,8 +82,8 @@ class RunConfig:
 
 def run(cfg: RunConfig) -> RunResult:
     """Resident reference + one offloaded run of `cfg.offload.policy`."""
-    from tensorbend.hf import load_model
-    from tensorbend.prompts import load_prompts
+    from tensorbend.capture.hf import load_model
+    from tensorbend.capture.prompts import load_prompts
 
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
     if not prompts:
@@ -133,7 +133,7 @@ def build_predictor(
 
     rows = None
     if trace is not None:
-        from tensorbend.trace import Trace
+        from tensorbend.capture.trace import Trace
 
         rows = Trace.open(trace).load(("ids",), split="train")
     return build_baseline(

@@ -32,8 +32,8 @@ import torch
 
 from tensorbend.cache.config import POLICIES, PolicyConfig
 from tensorbend.cache.transfers import Link, parse_link
+from tensorbend.capture.hf import DecodeConfig, encode_prompt
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig, encode_prompt
 from tensorbend.models import RoutingSpec, describe_model, moe_block
 from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
@@ -42,10 +42,10 @@ from tensorbend.offload.layer import check_supported
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
 from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
-from tensorbend.offload.time_model import PredictorCost, declare
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.spec import check_policy
 from tensorbend.routers import model_fingerprint
+from tensorbend.timing.time_model import PredictorCost, declare
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class OffloadSession:
             )
 
     def _declare(self, result: RunResult, link: Link, predictor=None, horizon=None) -> RunResult:
-        """`result` with its time model (offload/time_model.py): each predictor's modelled cost
+        """`result` with its time model (timing/time_model.py): each predictor's modelled cost
         per call, and its calls per decode forward (one per target layer; the horizon one; a
         predictor that predicts nothing is never asked, so none)."""
         costs = []

@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from tensorbend.capture.rows import previous_token
 from tensorbend.errors import (
     CheckpointError,
     PredictorConfigError,
@@ -48,7 +49,6 @@ from tensorbend.lookahead import (
     get_lookahead,
 )
 from tensorbend.models import RoutingSpec
-from tensorbend.rows import previous_token
 
 __all__ = [  # re-exported
     "HEADLINE_LOOKAHEADS",

@@ -40,7 +40,7 @@ def save_predictor(
     val_metrics: dict | None = None,
     extra: dict | None = None,
 ) -> Path:
-    from tensorbend import __version__
+    from tensorbend.version import __version__
 
     meta = {
         "format_version": FORMAT_VERSION,

@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from tensorbend.capture.rows import forwards
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
     Lookahead,
@@ -50,7 +51,6 @@ from tensorbend.predictors.base import (
 )
 from tensorbend.predictors.fit import FitConfig, fit, fit_options
 from tensorbend.predictors.ops import rmsnorm
-from tensorbend.rows import forwards
 
 # Where its predictions start: the end of a forward, for the next `foresight` forwards.
 NEXT_FORWARDS = Lookahead(

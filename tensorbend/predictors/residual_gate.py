@@ -28,7 +28,6 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from tensorbend.metrics import layer_mean_recall
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import (
     Lookahead,
@@ -42,6 +41,7 @@ from tensorbend.predictors.base import (
 )
 from tensorbend.predictors.baselines import SpecGatePredictor
 from tensorbend.predictors.fit import FitConfig, fit, fit_options
+from tensorbend.predictors.metrics import layer_mean_recall
 from tensorbend.predictors.ops import multi_hot, rmsnorm, standardise
 from tensorbend.predictors.residual_fast import (
     fold_layer,

@@ -36,7 +36,6 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from tensorbend.metrics import layer_mean_recall, topk_hits
 from tensorbend.predictors.base import (
     PredictorBase,
     PredictorConfigError,
@@ -47,6 +46,7 @@ from tensorbend.predictors.base import (
     sources_from_rows,
 )
 from tensorbend.predictors.fit import FitConfig, fit, fit_options, max_over_ranks
+from tensorbend.predictors.metrics import layer_mean_recall, topk_hits
 from tensorbend.predictors.ops import multi_hot
 from tensorbend.predictors.seed_net import SeedMLPNet
 

@@ -13,7 +13,6 @@ request queue and wire, cache/slots.py and cache/transfers.py, and its policies)
 """
 
 from tensorbend.simulate.geometry import GEOMETRY_NAMES
-from tensorbend.simulate.hardware import HARDWARE_NAMES
 from tensorbend.simulate.simulator import (
     POLICIES,
     SimulateConfig,
@@ -22,6 +21,7 @@ from tensorbend.simulate.simulator import (
     simulate,
     simulate_peers,
 )
+from tensorbend.timing.hardware import HARDWARE_NAMES
 
 __all__ = [
     "GEOMETRY_NAMES",

@@ -1,7 +1,7 @@
 """What each simulated action costs in seconds: a hardware x geometry profile, or a calibration.
 
 Usage:
-    >>> from tensorbend.simulate.hardware import get_hardware
+    >>> from tensorbend.timing.hardware import get_hardware
     >>> from tensorbend.simulate.geometry import get_geometry
     >>> c = Costs.from_profiles(get_hardware("h100-pcie5"), get_geometry("kimi-k2.5"), unit_scale=1.0)
     >>> round(c.transfer_s() * 1e3, 3), round((c.attn_s(1) + 8 * c.expert_s(1)) * 1e3, 3)
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tensorbend.errors import TensorbendError
 from tensorbend.simulate.geometry import BYTES_PER_WEIGHT, Geometry
-from tensorbend.simulate.hardware import Hardware
+from tensorbend.timing.hardware import Hardware
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 
 from tensorbend.cache.oracle import steps_by_key as oracle_steps
 from tensorbend.cache.policies import Key
-from tensorbend.prefetch import likeliest, prefetch_list
-from tensorbend.rows import Forward
+from tensorbend.capture.rows import Forward
+from tensorbend.predictors.prefetch import likeliest, prefetch_list
 from tensorbend.simulate.events import ForwardWork, LayerWork
 from tensorbend.simulate.mapping import Mapping
 from tensorbend.simulate.predictions import Ranked

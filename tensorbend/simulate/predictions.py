@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TraceError
-from tensorbend.offload.time_model import PredictorCost
 from tensorbend.predictors import (
     BASELINES,
     build_baseline,
@@ -32,8 +32,8 @@ from tensorbend.predictors import (
     load_predictor,
     sources_from_rows,
 )
-from tensorbend.prefetch import ranked_ids
-from tensorbend.trace import Trace
+from tensorbend.predictors.prefetch import ranked_ids
+from tensorbend.timing.time_model import PredictorCost
 
 ROUTING_ONLY = ("frequency", "transition", "prev_token", "random", "oracle", "none")
 HIDDEN = ("gate_input", "layer_input")

@@ -140,7 +140,7 @@ def _result(policy, ranked, frac, units, run: EventRun, costs, hw, geo, cfg) -> 
 def _charge(costs, ranked, run: EventRun) -> str:
     if ranked is None or run.times.predict_s == 0:
         return "none (no predictor call)" if ranked is None else "0 s per call"
-    how = "calibrated" if costs.calibrated else "modelled (offload/time_model.py)"
+    how = "calibrated" if costs.calibrated else "modelled (timing/time_model.py)"
     return f"{run.times.predict_s * 1e6:.2f} us per call, {how}"
 
 

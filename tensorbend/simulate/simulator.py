@@ -32,12 +32,12 @@ from tqdm import tqdm
 from tensorbend.cache.config import POLICIES as POLICY_TABLE
 from tensorbend.cache.config import PolicyConfig, PolicyName
 from tensorbend.cache.report import best_rule
+from tensorbend.capture.rows import RowSelection, forwards, select_rows
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
-from tensorbend.offload.time_model import PredictorCost
 from tensorbend.predictors import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out, read_metadata
 from tensorbend.predictors.spec import PredictorSpec, prefetch_width
-from tensorbend.rows import RowSelection, forwards, select_rows
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
 from tensorbend.simulate.ep import EPConfig, ep_report
@@ -47,11 +47,11 @@ from tensorbend.simulate.geometry import (
     geometry_from_trace,
     get_geometry,
 )
-from tensorbend.simulate.hardware import HardwareName, get_hardware
 from tensorbend.simulate.mapping import make_mapping
 from tensorbend.simulate.predictions import rank_all, routing_rows
 from tensorbend.simulate.runs import fitting_frac, relative, run_one
-from tensorbend.trace import Trace
+from tensorbend.timing.hardware import HardwareName, get_hardware
+from tensorbend.timing.time_model import PredictorCost
 
 POLICIES: tuple[str, ...] = tuple(POLICY_TABLE)
 
@@ -264,8 +264,8 @@ def simulate_peers(cfg: SimulateConfig, peers: tuple[str, ...]) -> list[dict]:
 def _forecasts(cfg: SimulateConfig, tr: Trace, rows: dict) -> tuple[list, PredictorCost]:
     """The horizon checkpoint's forecast after every forward of the replayed rows (run order),
     and its modelled cost per forward (one call)."""
-    from tensorbend.foresight import forecasts
     from tensorbend.predictors.checkpoint import load_predictor
+    from tensorbend.predictors.foresight import forecasts
 
     path = cfg.prediction.horizon  # (PredictorSpec checked its kind)
     pred = load_predictor(path, spec=tr.spec, fingerprint=tr.manifest["model"]["fingerprint"])
@@ -361,7 +361,7 @@ def _notes(cfg, cal) -> list[str]:
     if cal is None:
         notes.append(
             "each prediction call is charged its modelled cost on the hardware profile "
-            "(offload/time_model.py: kernel launches + the predictor's weights read once; the "
+            "(timing/time_model.py: kernel launches + the predictor's weights read once; the "
             "predictor as trained on the trace's model, not scaled to the geometry)"
         )
     if cal is not None:

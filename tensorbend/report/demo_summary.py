@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorbend.cache.report import best_peer, host_warning, repeat_ratios
-from tensorbend.offload.time_model import label, regime_line
+from tensorbend.timing.time_model import label, regime_line
 
 
 @dataclass

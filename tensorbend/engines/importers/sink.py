@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tensorbend.capture.prompts import split_of
+from tensorbend.capture.trace import MAX_EXPERTS
+from tensorbend.capture.writer import TraceWriter
 from tensorbend.errors import TraceError
 from tensorbend.models import RoutingSpec
-from tensorbend.prompts import split_of
-from tensorbend.trace import MAX_EXPERTS
-from tensorbend.trace_writer import TraceWriter
 
 IMPORTED_FAMILY = "imported"
 

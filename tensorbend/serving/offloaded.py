@@ -61,15 +61,15 @@ from tensorbend.offload.store import (
     store_header,
     stride,
 )
-from tensorbend.placement import build_without_experts, load_non_experts
 from tensorbend.predictors.spec import NEEDS_TRACE, PEERS, PredictorSpec
-from tensorbend.stores import check_room, stale_sources, store_lock, store_path, unwritable
+from tensorbend.serving.model_build import build_without_experts, load_non_experts
+from tensorbend.serving.stores import check_room, stale_sources, store_lock, store_path, unwritable
 
 BASELINE_MODULES = (
     "torch",
     "transformers.modeling_utils",
     "transformers.generation.utils",
-    "tensorbend.generate",
+    "tensorbend.serving.generate",
     "tensorbend.offload.handle",
 )
 IMPORT_BASELINE = (

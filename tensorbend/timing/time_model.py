@@ -1,7 +1,7 @@
 """The time model of a run: its regime, and what each cost on the critical path is charged as.
 
 Usage:
-    >>> from tensorbend.simulate.hardware import get_hardware
+    >>> from tensorbend.timing.hardware import get_hardware
     >>> cost = PredictorCost(bytes_per_call=2.345e6, flops_per_call=4e6, kernels_per_call=4)
     >>> round(cost.call_s(get_hardware("h100-pcie5")) * 1e6, 3)  # 4 x 5 us + 2.345 MB / 2.345 TB/s
     21.0
@@ -27,7 +27,7 @@ Regimes (`regime()`; every end-to-end JSON carries one `time_model` dict, tables
 The target's predictor cost (a model, stated; no GPU measured it): one call (one target layer's
 prediction at batch 1; the horizon: one per forward) launches `kernels_per_call` kernels of
 `LAUNCH_S` each and reads its weights once: kernels x LAUNCH_S + max(bytes / (memory bandwidth
-x efficiency), FLOPs / peak FLOP/s), with the profile's numbers (simulate/hardware.py). Bytes
+x efficiency), FLOPs / peak FLOP/s), with the profile's numbers (timing/hardware.py). Bytes
 and FLOPs come from the predictor's tensors (`PredictorCost.of`: every tensor it holds, spread
 over its target layers; FLOPs = 2 per weight). The CPU-side part (queueing, hints, Python glue:
 `decode_predict_s_per_token - decode_predict_score_s_per_token`) runs on the target's host CPU
@@ -108,7 +108,7 @@ def declare(
     if target is None:
         out["prediction"] = "host seconds, as measured"
         return out
-    from tensorbend.simulate.hardware import get_hardware
+    from tensorbend.timing.hardware import get_hardware
 
     s = host_layer_s / link.target_layer_s
     hw = get_hardware(target)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from tensorbend.capture.trace import MAX_EXPERTS
 from tensorbend.errors import TraceError
-from tensorbend.trace import MAX_EXPERTS
 
 Source = Literal["csv", "vllm", "sglang"]
 SOURCES = get_args(Source)

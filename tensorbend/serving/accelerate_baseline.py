@@ -59,7 +59,7 @@ class AccelerateRun:
         self.spec, self.serve = model, serve
 
     def __enter__(self) -> AccelerateRun:
-        from tensorbend.hf import load_model
+        from tensorbend.capture.hf import load_model
 
         serve = self.serve
         parent = Path(serve.store_dir) if serve.store_dir else None

@@ -2,7 +2,7 @@
 
 Usage:
     >>> import tempfile
-    >>> from tensorbend.importers.csv import write_csv
+    >>> from tensorbend.engines.importers.csv import write_csv
     >>> d = Path(tempfile.mkdtemp())
     >>> rows = [("p0", m, t, [m, m + 1], "decode") for t in range(3) for m in range(2)]
     >>> res = import_trace(ImportConfig(source="csv", path=write_csv(d / "r.csv", rows),
@@ -34,13 +34,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tensorbend.capture.trace import MANIFEST
+from tensorbend.engines.importers import csv as csv_reader
+from tensorbend.engines.importers import sglang as sglang_reader
+from tensorbend.engines.importers import vllm as vllm_reader
+from tensorbend.engines.importers.sink import Sink
+from tensorbend.engines.importers.source import ImportConfig
 from tensorbend.errors import TraceError
-from tensorbend.importers import csv as csv_reader
-from tensorbend.importers import sglang as sglang_reader
-from tensorbend.importers import vllm as vllm_reader
-from tensorbend.importers.sink import Sink
-from tensorbend.importers.source import ImportConfig
-from tensorbend.trace import MANIFEST
 
 READERS = {"csv": csv_reader, "vllm": vllm_reader, "sglang": sglang_reader}
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tensorbend.engines.importers.reader import ImportedPrompt, iter_files
+from tensorbend.engines.importers.source import ImportConfig
 from tensorbend.errors import TraceError
-from tensorbend.importers.reader import ImportedPrompt, iter_files
-from tensorbend.importers.source import ImportConfig
 
 EXTEND, DECODE, MIXED = 1, 2, 3  # sglang ForwardMode values
 STALE_PASSES = 8

@@ -1,7 +1,7 @@
 """The canonical routing CSV: one row per (prompt, MoE layer, position), read as a stream.
 
 Usage:
-    from tensorbend.importers import ImportConfig, import_trace
+    from tensorbend.engines.importers import ImportConfig, import_trace
     import_trace(ImportConfig(source="csv", path=Path("routing.csv"), out=Path("runs/t")))
     write_csv(Path("routing.csv"), trace_rows(Trace.open("runs/t")))  # a trace's routing out
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from tensorbend.atomic import atomic_write
+from tensorbend.engines.importers.reader import ImportedPrompt, by_prompt, iter_files
+from tensorbend.engines.importers.source import ImportConfig
 from tensorbend.errors import TraceError
-from tensorbend.importers.reader import ImportedPrompt, by_prompt, iter_files
-from tensorbend.importers.source import ImportConfig
 
 COLUMNS = ("prompt_id", "layer", "position", "expert_ids")
 _PHASES = {"prefill": 0, "0": 0, "decode": 1, "1": 1}
@@ -68,7 +68,7 @@ def write_csv(path: Path, rows: Iterator[tuple[str, int, int, list[int], str]]) 
 
 
 def trace_rows(trace) -> Iterator[tuple[str, int, int, list[int], str]]:
-    """Every row of a trace (`tensorbend.trace.Trace`) as `write_csv` takes it, prompt by
+    """Every row of a trace (`tensorbend.capture.trace.Trace`) as `write_csv` takes it, prompt by
     prompt in row order, one shard at a time: its routing only (`tensorbend trace export`)."""
     prompts, L = trace.prompts, trace.spec.num_moe_layers
     for rows in trace.iter_shards(("ids",)):

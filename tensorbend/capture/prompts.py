@@ -1,7 +1,7 @@
 """Prompt files (JSONL) and the deterministic train/val/test split by prompt id.
 
 Usage:
-    >>> from tensorbend.prompts import load_prompts, split_of
+    >>> from tensorbend.capture.prompts import load_prompts, split_of
     >>> prompts = load_prompts()                  # the shipped calibration prompts
     >>> len(prompts), {s: sum(p.split == s for p in prompts) for s in SPLITS}
     (336, {'train': 247, 'val': 30, 'test': 59})
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tensorbend.errors import PromptFileError
 
-DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).parent.parent / "data" / "prompts.jsonl"
 SPLITS = ("train", "val", "test")
 # Percent of prompts per split (by hash of id): 70 / 10 / 20.
 SPLIT_PERCENT = {"train": 70, "val": 10, "test": 20}

@@ -1,7 +1,7 @@
 """Train a predictor on a trace's train split (val split for model selection) and save it.
 
 Usage:
-    from tensorbend.train import TrainConfig, train
+    from tensorbend.predictors.train import TrainConfig, train
     result = train(TrainConfig(trace=Path("runs/trace"), out=Path("runs/pred_d1.safetensors"),
                                predictor="tensorbend", lookahead="d1"))
     result.to_json()["val"]["decode"]        # val recall@k of the saved checkpoint
@@ -38,7 +38,9 @@ from typing import Literal
 
 import torch
 
-from tensorbend.distributed import DistContext
+from tensorbend.capture.ranks import DistContext
+from tensorbend.capture.rows import RowSelection, keep_mask, load_selected
+from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors.base import (
     LookaheadName,
@@ -55,9 +57,7 @@ from tensorbend.predictors.registry import (
     config_from_train,
     get_kind,
 )
-from tensorbend.rows import RowSelection, keep_mask, load_selected
-from tensorbend.scoring import score_predictor
-from tensorbend.trace import Trace
+from tensorbend.predictors.scoring import score_predictor
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def _train_cross_token(cfg: TrainConfig, kind, kind_cfg, tr: Trace, t0: float, p
     """horizon: its rows are forwards, each with its request's history up to it; they are
     streamed out of the shards (`_horizon_rows`), fitted, early stopped on val's, and scored on
     them (foresight.dataset_recalls, kept in the checkpoint)."""
-    from tensorbend.foresight import dataset_recalls
+    from tensorbend.predictors.foresight import dataset_recalls
 
     missing = [f for f in kind_cfg.features if f not in tr.features]
     if missing:

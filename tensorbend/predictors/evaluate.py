@@ -1,7 +1,7 @@
 """Evaluate predictors and peers on a trace's held-out prompts, per lookahead and phase.
 
 Usage:
-    from tensorbend.evaluate import EvalConfig, evaluate
+    from tensorbend.predictors.evaluate import EvalConfig, evaluate
     report = evaluate(EvalConfig(trace=Path("runs/trace"), predictors=(Path("p.safetensors"),),
                                  baselines=("all",), lookaheads=("d1",)))
     report.to_json()["results"][0]["recall_at_k"]
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tensorbend.capture.trace import PHASES, Trace
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors.base import (
     HEADLINE_LOOKAHEADS,
@@ -42,8 +43,7 @@ from tensorbend.predictors.base import (
 from tensorbend.predictors.checkpoint import check_held_out, load_predictor
 from tensorbend.predictors.latency import us_per_token
 from tensorbend.predictors.registry import BASELINES, KINDS, BaselineChoice, build
-from tensorbend.scoring import merge_scores, score_predictor
-from tensorbend.trace import PHASES, Trace
+from tensorbend.predictors.scoring import merge_scores, score_predictor
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def evaluate(cfg: EvalConfig, progress: bool = False) -> EvalReport:
 
 def _foresight(pred, tr: Trace, cfg: EvalConfig) -> dict:
     """A cross-token checkpoint's foresight metrics and cache replay (foresight.py)."""
-    from tensorbend.foresight import evaluate_foresight
+    from tensorbend.predictors.foresight import evaluate_foresight
 
     rows = tr.load(pred.cfg.features, split=None if cfg.split == "all" else cfg.split)
     report = evaluate_foresight(pred, rows, cache_frac=cfg.cache_frac)
@@ -291,7 +291,7 @@ def format_table(report) -> str:
         )
     lines.append("lead times: " + "; ".join(f"{k}: {v}" for k, v in rep["lookaheads"].items()))
     for f in rep.get("foresight", []):
-        from tensorbend.foresight import format_foresight
+        from tensorbend.predictors.foresight import format_foresight
 
         lines += ["", format_foresight(f)]
     return "\n".join(lines)

@@ -12,9 +12,9 @@ The metrics themselves: metrics.py.
 
 from __future__ import annotations
 
-from tensorbend.metrics import mean_over_layers, merge_token_means, set_metrics
+from tensorbend.capture.trace import PHASES
 from tensorbend.predictors.base import sources_from_rows
-from tensorbend.trace import PHASES
+from tensorbend.predictors.metrics import mean_over_layers, merge_token_means, set_metrics
 
 
 def score_predictor(pred, rows: dict, overprovision=(0, 2, 4)) -> dict:

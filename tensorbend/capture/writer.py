@@ -3,7 +3,7 @@
 Usage:
     >>> import tempfile, torch
     >>> from tensorbend.models import RoutingSpec
-    >>> from tensorbend.trace import Trace
+    >>> from tensorbend.capture.trace import Trace
     >>> spec = RoutingSpec("toy", "softmax", num_experts=8, top_k=2, hidden_size=4,
     ...                    num_decoder_layers=2, moe_layer_ids=(0, 1))
     >>> root = tempfile.mkdtemp()
@@ -39,9 +39,7 @@ import torch
 from safetensors.torch import save as save_bytes
 
 from tensorbend.atomic import atomic_save_tensors, atomic_write_bytes, atomic_write_text
-from tensorbend.errors import TraceError
-from tensorbend.models import RoutingSpec
-from tensorbend.trace import (
+from tensorbend.capture.trace import (
     FORMAT_VERSION,
     MANIFEST,
     MAX_EXPERTS,
@@ -50,6 +48,8 @@ from tensorbend.trace import (
     file_sha256,
     read_manifest,
 )
+from tensorbend.errors import TraceError
+from tensorbend.models import RoutingSpec
 
 
 class TraceWriter:

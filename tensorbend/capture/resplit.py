@@ -30,8 +30,8 @@ from collections import Counter
 from pathlib import Path
 
 from tensorbend.atomic import atomic_write_text
+from tensorbend.capture.trace import MANIFEST, ROUTER_FILE, Trace
 from tensorbend.errors import TraceError
-from tensorbend.trace import MANIFEST, ROUTER_FILE, Trace
 
 UNUSED = "unused"  # the split of a prompt that no command reads
 

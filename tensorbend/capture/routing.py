@@ -1,7 +1,7 @@
 """Record exact routing (and the hidden states predictors learn from) per MoE layer.
 
 Usage:
-    >>> from tensorbend.hf import load_model
+    >>> from tensorbend.capture.hf import load_model
     >>> from tensorbend.models import describe_model
     >>> model, tok = load_model("zoo:default")
     >>> spec = describe_model(model)
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from tensorbend.capture.trace import FEATURE_TENSORS, FEATURES
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RouterCall, RouterHooks, RoutingSpec
-from tensorbend.trace import FEATURE_TENSORS, FEATURES
 
 
 class RoutingCapture:

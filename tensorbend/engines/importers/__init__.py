@@ -1,6 +1,6 @@
 """Importers: the routing an inference engine records (csv, vLLM, SGLang) -> a tensorbend trace.
 
->>> from tensorbend.importers import ImportConfig, import_trace, SOURCES
+>>> from tensorbend.engines.importers import ImportConfig, import_trace, SOURCES
 >>> SOURCES
 ('csv', 'vllm', 'sglang')
 
@@ -11,7 +11,7 @@ source.py holds `ImportConfig` (the `trace import` flags); one reader module per
 docs/guide/import.md.
 """
 
-from tensorbend.importers.importer import ImportResult, import_trace
-from tensorbend.importers.source import SOURCES, ImportConfig, Source
+from tensorbend.engines.importers.importer import ImportResult, import_trace
+from tensorbend.engines.importers.source import SOURCES, ImportConfig, Source
 
 __all__ = ["SOURCES", "ImportConfig", "ImportResult", "Source", "import_trace"]

@@ -33,16 +33,16 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from tensorbend.capture import RoutingCapture
-from tensorbend.distributed import DistContext
+from tensorbend.capture.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
+from tensorbend.capture.prompts import file_sha, load_prompts
+from tensorbend.capture.ranks import DistContext
+from tensorbend.capture.routing import RoutingCapture
+from tensorbend.capture.trace import FEATURES, MANIFEST
+from tensorbend.capture.writer import TraceWriter, merge_rank_traces
 from tensorbend.errors import TensorbendError, TraceError
-from tensorbend.hf import DTYPES, DecodeConfig, decode_prompt, encode_prompt, load_model
 from tensorbend.memory import parse_bytes
 from tensorbend.models import RouterHooks, describe_model
-from tensorbend.prompts import file_sha, load_prompts
 from tensorbend.routers import model_fingerprint, router_params
-from tensorbend.trace import FEATURES, MANIFEST
-from tensorbend.trace_writer import TraceWriter, merge_rank_traces
 from tensorbend.zoo import resolve_model
 
 # Test hook: seconds to sleep after each prompt, so a kill -9 test can land mid-collection.
@@ -135,10 +135,13 @@ class CollectResult:
         return asdict(self)
 
 
-def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
+def collect(cfg: CollectConfig, progress: bool = True, engine=None) -> CollectResult:
     """Collect (or resume) a trace of `cfg.model` on `cfg.prompts`. Under torchrun
     (WORLD_SIZE > 1) each rank collects a contiguous block of the prompts into `out/rank-NNN/`
-    and rank 0 then indexes them as one trace at `out` (trace_writer.merge_rank_traces)."""
+    and rank 0 then indexes them as one trace at `out` (trace_writer.merge_rank_traces).
+    engine: for `cfg.engine="vllm"`, the engine that runs the model and captures its routing
+    (`engines.vllm_engine.VllmEngine(cfg.model, cfg.model_dtype, cfg.decode)`, which the CLI
+    builds): collection receives its engine, it does not import engines/."""
     t0 = time.perf_counter()
     prompts = load_prompts(cfg.prompts, cfg.split)[: cfg.max_prompts]
     if (Path(cfg.out) / MANIFEST).is_file() and not (cfg.resume or cfg.overwrite):
@@ -148,11 +151,14 @@ def collect(cfg: CollectConfig, progress: bool = True) -> CollectResult:
         )
     ctx = DistContext.from_env()
     if cfg.engine == "vllm":
-        from tensorbend.engines.vllm_engine import VllmEngine  # (imports vllm: only on this path)
-
         if ctx.world_size > 1:
             raise TensorbendError("--engine vllm runs in one process: run it without torchrun")
-        engine = VllmEngine(cfg.model, cfg.model_dtype, cfg.decode)
+        if engine is None:
+            raise TensorbendError(
+                "CollectConfig(engine='vllm'): expected collect(cfg, engine=VllmEngine(cfg.model, "
+                "cfg.model_dtype, cfg.decode)) from tensorbend.engines.vllm_engine, as "
+                "`tensorbend collect --engine vllm` does; found no engine"
+            )
         out = Path(cfg.out)
         return _collect_loaded(
             cfg,

@@ -1,7 +1,7 @@
 """HF transformers plumbing: load a local model, and the ONE prefill/decode loop.
 
 Usage:
-    >>> from tensorbend.prompts import Prompt
+    >>> from tensorbend.capture.prompts import Prompt
     >>> model, tok = load_model("zoo:default")
     >>> cfg = DecodeConfig(decode="greedy", max_new_tokens=4)
     >>> run = decode_prompt(model, encode_prompt(tok, Prompt("p", "In the beginning"), cfg), cfg)
@@ -29,10 +29,10 @@ from typing import Literal
 
 import torch
 
+from tensorbend.capture.placement import align_offloaded, placement_kwargs
 from tensorbend.errors import TensorbendError
 from tensorbend.memory import check_device
 from tensorbend.models import check_model_type
-from tensorbend.placement import align_offloaded, placement_kwargs
 from tensorbend.zoo import resolve_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tensorbend.engines.importers.reader import ImportedPrompt, iter_files
+from tensorbend.engines.importers.source import ImportConfig
 from tensorbend.errors import TraceError
-from tensorbend.importers.reader import ImportedPrompt, iter_files
-from tensorbend.importers.source import ImportConfig
 
 SUFFIXES = (".json", ".jsonl", ".npz")
 

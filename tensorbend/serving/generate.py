@@ -24,11 +24,11 @@ from typing import Literal
 import torch
 from transformers import TextStreamer
 
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.capture.prompts import load_prompts
 from tensorbend.errors import TensorbendError
-from tensorbend.hf import DecodeConfig
 from tensorbend.host_load import BUSY_CORES, CpuMeter
-from tensorbend.prompts import load_prompts
-from tensorbend.serving import ServeConfig, load_offloaded
+from tensorbend.serving.offloaded import ServeConfig, load_offloaded
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
     """Stream every prompt's continuation to `out` (stdout); returns the summary (also to err).
     The tokenizer loads and every prompt is tokenized first: a checkpoint without a tokenizer
     or a prompt of no tokens is refused before any store is built."""
-    from tensorbend.hf import load_tokenizer
+    from tensorbend.capture.hf import load_tokenizer
     from tensorbend.zoo import resolve_model
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -95,12 +95,12 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
             for p in load_prompts(cfg.prompts, "all")
         ]
     if cfg.engine == "accelerate":
-        from tensorbend import hf_offload
+        from tensorbend.serving import accelerate_baseline
 
-        with hf_offload.AccelerateRun(cfg.model, cfg.serve) as run:
+        with accelerate_baseline.AccelerateRun(cfg.model, cfg.serve) as run:
             _continue(run.model, run.tok, inputs, cfg, out, on_prompt=run.new_prompt)
             summary = run.summary()
-        err.write(hf_offload.format_summary(summary) + "\n")
+        err.write(accelerate_baseline.format_summary(summary) + "\n")
         return summary
     model = load_offloaded(cfg.model, cfg.serve)
     handle = model.tensorbend
