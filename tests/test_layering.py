@@ -22,30 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from tools import architecture
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "tensorbend"
-BASICS = {
-    "errors",
-    "atomic",
-    "memory",
-    "lookahead",
-    "host_load",
-    "flags",
-    "models",
-    "routers",
-    "version",
-}
-ENTRY = {"__init__", "__main__", "cli", "demo"}
-LAYERS = [
-    {"<basics>"},
-    {"cache", "timing"},
-    {"zoo"},
-    {"capture"},
-    {"predictors"},
-    {"offload", "simulate"},
-    {"serving", "engines", "report"},
-    {"<entry>"},
-]
+BASICS, ENTRY = set(architecture.BASICS), set(architecture.ENTRY)
+LAYERS = architecture.LAYERS
 
 
 def modules(pkg: Path = PKG) -> dict[str, Path]:

@@ -22,20 +22,6 @@ from tensorbend.atomic import write_generated
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- modules:begin (python -m tools.architecture) -->", "<!-- modules:end -->"
-ORDER = [
-    "<basics>",
-    "cache",
-    "timing",
-    "zoo",
-    "capture",
-    "predictors",
-    "offload",
-    "simulate",
-    "serving",
-    "engines",
-    "report",
-    "<entry>",
-]
 BASICS = (
     "errors",
     "atomic",
@@ -47,7 +33,22 @@ BASICS = (
     "models",
     "routers",
 )
+"""Root modules that are shared basics (the lowest layer)."""
 ENTRY = ("__init__", "__main__", "cli", "demo")
+"""Root modules that are entry points (the top layer)."""
+LAYERS = [
+    {"<basics>"},
+    {"cache", "timing"},
+    {"zoo"},
+    {"capture"},
+    {"predictors"},
+    {"offload", "simulate"},
+    {"serving", "engines", "report"},
+    {"<entry>"},
+]
+"""The import contract's layers, lowest first (tests/test_layering.py checks the imports)."""
+ORDER = [place for layer in LAYERS for place in sorted(layer)]
+"""The map's folders: layer by layer, alphabetical within one."""
 
 
 def module_map(root: Path = ROOT) -> str:
