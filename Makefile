@@ -150,7 +150,7 @@ bench-timing: bench-traces
 			--predictor $(BENCH)/$$m/ours_d1.safetensors \
 			--horizon $(BENCH)/$$m/horizon_routing_hidden.safetensors \
 			$(call peers,$$m),transition,random --max-prompts 6 --max-new-tokens 48 \
-			--out docs/results/bench/offload_$$m --doc docs/results/offload_$$m.md > /dev/null; \
+			--out $(BENCH)/offload_$$m --doc $(BENCH)/offload_$$m.md > /dev/null; \
 	done
 	$(PY) -m bench.simulate_validate --model zoo:default --max-prompts 5 --max-new-tokens 32 \
 		--predictor $(BENCH)/default/ours_d1.safetensors --baseline transition \

@@ -16,7 +16,7 @@ Without CUDA (and without --dry-run) it prints one line, `gpu-check: skipped: ..
  3. a trace of zoo:default (its first 64 prompts, 16 teacher-forced tokens each) and ours (d1)
     trained on its train split, checked on its val split: the inflated model has the same
     fingerprint, so it loads there (the runs below use test prompts only);
- 4. `tensorbend run --device cuda` on the inflated model's test prompts at 25% cache, each row
+ 4. `tensorbend measure --device cuda` on the inflated model's test prompts at 25% cache, each row
     `--repeats` times, interleaved and rotated (a fresh process each: its resident reference on
     the GPU, then the offloaded run; experts beyond the cache in the store on local disk, read
     into pinned staging and copied on their own stream; `--link none`): lru and lfru with
@@ -48,7 +48,7 @@ CUDA_TESTS = [
     "tests/test_serving.py::test_cuda_generate_equals_resident",
     "tests/test_memory.py",
 ]
-ROWS = {  # label -> `tensorbend run` flags (every row: 25% cache, --link none)
+ROWS = {  # label -> `tensorbend measure` flags (every row: 25% cache, --link none)
     "lru": ["--policy", "lru"],
     "lfru/adm=frequency": ["--policy", "lfru", "--admission", "frequency"],
     "d1:spec_gate": ["--policy", "prefetch", "--baseline", "spec_gate"],

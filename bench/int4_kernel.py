@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from bench.record import command, emit
 from tensorbend.host_load import CpuMeter
 from tensorbend.offload import int4
-from tensorbend.offload.store import ExpertLayout
+from tensorbend.offload.layout import ExpertLayout
 
 GROUP = 32
 

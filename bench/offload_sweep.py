@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--topics {a.topics}: no prompt of split {a.split} has these topics")
     prompts = prompts[: a.max_prompts]
     checkpoints = [*a.predictor, *([a.horizon] if a.horizon else [])]
-    for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend run` does
+    for path in () if a.allow_seen_split else checkpoints:  # as `tensorbend measure` does
         check_held_out(path, [p.id for p in prompts], a.split)
     model, tok = load_model(a.model)
     predictors = _predictors(a, model)

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accelerate-tokens", type=int, default=None,
                     help="new tokens per prompt of the accelerate row (default: --max-new-tokens):"
                          " it streams every expert at every token, so its tok/s does not depend"
-                         " on how many it decodes; its text is compared with a tensorbend run of"
+                         " on how many it decodes; its text is compared with a tensorbend row of"
                          " as many tokens")  # fmt: skip
     ap.add_argument("--memory-cap", action="store_true",
                     help="run every row in a memory cgroup of import baseline + budget + "

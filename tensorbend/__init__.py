@@ -1,4 +1,6 @@
-"""tensorbend: predict MoE routing before the router runs, and prefetch experts with it.
+"""tensorbend serves Mixture-of-Experts checkpoints larger than memory: the routed experts stay
+on disk, a bounded cache holds the ones in use, and routing predicted ahead of the router
+prefetches them.
 
 Usage (public names import lazily from the package; torch loads on first use):
     >>> from pathlib import Path

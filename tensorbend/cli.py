@@ -8,7 +8,6 @@ stderr and exit code 2; no traceback.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import warnings
@@ -16,24 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from tensorbend.errors import TensorbendError, TensorbendWarning
-from tensorbend.flags import add_config_flags, config_from_args
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`error: ...`) and exit 2 through `main`."""
-
-    def error(self, message: str):
-        raise _UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+from tensorbend.flags import config_from_args
+from tensorbend.parser import UsageError, build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = None
     try:
-        parser = _build_parser()
+        parser = build_parser(_verbs())
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()
@@ -41,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():  # (restores showwarning on the way out)
             warnings.showwarning = _warning_line(warnings.showwarning)
             return args.func(args) or 0
-    except (TensorbendError, _UsageError) as e:
+    except (TensorbendError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -255,9 +244,7 @@ def _cmd_store_rm(args) -> int:
     from tensorbend.serving.stores import remove_partial, remove_store
 
     if (args.target is None) == (not args.partial):
-        raise _UsageError(
-            "tensorbend store rm: expected a checkpoint or store folder, or --partial"
-        )
+        raise UsageError("tensorbend store rm: expected a checkpoint or store folder, or --partial")
     if args.partial:
         removed = remove_partial(args.store_dir)
         print("\n".join(f"removed {p}" for p in removed) or "no interrupted builds")
@@ -267,163 +254,6 @@ def _cmd_store_rm(args) -> int:
 
 
 # ---------------------------------------------------------------- parser
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    from tensorbend.capture.collect import CollectConfig
-    from tensorbend.engines.importers import ImportConfig
-    from tensorbend.version import __version__
-
-    p = _Parser(
-        prog="tensorbend",
-        description="Predict MoE expert routing ahead of the router; capture, train, evaluate, run.",
-    )
-    p.add_argument("--version", action="version", version=f"tensorbend {__version__}")
-    sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    co = _verb(sub, "collect", _cmd_collect, "run prompts through a model and record exact routing")
-    add_config_flags(co, CollectConfig)
-
-    tsub = sub.add_parser("trace", help="inspect traces").add_subparsers(
-        dest="trace_verb", metavar="SUBVERB", parser_class=_Parser
-    )
-    ti = _verb(tsub, "info", _cmd_trace_info, "summary of a trace directory", quiet=False)
-    ti.add_argument("trace_dir", help="trace directory (from `collect`)")
-    ti.add_argument(
-        "--json", action="store_true", help="print JSON (keys in docs/guide/formats.md)"
-    )
-    tr = _verb(
-        tsub,
-        "resplit",
-        _cmd_trace_resplit,
-        "split a trace's prompts by topic (held-out domains)",
-        quiet=False,
-    )
-    tr.add_argument("trace_dir", help="trace directory (from `collect`); not modified")
-    tr.add_argument(
-        "--test-topics",
-        required=True,
-        help="comma-separated topics: all their prompts become the test split; "
-        "the other topics keep train/val, their test prompts are left unused",
-    )
-    tr.add_argument("--out", required=True, help="new trace directory (shards hard-linked)")
-    te = _verb(
-        tsub,
-        "export",
-        _cmd_trace_export,
-        "write a trace's routing as the canonical CSV (docs/guide/import.md)",
-        quiet=False,
-    )
-    te.add_argument("trace_dir", help="trace directory; not modified")
-    te.add_argument("--out", required=True, help="CSV file to write (routing only)")
-    tim = _verb(tsub, "import", _cmd_trace_import, "import routing from a serving engine")
-    add_config_flags(tim, ImportConfig, skip=("progress",), positional=("path",))
-
-    from tensorbend.engines.vllm_live import LiveConfig
-    from tensorbend.offload.runner import RunConfig
-    from tensorbend.predictors.evaluate import EvalConfig
-    from tensorbend.predictors.train import TrainConfig
-
-    add_config_flags(_verb(sub, "train", _cmd_train, "train a predictor on a trace"), TrainConfig)
-    ev = _verb(sub, "eval", _cmd_eval, "score predictors and peers on held-out prompts")
-    add_config_flags(ev, EvalConfig)
-    ev.add_argument("--json", help="write the report as JSON (keys in docs/guide/formats.md)")
-    ev.add_argument("--plots", help="directory for PNG plots")
-    lv = _verb(sub, "live", _cmd_live, "a predictor inside vLLM's forward: live recall and cost")
-    add_config_flags(lv, LiveConfig)
-    lv.add_argument("--json", help="write the report as JSON")
-    rn = _verb(sub, "run", _cmd_run, "offloaded generation: expert store + cache + policy")
-    add_config_flags(rn, RunConfig)
-    rn.add_argument("--json", help="write the result as JSON (keys in docs/guide/formats.md)")
-
-    from tensorbend.serving.generate import GenerateConfig
-
-    gn = _verb(sub, "generate", _cmd_generate, "stream text from a model larger than memory")
-    add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"))
-    gn.add_argument("--sample", action="store_true", help="Sample instead of greedy decoding.")
-    gn.add_argument("--json", help="write the summary as JSON (keys in docs/guide/formats.md)")
-
-    from tensorbend.simulate.simulator import SimulateConfig
-
-    sm = _verb(sub, "simulate", _cmd_simulate, "simulate offloaded decode on a geometry + hardware")
-    add_config_flags(sm, SimulateConfig, skip=("progress", "predictor", "baseline"))  # (many)
-    sm.add_argument("--json", help="write the results as JSON (keys in docs/guide/formats.md)")
-    from tensorbend.demo import DemoConfig
-
-    dm = _verb(sub, "demo", _cmd_demo, "the whole chain on the bundled model, with a report")
-    add_config_flags(dm, DemoConfig)
-    _zoo_parser(sub)
-    _store_parser(sub)
-    return p
-
-
-def _store_parser(sub) -> None:
-    ssub = sub.add_parser("store", help="expert stores on disk: list, remove").add_subparsers(
-        dest="store_verb", metavar="SUBVERB", parser_class=_Parser
-    )
-    root = "root of the stores (default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores)"
-    sl = _verb(
-        ssub,
-        "list",
-        _cmd_store_list,
-        "each store's checkpoint, dtype, size and build time; interrupted builds",
-        quiet=False,
-    )
-    sl.add_argument("--store-dir", help=root)
-    sl.add_argument("--json", action="store_true", help="print JSON")
-    sr = _verb(
-        ssub,
-        "rm",
-        _cmd_store_rm,
-        "remove a checkpoint's stores, or interrupted builds",
-        quiet=False,
-    )
-    sr.add_argument("target", nargs="?", help="the checkpoint's path, or its store folder")
-    sr.add_argument(
-        "--partial",
-        action="store_true",
-        help="remove every interrupted build instead (none being built now)",
-    )
-    sr.add_argument("--store-dir", help=root)
-
-
-def _zoo_parser(sub) -> None:
-    from tensorbend.zoo.trainer import ZooTrainConfig
-
-    zsub = sub.add_parser("zoo", help="small real MoE models trained here").add_subparsers(
-        dest="zoo_verb", metavar="SUBVERB", parser_class=_Parser
-    )
-    zl = _verb(zsub, "list", _cmd_zoo_list, "bundled models", quiet=False)
-    zl.add_argument("--json", action="store_true")
-    zp = _verb(zsub, "path", _cmd_zoo_path, "directory of a bundled model", quiet=False)
-    zp.add_argument("name")
-    zk = _verb(
-        zsub, "card", _cmd_zoo_card, "routing realism of traces beside a real MoE's", quiet=False
-    )
-    zk.add_argument(
-        "traces",
-        nargs="+",
-        metavar="TRACE_DIR",
-        help="traces with held-out decode rows (`tensorbend collect --decode "
-        "teacher`); a routing-only import works too (no token statistics)",
-    )
-    zk.add_argument(
-        "--cache-frac",
-        type=float,
-        default=0.25,
-        help="cache size for the foresight statistics (default: 0.25)",
-    )
-    zk.add_argument("--json", help="write the statistics as JSON")
-    zc = _verb(zsub, "corpus", _cmd_zoo_corpus, "extract the offline training corpus", quiet=False)
-    zc.add_argument("--out", required=True, help="corpus directory to write")
-    add_config_flags(_verb(zsub, "train", _cmd_zoo_train, "train a small MoE LM"), ZooTrainConfig)
-
-
-def _verb(sub, name: str, func, help_text: str, quiet: bool = True) -> argparse.ArgumentParser:
-    v = sub.add_parser(name, help=help_text, description=help_text)
-    v.set_defaults(func=func)
-    if quiet:
-        v.add_argument("--quiet", action="store_true", help="no progress bars")
-    return v
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -441,3 +271,28 @@ def _format_summary(d: dict) -> str:
             v = json.dumps(v)
         lines.append(f"{k:<{width}}  {v}")
     return "\n".join(lines)
+
+
+def _verbs() -> dict:
+    """Verb name (as tensorbend/parser.py calls it) -> the function that runs it."""
+    return {
+        "collect": _cmd_collect,
+        "trace info": _cmd_trace_info,
+        "trace import": _cmd_trace_import,
+        "trace resplit": _cmd_trace_resplit,
+        "trace export": _cmd_trace_export,
+        "train": _cmd_train,
+        "eval": _cmd_eval,
+        "generate": _cmd_generate,
+        "measure": _cmd_run,
+        "simulate": _cmd_simulate,
+        "live": _cmd_live,
+        "store list": _cmd_store_list,
+        "store rm": _cmd_store_rm,
+        "zoo list": _cmd_zoo_list,
+        "zoo path": _cmd_zoo_path,
+        "zoo card": _cmd_zoo_card,
+        "zoo corpus": _cmd_zoo_corpus,
+        "zoo train": _cmd_zoo_train,
+        "demo": _cmd_demo,
+    }

@@ -7,8 +7,8 @@ Usage:
     >>> add_config_flags(p, DecodeConfig)
     >>> config_from_args(DecodeConfig, p.parse_args(["--decode", "teacher", "--seed", "3"]))
     DecodeConfig(decode='teacher', max_new_tokens=32, max_prompt_tokens=256, temperature=0.8, seed=3)
-    >>> [a.help for a in p._actions if a.dest == "decode"][0].split(" (")[0][:33]
-    'How decode tokens are produced: g'
+    >>> [a.help for a in p._actions if a.dest == "decode"][0].split(" (")[0]
+    'How decode tokens are produced.'
 
 Rules, from the field's annotation and default:
   `Literal[...]`          -> choices;     `bool` (default False) -> `--name`;
@@ -18,8 +18,9 @@ Rules, from the field's annotation and default:
   `X | None`              -> optional X;  a nested config dataclass -> its fields, flattened,
                              their defaults those of the field's default instance;
   no default              -> a required flag.
-The help text is the attribute docstring under the field (read from the source), followed by
-the default. `field(metadata={"choices": TABLE})` takes choices from a table defined elsewhere
+The help text is the first sentence of the attribute docstring under the field (read from the
+source), followed by the default; `title=` and a nested config's `metadata={"group": TITLE}`
+sort the flags into --help's option groups. `field(metadata={"choices": TABLE})` takes choices from a table defined elsewhere
 (e.g. the predictor registry), `{"flags": ("--old-spelling",)}` adds aliases,
 `{"cli": False}` keeps a field off the command line, and on a nested config
 `{"skip": ("name", ...)}` keeps those of its fields off this command's line (they keep the
@@ -49,9 +50,17 @@ def add_config_flags(
     required: tuple[str, ...] = (),
     positional: tuple[str, ...] = (),
     defaults=None,
+    title: str | None = None,
+    _root: argparse.ArgumentParser | None = None,
 ) -> None:
     """Add one flag per field of dataclass `cls` (nested config dataclasses flattened);
-    `defaults`: an instance of `cls` whose values are the defaults (else the fields')."""
+    `defaults`: an instance of `cls` whose values are the defaults (else the fields').
+    title: the help's option group for `cls`'s own fields; a nested config whose field has
+    `metadata={"group": TITLE}` gets a group of its own (else it joins its parent's), and so
+    does a plain field with that metadata."""
+    root = _root or parser
+    if title and isinstance(root, argparse.ArgumentParser):
+        parser = option_group(root, title)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -61,18 +70,27 @@ def add_config_flags(
         default = _default(f) if defaults is None else getattr(defaults, f.name)
         if dataclasses.is_dataclass(hint):
             inner = skip + tuple(f.metadata.get("skip", ()))
-            add_config_flags(parser, hint, skip=inner, defaults=default)
+            add_config_flags(
+                parser,
+                hint,
+                skip=inner,
+                defaults=default,
+                title=f.metadata.get("group"),
+                _root=root,
+            )
             continue
         kind, base = _kind(hint)
-        help_text = docs.get(f.name, "")
+        help_text = first_clause(docs.get(f.name, ""))
+        group = f.metadata.get("group")
+        target = option_group(root, group) if group else parser
         if f.name in positional:
-            parser.add_argument(f.name, type=_converter(base), help=help_text)
+            target.add_argument(f.name, type=_converter(base), help=help_text)
             continue
         names = ["--" + f.name.replace("_", "-"), *f.metadata.get("flags", ())]
         kw: dict = {"dest": f.name, "help": help_text}
         if kind == "bool" and default is None:  # unset, --name or --no-name
             kw["action"] = argparse.BooleanOptionalAction
-            parser.add_argument(*names, default=None, **kw)
+            target.add_argument(*names, default=None, **kw)
             continue
         if kind == "bool":
             if default is True:
@@ -80,7 +98,7 @@ def add_config_flags(
                 kw["action"] = "store_false"
             else:
                 kw["action"] = "store_true"
-            parser.add_argument(*names, default=bool(default), **kw)
+            target.add_argument(*names, default=bool(default), **kw)
             continue
         choices = _choices(f, base)
         kw["type"] = _converter(type(choices[0]) if choices else base)
@@ -98,7 +116,7 @@ def add_config_flags(
             shown = " ".join(map(str, default)) if kind == "tuple" else default
             if default not in (None, ()):
                 kw["help"] = f"{help_text} (default: {shown})".strip()
-        parser.add_argument(*names, **kw)
+        target.add_argument(*names, **kw)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, *, _base=None, _skip=(), **overrides):
@@ -151,6 +169,46 @@ def _choices(f: dataclasses.Field, base) -> tuple | None:
 
 
 @cache
+def option_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The parser's option group called `title` (made on first use): --help lists each group's
+    options under its title."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def first_clause(text: str) -> str:
+    """A field's help on the command line: its docstring's first clause, up to the first
+    sentence end, colon or semicolon outside brackets and backticks (the guide holds the rest);
+    a colon after at most three words ends a scope ("Oracle only:"), not the clause.
+
+    >>> first_clause("Budget for the model (8GB; a unit). Overrides --cache-frac; e.g. 8GB.")
+    'Budget for the model (8GB; a unit).'
+    >>> first_clause("What the store keeps: auto (its own) or int4.")
+    'What the store keeps.'
+    >>> first_clause("Oracle only: how it ranks; more")
+    'Oracle only: how it ranks.'
+    >>> first_clause("Inputs, e.g. routing; more")
+    'Inputs, e.g. routing.'
+    >>> first_clause("Prompts JSONL (`{'id': 1}` per line): each in turn.")
+    "Prompts JSONL (`{'id': 1}` per line)."
+    """
+    depth, code = 0, False
+    for i, c in enumerate(text):
+        if c == "`":
+            code = not code
+        elif not code and c in "([{":
+            depth += 1
+        elif not code and c in ")]}":
+            depth -= 1
+        elif depth == 0 and not code and text[i + 1 : i + 2] in (" ", ""):
+            end = c == "." and (i + 2 >= len(text) or text[i + 2].isupper())
+            if end or c == ";" or (c == ":" and len(text[:i].split()) > 3):
+                return text[:i] + "."
+    return text
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: its attribute docstring, whitespace-normalised} from the class source."""
     docs: dict[str, str] = {}

@@ -9,7 +9,8 @@ import torch
 from tensorbend.cache.config import PolicyConfig, check_slots, min_slots
 from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.memory import check_device, kv_bytes_per_token, parse_bytes
-from tensorbend.offload.store import ExpertLayout, ExpertStore, write_store
+from tensorbend.offload.layout import ExpertLayout
+from tensorbend.offload.store import ExpertStore, write_store
 
 
 def test_sizes_parse_and_bad_ones_name_their_flag():

@@ -232,8 +232,9 @@ def _slow_loader(tmp_path, transfer_s: float):
 
     from tensorbend.cache.transfers import Link
     from tensorbend.models import describe_model, moe_block
+    from tensorbend.offload.layout import ExpertLayout
     from tensorbend.offload.loader import Loader
-    from tensorbend.offload.store import ExpertLayout, ExpertStore, write_store
+    from tensorbend.offload.store import ExpertStore, write_store
 
     model = build("deepseek_v3")
     spec = describe_model(model)
@@ -326,8 +327,9 @@ def test_a_prefetch_read_waits_while_a_demand_read_is_on_the_disk(tmp_path, monk
 
     from tensorbend.models import describe_model, moe_block
     from tensorbend.offload import blocks
+    from tensorbend.offload.layout import ExpertLayout
     from tensorbend.offload.loader import Loader
-    from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
+    from tensorbend.offload.store import ExpertStore, StoreConfig, write_store
 
     monkeypatch.setattr(blocks, "PAUSE_CHUNK", 4096)
     model = build("deepseek_v3", moe_intermediate_size=128)  # experts of 48 KB: 12 blocks

@@ -1,4 +1,4 @@
-"""`tensorbend run` configuration: every user error is one line, raised before a model loads;
+"""`tensorbend measure` configuration: every user error is one line, raised before a model loads;
 "matches the resident model" means bit-identical; the CUDA path where a GPU exists."""
 
 import json
@@ -176,7 +176,7 @@ def test_run_verb_on_cuda(tmp_path):
 
 
 def test_run_describes_the_model_once(tmp_path, monkeypatch):
-    """`tensorbend run` computes the model's description once and hands it to the predictors
+    """`tensorbend measure` computes the model's description once and hands it to the predictors
     and the session (it was computed four times per run)."""
     import tensorbend.models
     from tensorbend.offload import session

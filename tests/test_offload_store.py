@@ -11,7 +11,8 @@ from tensorbend.cache.transfers import Link, parse_link, real_link
 from tensorbend.errors import StoreError
 from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.blocks import aligned_empty, stride
-from tensorbend.offload.store import ExpertLayout, ExpertStore, StoreConfig, write_store
+from tensorbend.offload.layout import ExpertLayout
+from tensorbend.offload.store import ExpertStore, StoreConfig, write_store
 
 
 def _experts(family):

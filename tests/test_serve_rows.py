@@ -73,11 +73,14 @@ def test_every_row_runs_the_admission_its_name_says():
     ServeConfig default instance's fields, as `generate` builds it), must give the admission
     its name says: adm=X where it names one, else all; and generate alone gives lfru/frequency."""
     from tensorbend.cache.config import SERVING, PolicyConfig
-    from tensorbend.cli import _build_parser
+    from tensorbend.cli import _verbs
     from tensorbend.flags import config_from_args
+    from tensorbend.parser import build_parser
 
     def offload(flags):
-        args = _build_parser().parse_args(["generate", "--model", "m", "--prompt", "x", *flags])
+        args = build_parser(_verbs()).parse_args(
+            ["generate", "--model", "m", "--prompt", "x", *flags]
+        )
         return config_from_args(PolicyConfig, args, _base=SERVING)
 
     rows = policies(Path("d1.st"), Path("h.st"), Path("seed.st"), accelerate=False)

@@ -17,8 +17,9 @@ from tensorbend.cli import main
 from tensorbend.models import describe_model, moe_block
 from tensorbend.offload.expert_plan import ExpertPlan, build_store
 from tensorbend.offload.layer import OFFLOAD_FAMILIES
+from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.shards import Checkpoint
-from tensorbend.offload.store import ExpertLayout, ExpertStore
+from tensorbend.offload.store import ExpertStore
 from tensorbend.serving.model_build import build_without_experts
 
 
@@ -433,7 +434,7 @@ def test_cuda_generate_equals_resident(tmp_path):
 
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
 def test_same_entry_reproduces_run_bytes(policy, tmp_path):
-    """`tensorbend run` (resident reference, then the handle per policy) and load_offloaded +
+    """`tensorbend measure` (resident reference, then the handle per policy) and load_offloaded +
     transformers' generate() read exactly the same expert bytes on the same prompts (greedy:
     the same tokens, so the same routing; generate's N new tokens take N - 1 decode forwards),
     load_offloaded with its default admission (auto: frequency for these)."""

@@ -24,7 +24,7 @@ from tensorbend.offload.shards import Checkpoint
 from tensorbend.serving.model_build import build_without_experts
 
 _SERVE = textwrap.dedent("""
-    import sys, time, torch, tensorbend, tensorbend.serving.offloaded as serving
+    import sys, time, torch, tensorbend, tensorbend.serving.stores as serving
     real = serving.build_store
     def counted(*a, **k):  # (slow, so that the other process arrives while this one builds)
         with open(sys.argv[3], "a") as f:

@@ -29,7 +29,7 @@ PAGES = (
       for n in ("default", "qwen", "deep", "default_domain", "deep_domain", "deep_imported")],
     ("bench.pages.projections", "projections.json", "projections.md"),
     *[("bench.pages.offload", f"bench/{n}.json", f"{n}.md")
-      for n in ("offload_default", "offload_qwen", *_HEADLINES)],
+      for n in _HEADLINES],
     ("bench.pages.train_memory", "bench/train_memory.json", "bench/train_memory.md"),
     ("bench.replay_speed", "bench/replay_speed.json", "bench/replay_speed.md"),
     ("bench.prefetch_width", "bench/prefetch_width.json", "bench/prefetch_width.md"),

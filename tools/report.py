@@ -181,7 +181,7 @@ def _validation(root: Path) -> str:
     b = rep["bias"]["decode_tok_s"]
     return (
         f"The simulator replays the runtime's own policies. Calibrated on {n_cal} {cal} prompts "
-        f"and judged on {n_val} {val} prompts the calibration never saw, against `tensorbend run` "
+        f"and judged on {n_val} {val} prompts the calibration never saw, against `tensorbend measure` "
         f"over the same link, its largest error in magnitude on decode tok/s, stall and bytes "
         f"per token over {len(rep['rows'])} configurations is {rep['max_error']:.1%} (worst: "
         f"{worst['label']}; bar {rep['bar']:.0%}); on decode tok/s its mean signed error is "
@@ -282,7 +282,7 @@ cache without prediction beyond it, so it never reads more than that cache
 (foresight_*.md has 12.5 / 25 / 50% and the routing-only configuration)."""
 
 
-_END_TO_END = """`tensorbend run` on held-out prompts, every policy side by side in one run over the
+_END_TO_END = """`tensorbend measure` on held-out prompts, every policy side by side in one run over the
 same calibrated link (the PCIe Gen5 to H100 transfer/compute ratio of Kimi-sized experts, and
 the same link 4x faster), 25% cache. "Byte gap closed" is the share of the distance from the
 best no-prediction cache to the full oracle (every future routing) that the run covers:

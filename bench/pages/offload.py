@@ -121,7 +121,7 @@ def markdown(report: dict) -> str:
                     f"{r['wasted_prefetch_bytes'] / 1e3:.0f} | {_predict_ms(r)} |"
                     + (f" {_ms(r.get('io_cpu_s_per_token'))} |" if io_cpu else "")
                 )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _plots(report)) + "\n"
 
 
 def peer_summary(runs: list[dict], frac: float) -> dict | None:
@@ -294,3 +294,21 @@ def _most_other_cores(report: dict) -> float | None:
            for r in runs for p in ("run", "reference")]  # fmt: skip
     xs = [x for x in xs if x is not None]
     return max(xs) if xs else None
+
+
+def _plots(report: dict) -> list[str]:
+    """The sweep's two plots (bench.offload_sweep writes OUT.png and OUT_foresight.png beside
+    its JSON), linked from the page; none when --out is not under docs/results/."""
+    words = report["command"].split()
+    out = words[words.index("--out") + 1] if "--out" in words else ""
+    if not out.startswith("docs/results/"):
+        return []
+    rel = out[len("docs/results/") :]
+    return [
+        "",
+        "## Plots",
+        "",
+        f"![decode tok/s and stall per run at the first link]({rel}.png)",
+        "",
+        f"![bytes per token and tok/s against the oracle's foresight]({rel}_foresight.png)",
+    ]

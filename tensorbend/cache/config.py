@@ -141,9 +141,10 @@ def no_prediction() -> tuple[str, ...]:
 @dataclass(frozen=True)
 class PolicyConfig:
     policy: PolicyName = "lru"
-    """resident (every expert in memory), on_demand (load when asked, keep nothing), lru, lfu,
-    lfru (caches without prediction), prefetch (a predictor's prefetches + Predicted eviction),
-    oracle (the resident run's routing: exact prefetches + Belady eviction within --foresight)."""
+    """What loads and keeps experts, from holding all to knowing the future: resident (every
+    expert in memory), on_demand (load when asked, keep nothing), lru, lfu, lfru (caches without
+    prediction), prefetch (a predictor's prefetches + Predicted eviction), oracle (the resident
+    run's routing: exact prefetches + Belady eviction within --foresight)."""
     cache_frac: float = 0.25
     """Cache capacity as a fraction of all routed experts (MoE layers x experts)."""
     cache_bytes: int | None = None
@@ -162,8 +163,8 @@ class PolicyConfig:
     """Oracle only: forwards (tokens at decode) of exact routing it knows, counting the
     current one (0: nothing, LRU); default: the whole run."""
     oracle_beyond: BeyondName = "lru"
-    """Oracle only: how it ranks the experts it cannot see used within --foresight (a rule
-    without prediction; predicted: Predicted eviction fed no predictions)."""
+    """How the oracle ranks the experts it cannot see used within --foresight (oracle only): a
+    rule without prediction, or predicted (Predicted eviction fed no predictions)."""
     lookahead: str = field(default="d1", metadata={"choices": tuple(LOOKAHEADS)})
     """Source point of a --baseline predictor and of the oracle's prefetches (a checkpoint
     brings its own)."""
@@ -171,8 +172,9 @@ class PolicyConfig:
     """Start a prefetch only while the link has at most this many expert transfers booked
     ahead; until then it waits in the queue, behind any demand load that comes (inf: at once)."""
     token_ahead_layers: int = 1
-    """With --horizon: during a forward's last MoE layer, prefetch the likeliest experts of the
-    next forward's first N MoE layers (0: none; its forecast then drives eviction only)."""
+    """Next-forward layers prefetched with --horizon: during a forward's last MoE layer, the
+    likeliest experts of the next forward's first N MoE layers (0: none; its forecast then
+    drives eviction only)."""
     staging_slots: int | None = None
     """Staging slots beside the cache, each one expert: a miss the admission refuses (or that
     finds every slot pinned) is read into one, computed, and dropped; default the model's top-k

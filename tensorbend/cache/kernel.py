@@ -22,111 +22,32 @@ highest rank, compared field by field as `policy.rank` orders them, ties to the 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
-import numpy as np
 from numba import njit
 
-# eviction rules (Rules.evict; Rules.beyond: LRU..PREDICTED)
-LRU, LFU, LFRU, PREDICTED, REUSE, NEXT_USE = range(6)
-# admission rules (Rules.admit; Rules.fallback: NONE or ADMIT_ALL / ADMIT_FREQUENCY)
-ADMIT_ALL, ADMIT_FREQUENCY, ADMIT_PREDICTED = range(3)
-# placement outcomes (cache.resident.Placement.outcome)
-ADMITTED, REFUSED, BLOCKED = range(3)
-OUTCOMES = ("admitted", "refused", "blocked")
-NONE = -1  # no key, no rule, no step
-INF = math.inf
-_SEQ, _CLOCK, _FORECAST = range(3)  # State.tick: recency counter, latest step, forecast forward
-
-
-class Rules(NamedTuple):
-    evict: int
-    beyond: int  # NEXT_USE: how keys not seen used within its sight rank
-    foresight: int  # NEXT_USE: forwards it sees (NONE: the whole trace)
-    admit: int
-    fallback: int  # ADMIT_PREDICTED: the rule for two unknown next uses (NONE: admit)
-    window: int  # ADMIT_FREQUENCY: forwards of use counts
-    per_layer: bool  # pools: one per layer, else one global pool
-    hints: bool  # hint and prefetch the next layer's experts (a perfect d1 predictor)
-    judge: bool  # count evictions as good as Belady's (Out.tally GOOD, JUDGED)
-    log_counts: bool  # keep Predicted's log counts (a rule ranks by them)
-    decay: float  # Predicted's decay per forward
-
-
-class ReplayInput(NamedTuple):
-    ids_FLK: np.ndarray  # int64, -1 padded where a layer-step routes fewer
-    n_FL: np.ndarray  # experts routed per layer-step
-    num_experts: int
-    seen_ptr: np.ndarray  # NEXT_USE: key k is seen used at seen_steps[seen_ptr[k]:seen_ptr[k+1]]
-    seen_steps: np.ndarray
-    used_ptr: np.ndarray  # the judge: the demands' own uses, same layout
-    used_steps: np.ndarray
-    ahead_FK: np.ndarray  # REUSE: after forward f, each key's expected next use ([0, K]: none)
-    after_FK: np.ndarray  # ... once layer m of forward f + 1 has passed without it
-
-
-class State(NamedTuple):
-    tick: np.ndarray  # [_SEQ, _CLOCK, _FORECAST]
-    caps: np.ndarray  # slots per pool
-    members: np.ndarray  # [pools, max cap] keys holding slots
-    size: np.ndarray  # per pool
-    pos: np.ndarray  # per key: index in members (NONE: not resident)
-    missed: np.ndarray  # per key: sequence number of a pending demand (NONE: none)
-    pin: np.ndarray  # per key: the step whose demand pinned it
-    rec: np.ndarray  # per key: recency sequence number
-    count: np.ndarray  # per key: uses
-    last: np.ndarray  # per key: step of the last use (NONE: never used)
-    g: np.ndarray  # per key: Predicted's log count referred to step 0 (-inf: never used)
-    hint: np.ndarray  # per key: pending predicted step (NONE: none)
-    layer_hint: np.ndarray  # per layer: latest predicted step
-    head_L: np.ndarray  # scratch: per layer, the head of Predicted's order
-    seen: np.ndarray  # [2, keys]: next seen use (float), cursor into seen_steps
-    used: np.ndarray  # [2, keys]: the same for the judge
-    uses_KW: np.ndarray  # per key: steps of its last `window` uses (a ring)
-
-
-class Out(NamedTuple):
-    step_P: np.ndarray  # per placement (empty: not recorded): step, key, outcome, victim
-    key_P: np.ndarray
-    outcome_P: np.ndarray
-    victim_P: np.ndarray
-    misses_F: np.ndarray  # demand misses per forward
-    tally: np.ndarray  # [PLACEMENTS, PREFETCHES, EVICTIONS, GOOD, JUDGED]
-
-
-PLACEMENTS, PREFETCHES, EVICTIONS, GOOD, JUDGED = range(5)
-
-
-def new_state(rules: Rules, slots: int, L: int, E: int) -> State:
-    """A cold cache of `slots` slots (per-layer pools: the first slots % L layers one more)."""
-    n = L if rules.per_layer else 1
-    caps = np.array(
-        [slots // L + (p < slots % L) if rules.per_layer else slots for p in range(n)], np.int64
-    )
-    K = L * E
-
-    def keys(v, dtype=np.int64):
-        return np.full(K, v, dtype)
-
-    return State(
-        tick=np.array([0, NONE, NONE], np.int64),
-        caps=caps,
-        members=np.empty((n, max(1, int(caps.max()))), np.int64),
-        size=np.zeros(n, np.int64),
-        pos=keys(NONE),
-        missed=keys(NONE),
-        pin=keys(NONE),
-        rec=keys(0),
-        count=keys(0),
-        last=keys(NONE),
-        g=keys(-INF, np.float64),
-        hint=keys(NONE),
-        layer_hint=np.full(L, NONE, np.int64),
-        head_L=np.full(L, NONE, np.int64),
-        seen=np.full((2, K), -1.0),
-        used=np.full((2, K), -1.0),
-        uses_KW=np.full((K, max(rules.window, 1)), -(1 << 60), np.int64),
-    )
+from tensorbend.cache.kernel_state import (
+    ADMIT_FREQUENCY,
+    ADMIT_PREDICTED,
+    ADMITTED,
+    BLOCKED,
+    CLOCK,
+    EVICTIONS,
+    FORECAST,
+    GOOD,
+    INF,
+    JUDGED,
+    LFRU,
+    LFU,
+    LRU,
+    NEXT_USE,
+    NONE,
+    PLACEMENTS,
+    PREDICTED,
+    PREFETCHES,
+    REFUSED,
+    REUSE,
+    SEQ,
+)
 
 
 @njit(cache=True)
@@ -151,16 +72,16 @@ def run(rules, tr, st, out):
             for j in range(tr.n_FL[f, m]):
                 k = m * E + tr.ids_FLK[f, m, j]
                 _touch(k, now, rules, st)
-                st.tick[_SEQ] += 1
+                st.tick[SEQ] += 1
                 if st.pos[k] != NONE:
-                    st.rec[k] = st.tick[_SEQ]
+                    st.rec[k] = st.tick[SEQ]
                 else:
-                    st.missed[k] = st.tick[_SEQ]
+                    st.missed[k] = st.tick[SEQ]
                     out.misses_F[f] += 1
                     _place(k, now, NONE, rules, tr, st, out, record)
                 st.pin[k] = now
         if tr.ahead_FK.shape[0] > 0:
-            st.tick[_FORECAST] = f
+            st.tick[FORECAST] = f
 
 
 @njit(cache=True)
@@ -168,8 +89,8 @@ def _touch(k, now, rules, st):
     """A demand use of k at step now, as the policy and the admission rule hear it."""
     st.count[k] += 1
     st.last[k] = now
-    if now > st.tick[_CLOCK]:
-        st.tick[_CLOCK] = now
+    if now > st.tick[CLOCK]:
+        st.tick[CLOCK] = now
     if rules.log_counts:  # Predicted.touch: the decayed count, as a log referred to step 0
         per_step = math.log(rules.decay) / st.layer_hint.shape[0]
         c = math.exp(st.g[k] + now * per_step)  # (0.0 never used)
@@ -182,7 +103,7 @@ def _touch(k, now, rules, st):
 def _hint(k, when, L, E, st):
     """Predicted.hint: the earliest pending prediction; the layer's latest predicted step."""
     old = st.hint[k]
-    if old == NONE or old <= st.tick[_CLOCK] or when < old:
+    if old == NONE or old <= st.tick[CLOCK] or when < old:
         st.hint[k] = when
     m = k // E
     st.layer_hint[m] = max(when, st.layer_hint[m])
@@ -236,8 +157,8 @@ def _admit(k, v, p, st):
         st.size[p] = last
     s = st.missed[k]
     if s == NONE:
-        st.tick[_SEQ] += 1
-        s = st.tick[_SEQ]
+        st.tick[SEQ] += 1
+        s = st.tick[SEQ]
     st.missed[k] = NONE
     st.rec[k] = s
     st.pos[k] = st.size[p]
@@ -286,7 +207,7 @@ def _next_use(k, now, rules, tr, st):
         return -1.0
     if st.hint[k] > now:
         return st.hint[k] * 1.0
-    f = st.tick[_FORECAST]
+    f = st.tick[FORECAST]
     if rules.evict == REUSE and f != NONE:
         return _forecast(f, k // E, now, L, tr.ahead_FK[f, k], tr.after_FK[f, k])
     return _estimate(k // E, st.g[k], now, L, st.layer_hint[k // E], rules.decay)
@@ -361,7 +282,7 @@ def _victim(p, now, rules, tr, st):
                     else _advance(c, now, seen, tr.seen_ptr, tr.seen_steps)
                 )
                 top = max(top, s if s < sight else INF)
-    f = st.tick[_FORECAST]
+    f = st.tick[FORECAST]
     forecast = rule == REUSE and f != NONE
     if rule == REUSE and not forecast:
         rule = PREDICTED

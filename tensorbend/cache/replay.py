@@ -37,6 +37,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from tensorbend.cache import kernel_state as ks
 from tensorbend.cache.admission import AdmissionName
 from tensorbend.cache.resident import PoolName
 from tensorbend.errors import TensorbendError
@@ -119,12 +120,10 @@ class Replayed:
 
     def victims(self) -> list[tuple]:
         """Per placement, in order: (step, (m, e), outcome, victim (m, e) or None)."""
-        from tensorbend.cache.kernel import OUTCOMES
-
         E = self.num_experts
         step_P, key_P, outcome_P, victim_P = (a.tolist() for a in self.placements)
         return [
-            (s, (k // E, k % E), OUTCOMES[o], None if v < 0 else (v // E, v % E))
+            (s, (k // E, k % E), ks.OUTCOMES[o], None if v < 0 else (v // E, v % E))
             for s, k, o, v in zip(step_P, key_P, outcome_P, victim_P, strict=True)
         ]
 
@@ -140,7 +139,7 @@ def replay(
     """The trace through the cache `cfg` describes (module docstring). seen_FLK: the routing
     Belady ranks by (default: the demands themselves; a prediction of them, say); forecasts:
     what `reuse` evicts by; record: keep every placement (`Replayed.victims`)."""
-    from tensorbend.cache import kernel as kn
+    from tensorbend.cache.kernel import run
 
     ids, n_FL = as_padded(ids_FLK)
     seen, n_seen = (ids, n_FL) if seen_FLK is None else as_padded(seen_FLK)
@@ -159,7 +158,7 @@ def replay(
     belady, judge = cfg.eviction == "next_use", cfg.judge
     seen_ptr, seen_steps = _uses_by_key(seen, n_seen, E) if belady else _no_uses(L * E)
     used_ptr, used_steps = _uses_by_key(ids, n_FL, E) if judge else _no_uses(L * E)
-    tr = kn.ReplayInput(
+    tr = ks.ReplayInput(
         ids,
         n_FL,
         E,
@@ -170,12 +169,12 @@ def replay(
         *(forecasts if forecasts is not None else (none, none)),
     )
     beyond = cfg.beyond if cfg.foresight is not None else "lru"  # (NextUse: full sight, LRU)
-    rules = kn.Rules(
+    rules = ks.Rules(
         evict=_EVICTIONS.index(cfg.eviction),
         beyond=_EVICTIONS.index(beyond),
-        foresight=kn.NONE if cfg.foresight is None else cfg.foresight,
+        foresight=ks.NONE if cfg.foresight is None else cfg.foresight,
         admit=_ADMISSIONS.index(cfg.admission),
-        fallback=kn.NONE if cfg.fallback is None else _ADMISSIONS.index(cfg.fallback),
+        fallback=ks.NONE if cfg.fallback is None else _ADMISSIONS.index(cfg.fallback),
         window=cfg.admission_window,
         per_layer=cfg.pool == "per_layer",
         hints=cfg.hints,
@@ -184,18 +183,18 @@ def replay(
         log_counts=cfg.eviction in ("predicted", "reuse") or (belady and beyond == "predicted"),
     )
     n_out = int(n_FL.sum()) * (2 if cfg.hints else 1) if record else 0
-    out = kn.Out(
+    out = ks.Out(
         *(np.empty(n_out, np.int64) for _ in range(4)), np.zeros(F, np.int64), np.zeros(5, np.int64)
     )
-    kn.run(rules, tr, kn.new_state(rules, cfg.slots, L, E), out)
-    n = int(out.tally[kn.PLACEMENTS]) if record else 0
+    run(rules, tr, ks.new_state(rules, cfg.slots, L, E), out)
+    n = int(out.tally[ks.PLACEMENTS]) if record else 0
     return Replayed(
         misses=int(out.misses_F.sum()),
-        prefetches=int(out.tally[kn.PREFETCHES]),
-        evictions=int(out.tally[kn.EVICTIONS]),
+        prefetches=int(out.tally[ks.PREFETCHES]),
+        evictions=int(out.tally[ks.EVICTIONS]),
         misses_F=out.misses_F,
-        good=int(out.tally[kn.GOOD]),
-        judged=int(out.tally[kn.JUDGED]),
+        good=int(out.tally[ks.GOOD]),
+        judged=int(out.tally[ks.JUDGED]),
         num_experts=E,
         placements=tuple(a[:n] for a in out[:4]),
     )

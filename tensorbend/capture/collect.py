@@ -63,7 +63,7 @@ class CollectConfig:
     """What to record per token and MoE layer: ids, weights, logits, gate_input, layer_input."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     """Storage dtype of hidden states, logits and weights in the trace."""
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig, metadata={"group": "decoding"})
     """How prompts are run (decode mode, lengths, sampling)."""
     max_prompts: int | None = None
     """Stop after this many prompts (in file order)."""

@@ -42,7 +42,7 @@ class Forward:
 def forwards(rows: dict[str, torch.Tensor], batch: int = 1) -> list[Forward]:
     """The forwards a run performs over loaded rows (whole prompts, prefill before decode).
 
-    Like `tensorbend run` at batch 1: each prompt's prefill is one forward over its prompt
+    Like `tensorbend measure` at batch 1: each prompt's prefill is one forward over its prompt
     tokens, then one forward per decode token (KV cache on). With `batch` B > 1, B prompts are
     prefilled in one forward and decoded in lockstep, one token of each unfinished prompt per
     forward (static batching: a finished sequence leaves a hole, it is not refilled).

@@ -20,7 +20,7 @@ See docs/guide/offload.md. Modules, in the order a run uses them:
             foresight) -> the ExpertCache
   session   OffloadSession: resident reference, store, one run per policy
   result    RunResult: the `run --json` keys, output comparison
-  runner    RunConfig + run(): what `tensorbend run` calls
+  runner    RunConfig + run(): what `tensorbend measure` calls
   handle    OffloadHandle: store, cache, loader, hooks and counters attached to a model in place
             (what `tensorbend.load_offloaded` and the session use)
 The pure decisions (policies, resident sets, slot table, queue and wire) live in cache/.

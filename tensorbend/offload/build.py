@@ -16,7 +16,7 @@ from __future__ import annotations
 from tensorbend.cache.config import POLICIES, PolicyConfig, make_resident_set
 from tensorbend.models import RoutingSpec
 from tensorbend.offload.cache import CacheConfig, ExpertCache
-from tensorbend.offload.store import ExpertLayout
+from tensorbend.offload.layout import ExpertLayout
 
 
 def build_cache(

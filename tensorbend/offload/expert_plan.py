@@ -48,9 +48,10 @@ from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload import int4, mxfp4
 from tensorbend.offload.blocks import stride
 from tensorbend.offload.int4 import Int4
+from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.precision import block_grid
 from tensorbend.offload.shards import ST_DTYPES, Checkpoint, TensorRef
-from tensorbend.offload.store import ExpertLayout, expert_offset, store_header
+from tensorbend.offload.store import expert_offset, store_header
 
 
 @dataclass

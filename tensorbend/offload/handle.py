@@ -44,9 +44,10 @@ from tensorbend.offload.generation import Generation
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.int4 import Int4
 from tensorbend.offload.layer import ExpertCompute, OffloadedExperts, check_supported
+from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.loader import Loader, PrefetchGuard
 from tensorbend.offload.result import phase_numbers
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig
+from tensorbend.offload.store import ExpertStore, IOMode, StoreConfig
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class OffloadHandle:
 
     def prediction_counters(self) -> dict:
         """The prediction hooks' seconds (keys ending in _s) and calls, and the experts' math,
-        since the last `reset` (what `counters` and `tensorbend run`'s result report)."""
+        since the last `reset` (what `counters` and `tensorbend measure`'s result report)."""
         h = self.hooks
         return {
             "predict_s": h.predict_s,

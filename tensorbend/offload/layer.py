@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from tensorbend.errors import UnsupportedModelError
 from tensorbend.offload.int4 import int4_linear
-from tensorbend.offload.store import ExpertLayout
+from tensorbend.offload.layout import ExpertLayout
 
 SWIGLU_FAMILIES = (
     "deepseek_v3",

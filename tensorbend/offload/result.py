@@ -1,4 +1,4 @@
-"""The result of one offloaded run (`tensorbend run --json`), and its comparison with the resident run.
+"""The result of one offloaded run (`tensorbend measure --json`), and its comparison with the resident run.
 
 Usage:
     result = session.run_policy(PolicyConfig(policy="lru"))

@@ -1,4 +1,4 @@
-"""`tensorbend run`: load a model, build the predictor, run one policy against the resident model.
+"""`tensorbend measure`: load a model, build the predictor, run one policy against the resident model.
 
 Usage:
     >>> from tensorbend.cache.config import PolicyConfig
@@ -36,7 +36,7 @@ from tensorbend.routers import model_fingerprint
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What `tensorbend run` asks for: one model, one prompt set, one policy."""
+    """What `tensorbend measure` asks for: one model, one prompt set, one policy."""
 
     model: str
     """Local HF checkpoint directory or zoo:NAME."""
@@ -46,7 +46,9 @@ class RunConfig:
     """Which prompts of the file to run."""
     max_prompts: int | None = 8
     """Run at most this many prompts (file order)."""
-    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    prediction: PredictorSpec = field(
+        default_factory=PredictorSpec, metadata={"group": "prediction"}
+    )
     """What predicts for --policy prefetch (--predictor or --baseline, --horizon,
     --prefetch-extra)."""
     trace: Path | None = None
@@ -63,9 +65,11 @@ class RunConfig:
     """Compute dtype of the model (bit-identical outputs are checked in any dtype)."""
     allow_seen_split: bool = False
     """Run a checkpoint on prompts it was trained or early-stopped on (not held out)."""
-    offload: PolicyConfig = field(default_factory=PolicyConfig)
+    offload: PolicyConfig = field(default_factory=PolicyConfig, metadata={"group": "cache policy"})
     """Policy and cache options."""
-    session: SessionConfig = field(default_factory=SessionConfig)
+    session: SessionConfig = field(
+        default_factory=SessionConfig, metadata={"group": "prompts, store and threads"}
+    )
     """Decode mode, store and I/O options."""
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ Usage:
     sess.run_policy(PolicyConfig("oracle", foresight=2, admission="predicted"))
     sess.close()
 
-or in one call (what `tensorbend run` does): `runner.run(RunConfig(model="zoo:default"))`.
+or in one call (what `tensorbend measure` does): `runner.run(RunConfig(model="zoo:default"))`.
 
 The session first runs the prompts through the unmodified model (experts implementation
 `eager`) with `hf.decode_prompt`, recording tokens, last-position logits and the routing of
@@ -39,9 +39,10 @@ from tensorbend.offload.generation import Generation, Recorder, generate
 from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.hooks import PredictionHooks, RoutingHistory, StepClock
 from tensorbend.offload.layer import check_supported
+from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.recorded import RecordedRouting
 from tensorbend.offload.result import RunResult, compare, phase_numbers
-from tensorbend.offload.store import ExpertLayout, ExpertStore, IOMode, StoreConfig, write_store
+from tensorbend.offload.store import ExpertStore, IOMode, StoreConfig, write_store
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.spec import check_policy
 from tensorbend.routers import model_fingerprint
@@ -50,7 +51,7 @@ from tensorbend.timing.time_model import PredictorCost, declare
 
 @dataclass(frozen=True)
 class SessionConfig:
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig, metadata={"group": "decoding"})
     """How prompts are run (decode mode, lengths, sampling): the same for every policy."""
     store_dir: Path | None = None
     """Where the expert store is written (kept and reused); default: a temporary directory."""

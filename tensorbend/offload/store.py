@@ -45,7 +45,8 @@ from tensorbend.cache.transfers import Link, Wire
 from tensorbend.errors import StoreError
 from tensorbend.offload import int4
 from tensorbend.offload.blocks import ALIGN, DirectReader, aligned_empty, stride
-from tensorbend.offload.precision import block_meta, block_of_meta, dequantize_expert, stored_nbytes
+from tensorbend.offload.layout import ExpertLayout
+from tensorbend.offload.precision import block_meta, block_of_meta, dequantize_expert
 
 FORMAT_VERSION = "2"  # 2: experts on 4096-byte boundaries (1 had no padding)
 IOMode = Literal["buffered", "fadvise", "direct"]
@@ -64,74 +65,6 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.io not in IO_MODES:
             raise StoreError(f"store io {self.io!r}: expected one of {', '.join(IO_MODES)}")
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Parts of one packed expert: (attribute name on the experts module, per-expert shape),
-    the dtype its experts are computed in; `block`: stored as fp8 (e4m3) + a float32 scale per
-    block, "mxfp4" (offload/mxfp4.py) or `int4.Int4`, dequantized to `dtype` on the way into
-    the slot, except an int4 store in the kernel's packing, whose slots hold int4
-    (`int4_slots`: the nibbles + scales-and-zeros in `dtype`)."""
-
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
-    dtype: torch.dtype
-    block: tuple[int, int] | str | int4.Int4 | None = None
-
-    @classmethod
-    def of(cls, experts_module: torch.nn.Module) -> ExpertLayout:
-        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-        parts = []
-        for n in names:
-            p = getattr(experts_module, n, None)
-            if isinstance(p, torch.Tensor):
-                parts.append((n, tuple(p.shape[1:])))
-        if not any(n == "gate_up_proj" for n, _ in parts) or not any(
-            n == "down_proj" for n, _ in parts
-        ):
-            raise StoreError(
-                f"experts module {type(experts_module).__name__}: expected fused `gate_up_proj` and "
-                f"`down_proj` parameters [E, ...], found {[n for n, _ in parts]}"
-            )
-        return cls(tuple(parts), experts_module.gate_up_proj.dtype)
-
-    @property
-    def numel(self) -> int:
-        return sum(_prod(s) for _, s in self.parts)
-
-    @property
-    def int4_slots(self) -> bool:
-        """Slots hold the int4 expert (torch's int4 kernel computes from it)."""
-        return isinstance(self.block, int4.Int4) and self.block.int4_slots
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one expert in its slot."""
-        if self.int4_slots:
-            return self.block.slot_nbytes(self.parts, self.dtype)
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def slot_shape(self) -> tuple[int, torch.dtype]:
-        """(elements, dtype) of one slot's buffer: a dense slot's weights, an int4 slot's bytes."""
-        return (self.nbytes, torch.uint8) if self.int4_slots else (self.numel, self.dtype)
-
-    @property
-    def stored_nbytes(self) -> int:
-        """Bytes of one expert in the store (what a load reads)."""
-        return stored_nbytes(self.parts, self.block, self.dtype)
-
-    def views(self, flat: torch.Tensor) -> dict:
-        """Split a flat expert buffer into its parts (views, no copy); an int4 slot's into
-        (packed nibbles, scales-and-zeros) per part (`int4.slot_views`)."""
-        if self.int4_slots:
-            return int4.slot_views(self, flat)
-        out, at = {}, 0
-        for name, shape in self.parts:
-            n = _prod(shape)
-            out[name] = flat[at : at + n].view(shape)
-            at += n
-        return out
 
 
 def expert_offset(header_len: int, m: int, e: int, num_experts: int, nbytes: int) -> int:
@@ -177,7 +110,7 @@ def write_store(
     experts_by_layer: list[torch.nn.Module], layout: ExpertLayout, path: Path, meta: dict[str, str]
 ) -> Path:
     """Stream every expert of modules in memory to `path` atomically (`atomic.py`: never
-    half-written). A checkpoint on disk goes through `checkpoint.build_store` instead."""
+    half-written). A checkpoint on disk goes through `expert_plan.build_store` instead."""
     E = experts_by_layer[0].gate_up_proj.shape[0]
     header = store_header(len(experts_by_layer), E, layout, meta)
     pad = bytes(stride(layout.nbytes) - layout.nbytes)

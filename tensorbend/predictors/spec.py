@@ -1,5 +1,5 @@
 """What predicts, and how wide a prefetch is: one spec for serving (`load_offloaded`,
-`tensorbend generate`), `tensorbend run` and `tensorbend simulate`, each nesting it (the flags
+`tensorbend generate`), `tensorbend measure` and `tensorbend simulate`, each nesting it (the flags
 --predictor, --baseline, --horizon, --prefetch-extra come from its fields; `simulate` names its
 within-token predictors and peers in its own --predictor list instead).
 

@@ -100,8 +100,8 @@ class TrainConfig:
     """Uniform random sample of N train rows (the seed kept at most 10,000 per layer; horizon:
     N forwards, each with its request's history)."""
     max_val_rows: int | None = None
-    """Uniform random sample of N val rows (with --max-train-rows: training memory bounded
-    whatever the trace size, for every kind, the rows streamed out of the shards)."""
+    """Uniform random sample of N val rows; with --max-train-rows, training memory is bounded
+    whatever the trace size, for every kind (the rows streamed out of the shards)."""
     threads: int | None = None
     """Torch CPU threads (None: leave as is)."""
 

@@ -41,17 +41,18 @@ class GenerateConfig:
     """Prompts JSONL (`{"id", "text"}` per line): each is continued in turn."""
     decode: DecodeConfig = field(
         default_factory=lambda: DecodeConfig(max_new_tokens=64),
-        metadata={"skip": ("decode", "max_prompt_tokens")},
+        metadata={"skip": ("decode", "max_prompt_tokens"), "group": "decoding"},
     )
     """Greedy, or sampled with --sample (decode="sample"), at most --max-new-tokens per prompt
     (fewer at EOS), with --temperature and --seed; prompts are not truncated."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"group": "decoding"})
     """Nucleus sampling mass with --sample."""
     engine: Literal["tensorbend", "accelerate"] = "tensorbend"
-    """Who offloads: tensorbend (expert store, cache, policy, predictors) or accelerate
+    """Who offloads, tensorbend or the baseline without it: tensorbend (expert store, cache,
+    policy, predictors) or accelerate
     (transformers' device_map="auto" within --max-memory, the rest streamed in from disk every
     forward, no cache or prediction: the baseline without tensorbend, to compare with)."""
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig, metadata={"group": "memory and store"})
     """Placement, cache, policy and predictors."""
 
     def __post_init__(self) -> None:

@@ -50,7 +50,7 @@ def build_without_experts(path: Path, dtype: torch.dtype):
 
     from tensorbend.models import read_config
     from tensorbend.offload.layer import check_supported
-    from tensorbend.offload.store import ExpertLayout
+    from tensorbend.offload.layout import ExpertLayout
 
     check_model_type(path)
     try:

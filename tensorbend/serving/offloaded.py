@@ -28,9 +28,6 @@ only what is read when.
 
 from __future__ import annotations
 
-import errno
-import importlib
-import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,56 +35,34 @@ from typing import Literal
 
 import torch
 
-from tensorbend.cache.config import POLICIES, SERVING, PolicyConfig, min_slots
-from tensorbend.errors import StoreError, TensorbendError, TensorbendWarning
+from tensorbend.cache.config import POLICIES, SERVING, PolicyConfig
+from tensorbend.errors import TensorbendError, TensorbendWarning
 from tensorbend.memory import (
     check_device,
-    kv_bytes_per_token,
     parse_bytes,
     physical_bytes,
     rss_bytes,
 )
 from tensorbend.models import RoutingSpec, moe_block
-from tensorbend.offload.expert_plan import ExpertPlan, build_store
-from tensorbend.offload.handle import AttachOptions, OffloadHandle, stored_dtype
+from tensorbend.offload.expert_plan import ExpertPlan
+from tensorbend.offload.handle import AttachOptions, OffloadHandle
 from tensorbend.offload.int4 import Int4
 from tensorbend.offload.precision import dtype_name, resolve_dtype
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import (
-    ExpertLayout,
-    ExpertStore,
     IOMode,
     StoreConfig,
-    store_header,
-    stride,
 )
 from tensorbend.predictors.spec import NEEDS_TRACE, PEERS, PredictorSpec
+from tensorbend.serving.budget import (  # noqa: F401  (IMPORT_BASELINE, memory_plan: public)
+    IMPORT_BASELINE,
+    MEASURE_GRAIN,
+    memory_plan,
+    rss_after_baseline_imports,
+    size_cache,
+)
 from tensorbend.serving.model_build import build_without_experts, load_non_experts
-from tensorbend.serving.stores import check_room, stale_sources, store_lock, store_path, unwritable
-
-BASELINE_MODULES = (
-    "torch",
-    "transformers.modeling_utils",
-    "transformers.generation.utils",
-    "tensorbend.serving.generate",
-    "tensorbend.offload.handle",
-)
-IMPORT_BASELINE = (
-    f"import {', '.join(BASELINE_MODULES)}; "
-    "from tensorbend.memory import peak_rss_bytes; print(peak_rss_bytes())"
-)
-"""Python code printing the peak RSS of a process that imports what any transformers
-inference needs (torch, transformers' modeling and generation code) and tensorbend: the
-baseline that a memory budget comes on top of (about 400 MB on CPU)."""
-
-RESERVE_FIXED = 64 * 10**6
-"""--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
-the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/results/serve_memory.md)."""
-
-MEASURE_GRAIN = 16 * 10**6
-"""The measured model part is rounded up to this: it varies by a few MB from run to run
-(the serving bench's range: docs/results/serve_memory.md), which would otherwise move the cache by an
-expert between runs."""
+from tensorbend.serving.stores import ensure_store, store_format, store_path, store_tag
 
 
 @dataclass(frozen=True)
@@ -125,12 +100,16 @@ class ServeConfig:
     or direct (O_DIRECT: every read comes from the disk)."""
     io_threads: int = 2
     """I/O threads reading experts."""
-    prediction: PredictorSpec = field(default_factory=PredictorSpec)
+    prediction: PredictorSpec = field(
+        default_factory=PredictorSpec, metadata={"group": "prediction"}
+    )
     """What predicts for --policy prefetch (--predictor or --baseline, --horizon,
     --prefetch-extra)."""
     progress: bool = field(default=True, metadata={"cli": False})
     """Progress bar while the store is built."""
-    offload: PolicyConfig = field(default_factory=lambda: SERVING)
+    offload: PolicyConfig = field(
+        default_factory=lambda: SERVING, metadata={"group": "cache policy"}
+    )
     """Policy and cache options (--policy, --cache-frac, --pool, --admission, ...); default
     `cache.config.SERVING`: lfru with frequency admission (auto)."""
 
@@ -152,14 +131,14 @@ class ServeConfig:
         if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
             raise TensorbendError(
                 f"--policy {pol}: not a serving policy (it needs a resident reference run); "
-                f"use `tensorbend run` to measure it, or lru, lfu, lfru, on_demand, prefetch"
+                f"use `tensorbend measure` to measure it, or lru, lfu, lfru, on_demand, prefetch"
             )
         self.prediction.check_policy(pol)
         if self.prediction.baseline in NEEDS_TRACE:
             raise TensorbendError(
                 f"--baseline {self.prediction.baseline}: expected a peer that needs no trace "
                 f"when serving ({', '.join(b for b in PEERS if b not in NEEDS_TRACE)}); "
-                f"measure table peers with `tensorbend run --trace DIR`"
+                f"measure table peers with `tensorbend measure --trace DIR`"
             )
 
 
@@ -179,7 +158,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     from tensorbend.zoo import resolve_model
 
     path = resolve_model(str(model))
-    rss0 = _rss_after_baseline_imports() if cfg.device == "cpu" else None
+    rss0 = rss_after_baseline_imports() if cfg.device == "cpu" else None
     ckpt = Checkpoint.open(path)
     dtype = resolve_dtype(cfg.dtype, path, ckpt)
     lm, spec, layout = build_without_experts(path, dtype)
@@ -198,9 +177,9 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     predictor, horizon = _predictors(cfg, lm, spec, fingerprint)  # (refused before a store build)
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
-    pc, mem = _size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
-    store = store_path(cfg.store_dir, path, _store_tag(layout.block, dtype))
-    _ensure_store(plan, store, fingerprint, layout, cfg.progress)
+    pc, mem = size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
+    store = store_path(cfg.store_dir, path, store_tag(layout.block, dtype))
+    ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(
         lm,
@@ -221,92 +200,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     return lm
 
 
-def memory_plan(
-    cfg: ServeConfig,
-    non_expert_bytes: int,
-    spec: RoutingSpec,
-    expert_bytes: int,
-    kv_bytes: int,
-    loaded_bytes: int | None = None,
-) -> dict:
-    """Where --max-memory goes, in bytes: {budget, non_expert, model, staging, reserve, cache};
-    `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
-    when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
-    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the slots a
-    bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads
-    land in the aligned slots themselves: its bounce buffers hold one 4 KB block per I/O
-    thread, inside the reserve). loaded_bytes:
-    on CPU, how much the process's resident set grew while the model was built without its
-    experts and the predictors loaded (the model's modeling code and Python objects, the
-    predictors' weights, beside its tensors): charged as the model's part when it exceeds the
-    non-expert tensors' bytes."""
-    budget = parse_bytes(cfg.max_memory)
-    model = max(non_expert_bytes, loaded_bytes or 0)
-    what = f"non-expert weights {_mb(non_expert_bytes)}"
-    if model > non_expert_bytes:
-        what = f"the model without its experts {_mb(model)} (measured; its tensors "
-        what += f"{_mb(non_expert_bytes)})"
-    auto = 2048 * kv_bytes + RESERVE_FIXED
-    reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
-    staging = cfg.offload.staging(spec.top_k) * expert_bytes
-    need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
-    minimum = model + staging + reserve + need * expert_bytes
-    if budget < minimum:
-        raise TensorbendError(
-            f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
-            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need} cached experts "
-            f"of {_mb(expert_bytes)}; raise it"
-        )
-    return {
-        "budget": budget,
-        "non_expert": non_expert_bytes,
-        "model": model,
-        "staging": staging,
-        "reserve": reserve,
-        "cache": budget - model - staging - reserve,
-    }
-
-
-def store_format(cfg: ServeConfig, block):
-    """The store's `ExpertLayout.block` for a checkpoint whose own is `block` (None, fp8's, MXFP4
-    or Int4): as it is, or Int4 for --store-dtype int4; an Int4 store in the kernel's packing
-    when slots hold int4 (--slots), else in compressed-tensors'. Refuses what does not apply."""
-    if cfg.store_dtype == "int4":
-        if block is not None:
-            raise TensorbendError(
-                f"--store-dtype int4: expected an unquantized checkpoint, found experts stored in "
-                f"{stored_dtype(block, None)}, which are served in their own format; drop "
-                f"--store-dtype"
-            )
-        block = Int4(32)
-    if not isinstance(block, Int4):
-        if cfg.slots == "int4":
-            raise TensorbendError(
-                "--slots int4: expected an int4 store (a compressed-tensors int4 checkpoint, or "
-                "--store-dtype int4), found none; add --store-dtype int4 or drop --slots"
-            )
-        return block
-    cpu = torch.device(cfg.device).type == "cpu"
-    if cfg.slots == "int4" and not cpu:
-        raise TensorbendError(
-            f"--slots int4 on {cfg.device}: expected --device cpu (torch's CPU int4 kernel); "
-            f"use --slots dense on {cfg.device} (what --slots auto picks there)"
-        )
-    return replace(block, packing="cpu" if cpu and cfg.slots != "dense" else "ct")
-
-
 # ------------------------------------------------------------ helpers
-
-
-def _store_tag(block, dtype: torch.dtype) -> str:
-    """What a store's file is named for: fp8, mxfp4 (its biases bf16; else -DTYPE), int4 (in
-    compressed-tensors' packing) or int4-cpu (in the CPU kernel's), a dtype."""
-    if isinstance(block, Int4):
-        return "int4" if block.packing == "ct" else f"int4-{block.packing}"
-    name = str(dtype).removeprefix("torch.")
-    if block == "mxfp4":
-        return "mxfp4" if dtype == torch.bfloat16 else f"mxfp4-{name}"
-    return "fp8" if block else name
 
 
 def _with_overrides(cfg: ServeConfig, overrides: dict) -> ServeConfig:
@@ -360,57 +254,6 @@ def _warn_above_physical(cfg: ServeConfig) -> None:
         )
 
 
-def _ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
-    """Reuse the store when it holds this checkpoint's experts as they are now (its model
-    fingerprint, the checkpoint's headers, layout, and the expert bytes: `ExpertStore.check`,
-    `stores.stale_sources`); otherwise build it (again), once its folder is writable and its
-    disk has room (`stores.check_room`). One process at a time (`stores.store_lock`)."""
-    check_room(store, None)
-    with store_lock(store, progress):  # (a second process waits here, then reuses the store)
-        _check_or_build(plan, store, fingerprint, layout, progress)
-
-
-def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
-    spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
-    why = None
-    if store.is_file():
-        try:
-            found = ExpertStore.open(store)
-            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)  # (closes it)
-        except StoreError:
-            why = "it is unfinished, of an older format or of another model or checkpoint"
-        else:
-            found.close()
-            why = stale_sources(plan, store)
-            if why is None:
-                return
-        if progress:
-            print(f"expert store {store}: building it again ({why})", file=sys.stderr)
-    meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
-    L, E = spec.num_moe_layers, spec.num_experts
-    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.stored_nbytes))
-    try:
-        build_store(plan, store, meta, layout.dtype, progress)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        raise StoreError(f"expert store {store}: {unwritable(e)}") from e
-
-
-def _size_cache(
-    cfg: ServeConfig, lm, spec: RoutingSpec, layout: ExpertLayout, loaded: int | None
-) -> tuple[PolicyConfig, dict | None]:
-    if cfg.max_memory is None:
-        return cfg.offload, None
-    non_expert = sum(
-        p.numel() * p.element_size() for p in lm.parameters() if p.device.type != "meta"
-    )
-    non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
-    kv = kv_bytes_per_token(lm.config, layout.dtype)
-    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
-    return replace(cfg.offload, cache_bytes=plan["cache"]), plan
-
-
 def _predictors(cfg: ServeConfig, lm, spec: RoutingSpec, fingerprint: str):
     """The --predictor (or --baseline, built from the model's routers at --lookahead) and
     --horizon checkpoints, each for this model (PredictorSpec checked their places)."""
@@ -428,15 +271,3 @@ def _predictors(cfg: ServeConfig, lm, spec: RoutingSpec, fingerprint: str):
         params = router_params(lm, spec)
         within = build_baseline(pc.baseline, spec, cfg.offload.lookahead, router_params=params)
     return within, horizon
-
-
-def _rss_after_baseline_imports() -> int | None:
-    """The resident set once BASELINE_MODULES are imported (transformers imports its modeling
-    and generation code lazily: that is the baseline's, not the model's)."""
-    for name in BASELINE_MODULES:
-        importlib.import_module(name)
-    return rss_bytes()
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"

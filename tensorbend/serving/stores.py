@@ -8,6 +8,8 @@ Usage:
     check_room(store, nbytes)       # StoreError (one line) unless its folder is writable, with room
     list_stores()                   # [{store, checkpoint, dtype, bytes, built, partial}]: `store list`
     remove_store("my-moe"); remove_partial()                          # `store rm`
+    block = store_format(cfg, ckpt.block)     # what a serving run's store keeps (--store-dtype)
+    ensure_store(plan, path, fingerprint, layout, progress)   # reuse it, or build it (locked)
 
 Every store lives in a root (`--store-dir`, else $TENSORBEND_STORE_DIR, else
 ~/.cache/tensorbend/stores), one folder per checkpoint inside (its name and a hash of its
@@ -35,16 +37,24 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
-from tensorbend.errors import StoreError
+import torch
+
+from tensorbend.errors import StoreError, TensorbendError
 from tensorbend.offload.expert_plan import (
     ExpertPlan,
+    build_store,
     combine_digests,
     layer_digests,
     record_sources,
     sources_file,
 )
+from tensorbend.offload.handle import stored_dtype
+from tensorbend.offload.int4 import Int4
+from tensorbend.offload.layout import ExpertLayout
+from tensorbend.offload.store import ExpertStore, store_header, stride
 
 
 def store_root(root: str | Path | None = None) -> Path:
@@ -267,3 +277,82 @@ def _metadata(store: Path) -> dict:
             return json.loads(f.read(min(hlen, 1 << 28))).get("__metadata__", {})
     except (OSError, ValueError, struct.error):
         return {}
+
+
+# ------------------------------------------------------------ a serving run's store
+
+
+def store_format(cfg, block):
+    """The store's `ExpertLayout.block` (`cfg`: a ServeConfig) for a checkpoint whose own is `block` (None, fp8's, MXFP4
+    or Int4): as it is, or Int4 for --store-dtype int4; an Int4 store in the kernel's packing
+    when slots hold int4 (--slots), else in compressed-tensors'. Refuses what does not apply."""
+    if cfg.store_dtype == "int4":
+        if block is not None:
+            raise TensorbendError(
+                f"--store-dtype int4: expected an unquantized checkpoint, found experts stored in "
+                f"{stored_dtype(block, None)}, which are served in their own format; drop "
+                f"--store-dtype"
+            )
+        block = Int4(32)
+    if not isinstance(block, Int4):
+        if cfg.slots == "int4":
+            raise TensorbendError(
+                "--slots int4: expected an int4 store (a compressed-tensors int4 checkpoint, or "
+                "--store-dtype int4), found none; add --store-dtype int4 or drop --slots"
+            )
+        return block
+    cpu = torch.device(cfg.device).type == "cpu"
+    if cfg.slots == "int4" and not cpu:
+        raise TensorbendError(
+            f"--slots int4 on {cfg.device}: expected --device cpu (torch's CPU int4 kernel); "
+            f"use --slots dense on {cfg.device} (what --slots auto picks there)"
+        )
+    return replace(block, packing="cpu" if cpu and cfg.slots != "dense" else "ct")
+
+
+def store_tag(block, dtype: torch.dtype) -> str:
+    """What a store's file is named for: fp8, mxfp4 (its biases bf16; else -DTYPE), int4 (in
+    compressed-tensors' packing) or int4-cpu (in the CPU kernel's), a dtype."""
+    if isinstance(block, Int4):
+        return "int4" if block.packing == "ct" else f"int4-{block.packing}"
+    name = str(dtype).removeprefix("torch.")
+    if block == "mxfp4":
+        return "mxfp4" if dtype == torch.bfloat16 else f"mxfp4-{name}"
+    return "fp8" if block else name
+
+
+def ensure_store(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
+    """Reuse the store when it holds this checkpoint's experts as they are now (its model
+    fingerprint, the checkpoint's headers, layout, and the expert bytes: `ExpertStore.check`,
+    `stores.stale_sources`); otherwise build it (again), once its folder is writable and its
+    disk has room (`stores.check_room`). One process at a time (`stores.store_lock`)."""
+    check_room(store, None)
+    with store_lock(store, progress):  # (a second process waits here, then reuses the store)
+        _check_or_build(plan, store, fingerprint, layout, progress)
+
+
+def _check_or_build(plan, store: Path, fingerprint: str, layout: ExpertLayout, progress) -> None:
+    spec, ident = plan.spec, {"fingerprint": fingerprint, "checkpoint": plan.ckpt.identity()}
+    why = None
+    if store.is_file():
+        try:
+            found = ExpertStore.open(store)
+            found.check(ident, spec.num_moe_layers, spec.num_experts, layout)  # (closes it)
+        except StoreError:
+            why = "it is unfinished, of an older format or of another model or checkpoint"
+        else:
+            found.close()
+            why = stale_sources(plan, store)
+            if why is None:
+                return
+        if progress:
+            print(f"expert store {store}: building it again ({why})", file=sys.stderr)
+    meta = {**ident, "family": spec.family, "source": str(plan.ckpt.directory)}
+    L, E = spec.num_moe_layers, spec.num_experts
+    check_room(store, len(store_header(L, E, layout, meta)) + L * E * stride(layout.stored_nbytes))
+    try:
+        build_store(plan, store, meta, layout.dtype, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise StoreError(f"expert store {store}: {unwritable(e)}") from e

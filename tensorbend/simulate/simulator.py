@@ -12,7 +12,7 @@ For each policy x predictor (prefetch only) x cache fraction: the trace's `split
 replayed as the runtime would run them (trace.forwards), their routing mapped onto the geometry
 (mapping.py), with costs from the hardware x geometry profiles or a measured calibration
 (costs.py), through the runtime's own cache mechanism and policies (events.py). Policies (one
-implementation with `tensorbend run`): resident (every expert in fast memory), on_demand,
+implementation with `tensorbend measure`): resident (every expert in fast memory), on_demand,
 lru, lfu, lfru (no prediction), prefetch (a predictor's prefetches + `Predicted` eviction),
 oracle (the exact routing prefetched at `lookahead`, Belady eviction knowing `foresight`
 forwards ahead, all by default). Per-result JSON keys are those of `run --json`.
@@ -98,12 +98,13 @@ class SimulateConfig:
         default_factory=lambda: PolicyConfig("oracle"),
         metadata={"skip": ("policy", "cache_frac", "cache_bytes", "oracle_beyond")},
     )
-    """The cache options of `tensorbend run` (--pool, --admission, --foresight, --lookahead,
+    """The cache options of `tensorbend measure` (--pool, --admission, --foresight, --lookahead,
     ...), each applied to the policies it concerns; its policy is not read (--policy lists the
     simulated ones; oracle, the default, accepts every option)."""
     oracle_beyond: Literal["best", "lru", "lfu", "lfru", "predicted"] = "best"
-    """Oracle with --foresight: how it ranks what it cannot see (best: the rule of the
-    no-prediction cache that read the fewest bytes at the same cache size in this run)."""
+    """How the oracle with --foresight ranks what it cannot see: best (the rule of the
+    no-prediction cache that read the fewest bytes at the same cache size in this run) or a
+    rule."""
     allow_seen_split: bool = False
     """Replay a checkpoint on prompts it was trained or early-stopped on (not held out)."""
     calibration: Path | None = None

@@ -21,9 +21,10 @@ Balancing:
                  let single layers collapse on this corpus, so training computes it per layer;
                  the saved config keeps `output_router_logits=True` and the coefficient.
 
-Checkpoints (`OUT/train_state/checkpoint.safetensors`: weights, AdamW state, RNG; scalars and
-the producing config in the safetensors metadata) are written atomically every
-`checkpoint_minutes`, at the end, and on Ctrl-C / SIGTERM; `--resume` continues from them.
+Checkpoints (`OUT/train_state/checkpoint.safetensors`, see `train_state.py`: weights, AdamW
+state, RNG; scalars and the producing config in the safetensors metadata) are written
+atomically every `checkpoint_minutes`, at the end, and on Ctrl-C / SIGTERM; `--resume`
+continues from them.
 Batches are a pure function of (seed, step), so an interrupted and resumed run sees the same
 data as an uninterrupted one.
 """
@@ -33,28 +34,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
-from tensorbend.atomic import atomic_save_tensors, atomic_write
+from tensorbend.atomic import atomic_write
 from tensorbend.errors import ZooError
 from tensorbend.zoo import card as zoo_card
 from tensorbend.zoo import textdata
 from tensorbend.zoo.balance import RouterLoad
 from tensorbend.zoo.recipes import ARCHS, SIZES, ZooSize, build_config, register_sorted_experts
+from tensorbend.zoo.train_state import CHECKPOINT, StopFlag, load_state, save_state
 
 STATE_DIR = "train_state"
-CHECKPOINT = "checkpoint.safetensors"
-FORMAT_VERSION = "1"
 
 
 @dataclass(frozen=True)
@@ -144,9 +142,9 @@ def train_zoo_model(cfg: ZooTrainConfig, progress: bool = True) -> Path:
     model, opt = _build_model(cfg, size, tok, device)
     run = {"step": 0, "tokens_seen": 0, "train_seconds": 0.0, "last_loss": None}
     if cfg.resume and ckpt_path.exists():
-        run = _load_checkpoint(ckpt_path, cfg, model, opt)
+        run = load_state(ckpt_path, cfg, model, opt)
     _train_loop(cfg, model, opt, run, train_ids_N, state_dir, progress)
-    _save_checkpoint(ckpt_path, cfg, model, opt, run)
+    save_state(ckpt_path, cfg, model, opt, run)
 
     model.eval()
     stats = zoo_card.evaluate(
@@ -195,7 +193,7 @@ def _train_loop(
         disable=not progress,
         file=sys.stderr,
     )
-    stop = _StopFlag()
+    stop = StopFlag()
     t_start, t_ckpt = time.monotonic() - run["train_seconds"], time.monotonic()
     model.train()
     try:
@@ -223,11 +221,11 @@ def _train_loop(
             if stop.requested:
                 raise KeyboardInterrupt
             if time.monotonic() - t_ckpt > cfg.checkpoint_minutes * 60:
-                _save_checkpoint(ckpt_path, cfg, model, opt, run)
+                save_state(ckpt_path, cfg, model, opt, run)
                 t_ckpt = time.monotonic()
     except KeyboardInterrupt:
         run["train_seconds"] = time.monotonic() - t_start
-        _save_checkpoint(ckpt_path, cfg, model, opt, run)
+        save_state(ckpt_path, cfg, model, opt, run)
         raise
     finally:
         stop.restore()
@@ -292,30 +290,6 @@ def _lr_factor(step: int, done: float, warmup_steps: int = 100) -> float:
     return warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
 
 
-class _StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and stops."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old = {}
-        if hasattr(signal, "SIGTERM") and _in_main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 # ---------------------------------------------------------------- data and files
 
 
@@ -337,57 +311,6 @@ def _prepare_data(cfg: ZooTrainConfig, vocab_size: int, state_dir: Path, progres
             atomic_write(path, lambda f, arr=arr: np.save(f, arr))
         ids[split] = np.load(path, mmap_mode="r")
     return tok, ids["train"], ids["heldout"]
-
-
-def _save_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt, run: dict) -> None:
-    """Weights + AdamW state + RNG in one safetensors file, replaced atomically."""
-    tensors = {f"model.{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-    tensors.update(
-        {
-            f"model.{n}": b.cpu().contiguous()
-            for n, b in model.named_buffers()
-            if "correction_bias" in n
-        }
-    )
-    opt_sd = opt.state_dict()
-    for idx, st in opt_sd["state"].items():
-        for k, v in st.items():
-            tensors[f"opt.{idx}.{k}"] = v.detach().cpu().reshape(v.shape).contiguous()
-    tensors["rng.torch"] = torch.get_rng_state()
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "run": json.dumps(run),
-        "config": json.dumps({**asdict(cfg), "corpus": str(cfg.corpus), "out": str(cfg.out)}),
-        "param_groups": json.dumps(opt_sd["param_groups"]),
-    }
-    atomic_save_tensors(tensors, path, meta)
-
-
-def _load_checkpoint(path: Path, cfg: ZooTrainConfig, model, opt) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    saved = json.loads(meta["config"])
-    for key in ("arch", "size", "seed", "dense_layers"):
-        if saved.get(key) != getattr(cfg, key):
-            raise ZooError(
-                f"zoo train --resume: expected {key}={getattr(cfg, key)!r} as in the checkpoint "
-                f"{path}, found {key}={saved.get(key)!r} there (resume with the same "
-                f"--{key.replace('_', '-')})"
-            )
-    tensors = load_file(str(path))
-    model_sd = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    missing, unexpected = model.load_state_dict(model_sd, strict=False)
-    assert not unexpected, unexpected
-    opt_state: dict[int, dict] = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, idx, name = k.split(".", 2)
-            opt_state.setdefault(int(idx), {})[name] = v
-    opt.load_state_dict({"state": opt_state, "param_groups": json.loads(meta["param_groups"])})
-    torch.set_rng_state(tensors["rng.torch"])
-    return json.loads(meta["run"])
 
 
 def _save_hf(model, tok: PreTrainedTokenizerFast, out: Path) -> None:

@@ -1,0 +1,115 @@
+"""Where a memory budget goes: the model without its experts, staging, the reserve, and the
+cache (what is left), in bytes; and the import baseline every budget comes on top of.
+
+Usage:
+    plan = memory_plan(cfg, non_expert_bytes, spec, expert_bytes, kv_bytes)   # ServeConfig cfg
+    plan["cache"]                    # bytes left for cached experts (slots: PolicyConfig.slots)
+    pc, plan = size_cache(cfg, lm, spec, layout, loaded)                      # load_offloaded's
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+from tensorbend.cache.config import PolicyConfig, min_slots
+from tensorbend.errors import TensorbendError
+from tensorbend.memory import kv_bytes_per_token, parse_bytes, rss_bytes
+from tensorbend.models import RoutingSpec
+from tensorbend.offload.layout import ExpertLayout
+
+BASELINE_MODULES = (
+    "torch",
+    "transformers.modeling_utils",
+    "transformers.generation.utils",
+    "tensorbend.serving.generate",
+    "tensorbend.offload.handle",
+)
+IMPORT_BASELINE = (
+    f"import {', '.join(BASELINE_MODULES)}; "
+    "from tensorbend.memory import peak_rss_bytes; print(peak_rss_bytes())"
+)
+"""Python code printing the peak RSS of a process that imports what any transformers
+inference needs (torch, transformers' modeling and generation code) and tensorbend: the
+baseline that a memory budget comes on top of (about 400 MB on CPU)."""
+
+RESERVE_FIXED = 64 * 10**6
+"""--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
+the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/results/serve_memory.md)."""
+
+MEASURE_GRAIN = 16 * 10**6
+"""The measured model part is rounded up to this: it varies by a few MB from run to run
+(the serving bench's range: docs/results/serve_memory.md), which would otherwise move the cache by an
+expert between runs."""
+
+
+def memory_plan(
+    cfg,
+    non_expert_bytes: int,
+    spec: RoutingSpec,
+    expert_bytes: int,
+    kv_bytes: int,
+    loaded_bytes: int | None = None,
+) -> dict:
+    """Where --max-memory goes (`cfg`: a ServeConfig), in bytes: {budget, non_expert, model, staging, reserve, cache};
+    `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
+    when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
+    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the slots a
+    bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads
+    land in the aligned slots themselves: its bounce buffers hold one 4 KB block per I/O
+    thread, inside the reserve). loaded_bytes:
+    on CPU, how much the process's resident set grew while the model was built without its
+    experts and the predictors loaded (the model's modeling code and Python objects, the
+    predictors' weights, beside its tensors): charged as the model's part when it exceeds the
+    non-expert tensors' bytes."""
+    budget = parse_bytes(cfg.max_memory)
+    model = max(non_expert_bytes, loaded_bytes or 0)
+    what = f"non-expert weights {_mb(non_expert_bytes)}"
+    if model > non_expert_bytes:
+        what = f"the model without its experts {_mb(model)} (measured; its tensors "
+        what += f"{_mb(non_expert_bytes)})"
+    auto = 2048 * kv_bytes + RESERVE_FIXED
+    reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
+    staging = cfg.offload.staging(spec.top_k) * expert_bytes
+    need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
+    minimum = model + staging + reserve + need * expert_bytes
+    if budget < minimum:
+        raise TensorbendError(
+            f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
+            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need} cached experts "
+            f"of {_mb(expert_bytes)}; raise it"
+        )
+    return {
+        "budget": budget,
+        "non_expert": non_expert_bytes,
+        "model": model,
+        "staging": staging,
+        "reserve": reserve,
+        "cache": budget - model - staging - reserve,
+    }
+
+
+def size_cache(
+    cfg, lm, spec: RoutingSpec, layout: ExpertLayout, loaded: int | None
+) -> tuple[PolicyConfig, dict | None]:
+    if cfg.max_memory is None:
+        return cfg.offload, None
+    non_expert = sum(
+        p.numel() * p.element_size() for p in lm.parameters() if p.device.type != "meta"
+    )
+    non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
+    kv = kv_bytes_per_token(lm.config, layout.dtype)
+    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
+    return replace(cfg.offload, cache_bytes=plan["cache"]), plan
+
+
+def rss_after_baseline_imports() -> int | None:
+    """The resident set once BASELINE_MODULES are imported (transformers imports its modeling
+    and generation code lazily: that is the baseline's, not the model's)."""
+    for name in BASELINE_MODULES:
+        importlib.import_module(name)
+    return rss_bytes()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
