@@ -38,7 +38,7 @@ vllm-env: $(VLLM_VENV)/.setup-done
 
 # The vLLM tests (tests/test_vllm.py) in .venv-vllm; the default `make test` skips them.
 test-vllm: vllm-env
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -m pytest tests/test_vllm.py tests/test_vllm_plugin.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VPY) -m pytest tests/test_vllm.py tests/test_vllm_plugin.py tests/test_vllm_offload.py
 
 # The main job on the bundled default model (tensorbend/demo.py): capture routing, train ours
 # (within and across tokens) and the seed's MLP, score them with every peer on held-out prompts,

@@ -36,6 +36,7 @@ import torch
 from tensorbend.atomic import atomic_write_text
 from tensorbend.engines.vllm_live import LiveMeter
 from tensorbend.errors import TensorbendError
+from tensorbend.memory import peak_rss_bytes
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.prefetch import Prefetcher
 
@@ -105,6 +106,7 @@ class ServeMeter(LiveMeter):
         self.lock = threading.Lock()
         self.dirty = False
         self._phase = "prefill"
+        self.offload = None  # engines/vllm_offload.VllmOffload, when the experts are offloaded
 
     def phase(self) -> str:
         return self._phase
@@ -175,6 +177,8 @@ class ServeMeter(LiveMeter):
                 },
                 "tokens_per_rank": {k: v.tolist() for k, v in self.rank.items()},
                 "hook_s": round(self.hook_s, 3),
+                "offload": None if self.offload is None else self.offload.counters(),
+                "peak_rss_bytes": peak_rss_bytes(),
             }
 
     def write(self, path: Path) -> None:

@@ -100,6 +100,7 @@ class LiveMeter:
         self.hook_s = 0.0
         self._pending: dict[int, set[int]] = {}
         self._first = True
+        self.on_predictions = None  # called with each call's predictions (an offload's prefetch)
 
     def begin_request(self) -> None:
         self.pf.begin_request()
@@ -147,6 +148,8 @@ class LiveMeter:
         for p in preds:
             if p.hint:
                 self._pending.setdefault(p.layer, set()).add(p.expert)
+        if preds and self.on_predictions is not None:
+            self.on_predictions(preds)
 
     def report(self, cfg: LiveConfig, pred, n_prompts: int, wall_s: float) -> dict:
         def rate(ph):

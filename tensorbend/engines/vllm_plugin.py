@@ -1,19 +1,31 @@
-"""The vLLM plugin: `vllm serve` with a predictor live and counters written as it serves.
+"""The vLLM plugin: `vllm serve` of a model larger than memory, a predictor live, counters.
 
 Usage (tensorbend installed in vLLM's environment registers the entry point
 `vllm.general_plugins: tensorbend = tensorbend.engines.vllm_plugin:register`):
+    TENSORBEND_MAX_MEMORY=2GB TENSORBEND_COUNTERS=runs/counters \\
+        vllm serve path/to/checkpoint --dtype float32 --enforce-eager   # experts offloaded
     TENSORBEND_PREDICTOR=ours_d1.safetensors TENSORBEND_COUNTERS=runs/counters TENSORBEND_EP=2 \\
         vllm serve path/to/checkpoint --dtype float32
     python -c "from tensorbend.engines.vllm_counters import read_counters, summary; \\
                print(summary(read_counters('runs/counters')[0]))"
 
 Settings (environment, prefix TENSORBEND_; defaults in `PluginSettings`; the plugin does
-nothing unless TENSORBEND_COUNTERS is set; a bad value stops vLLM with one TensorbendError):
+nothing unless TENSORBEND_COUNTERS or TENSORBEND_MAX_MEMORY is set; a bad value stops vLLM
+with one TensorbendError):
+- TENSORBEND_MAX_MEMORY: bytes for the routed experts (8GB, 512MiB): vLLM then holds a pool
+  of expert slots of that size instead of every expert, and reads misses from tensorbend's
+  store (engines/vllm_offload.py); unset, vLLM holds every expert as usual
+- TENSORBEND_IO: how expert reads treat the page cache (buffered, fadvise, direct)
+- TENSORBEND_STORE_DIR: the root of the expert stores (as for `tensorbend generate`)
+- TENSORBEND_STAGING_SLOTS: slots for misses the cache does not keep (default top_k); a
+  layer needing more distinct experts than min(these, the cache's slots) runs in waves
 - TENSORBEND_COUNTERS: directory the counters go to, one file per process `counters-rank{R}.json`
 - TENSORBEND_PREDICTOR: a trained within-token predictor for the served model (optional:
   without it only the routing counts are kept)
 - TENSORBEND_EP: expert-parallel degree the per-rank counts are sized for (default 1)
 - TENSORBEND_FLUSH_S: seconds between writes of the counters file (default 1.0)
+With TENSORBEND_MAX_MEMORY the cache is `tensorbend generate`'s (lfru, frequency admission);
+with a predictor too, prefetch with Predicted eviction (`--policy prefetch`'s).
 
 vLLM calls `register` in every process it starts (API server, engine core, workers). It wraps
 `BaseModelLoader.load_model`, which every model loader inherits: the first model a process
@@ -39,7 +51,16 @@ PREFIX = "TENSORBEND_"
 @dataclass(frozen=True)
 class PluginSettings:
     counters: Path | None = None
-    """Directory for the counters files; unset: the plugin does nothing."""
+    """Directory for the counters files."""
+    max_memory: int | None = None
+    """Bytes for the routed experts' slots; unset: vLLM holds every expert."""
+    io: str = "buffered"
+    """How expert reads treat the page cache: buffered, fadvise or direct."""
+    store_dir: Path | None = None
+    """Root of the expert stores."""
+    staging_slots: int | None = None
+    """Slots beside the cache for misses it does not keep (default top_k); a forward with
+    more distinct experts in a layer than min(these, the cache's) runs in waves of them."""
     predictor: Path | None = None
     """A trained within-token predictor (`tensorbend train`) for the served model."""
     ep: int = 1
@@ -56,7 +77,12 @@ class PluginSettings:
             raw = env.get(name, "").strip()
             if not raw:
                 continue
-            kind = {"ep": int, "flush_s": float}.get(f.name, Path)
+            kind = {"ep": int, "flush_s": float, "io": str, "staging_slots": int}.get(f.name, Path)
+            if f.name == "max_memory":
+                from tensorbend.memory import parse_bytes
+
+                kw[f.name] = parse_bytes(raw, name)
+                continue
             try:
                 kw[f.name] = kind(raw)
             except ValueError:
@@ -68,8 +94,15 @@ class PluginSettings:
             raise TensorbendError(f"{PREFIX}FLUSH_S={s.flush_s}: expected > 0")
         if s.predictor is not None and not s.predictor.is_file():
             raise TensorbendError(f"{PREFIX}PREDICTOR={s.predictor}: no such file")
-        if s.predictor is not None and s.counters is None:
-            raise TensorbendError(f"{PREFIX}PREDICTOR is set: set {PREFIX}COUNTERS too")
+        if s.predictor is not None and s.counters is None and s.max_memory is None:
+            raise TensorbendError(
+                f"{PREFIX}PREDICTOR is set: set {PREFIX}COUNTERS (to measure it) or "
+                f"{PREFIX}MAX_MEMORY (to prefetch with it) too"
+            )
+        from tensorbend.offload.store import IO_MODES
+
+        if s.io not in IO_MODES:
+            raise TensorbendError(f"{PREFIX}IO={s.io!r}: expected one of {', '.join(IO_MODES)}")
         return s
 
 
@@ -80,9 +113,14 @@ def register() -> None:
     """vLLM's general-plugin entry point: read the settings, wrap the model loader."""
     global _installed
     settings = PluginSettings.from_env()
-    if settings.counters is None or _installed:
+    if (settings.counters is None and settings.max_memory is None) or _installed:
         return
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if settings.max_memory is not None:
+        from tensorbend.engines.vllm_offload import skip_expert_weights
+
+        skip_expert_weights()
 
     load = BaseModelLoader.load_model
 
@@ -98,7 +136,8 @@ def register() -> None:
 
 
 def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, int]):
-    """Hooks, meter and writer on a loaded vLLM model; returns the ServeMeter."""
+    """Hooks, meter, offload (with max_memory) and writer (with counters) on a loaded vLLM
+    model; returns the ServeMeter."""
     from tensorbend.engines.vllm_counters import ServeMeter
     from tensorbend.engines.vllm_engine import VllmRouterHooks, flat_mla_rope, routers_only
     from tensorbend.models import describe_model
@@ -127,10 +166,28 @@ def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, in
     on_input = meter.on_layer_input if meter.pf.wants_layer_input else None
     hooks = VllmRouterHooks(model, spec, on_route=meter.on_route, on_layer_input=on_input)
     hooks.__enter__()  # for the process's life
-    path = settings.counters / f"counters-rank{rank[0]}.json"
-    meter.write(path)
-    _start_writer(meter, path, settings.flush_s)
+    if settings.max_memory is not None:
+        _offload(model, checkpoint, settings, meter, model_fingerprint(routers, spec), pred)
+    if settings.counters is not None:
+        path = settings.counters / f"counters-rank{rank[0]}.json"
+        meter.write(path)
+        _start_writer(meter, path, settings.flush_s)
     return meter
+
+
+def _offload(model, checkpoint: str, settings: PluginSettings, meter, fingerprint: str, pred):
+    from dataclasses import replace
+
+    from tensorbend.cache.config import SERVING, PolicyConfig
+    from tensorbend.engines.vllm_offload import OffloadSettings, VllmOffload
+
+    policy = SERVING if pred is None else PolicyConfig("prefetch", admission="auto")
+    policy = replace(policy, staging_slots=settings.staging_slots)
+    cfg = OffloadSettings(settings.max_memory, settings.io, policy=policy)
+    cfg = replace(cfg, store_dir=settings.store_dir)
+    off = VllmOffload.attach(model, checkpoint, cfg, fingerprint, meter)
+    meter.header["offload"] = {"max_memory": settings.max_memory, "io": settings.io}
+    atexit.register(off.close)
 
 
 def _start_writer(meter, path: Path, every_s: float) -> None:

@@ -26,12 +26,15 @@ def build_cache(
     predictor,
     device: str,
     horizon=None,
+    slot_bytes: int | None = None,
 ) -> ExpertCache:
     """A fresh ExpertCache for one run of `pc` (the oracle's predictor, a RecordedRouting,
     brings the routing its eviction reads; a cross-token `horizon` predictor's forecasts drive
-    `Reuse`)."""
+    `Reuse`). slot_bytes: the slots live in an engine's own pool (engines/vllm_offload.py), one
+    costing this many bytes; the cache then keeps the table and no tensors."""
     L, policy = spec.num_moe_layers, POLICIES[pc.policy]
-    slots = pc.slots(spec, layout.nbytes) if policy.keeps_experts else 0
+    per_slot = layout.nbytes if slot_bytes is None else slot_bytes
+    slots = pc.slots(spec, per_slot) if policy.keeps_experts else 0
     steps = predictor.steps_by_key if policy.recorded_routing else None
     rs = make_resident_set(
         pc.policy,
@@ -46,4 +49,5 @@ def build_cache(
         pc.oracle_beyond,
     )
     cfg = CacheConfig(scratch=pc.staging(spec.top_k), device=device)
-    return ExpertCache(cfg, rs, *layout.slot_shape, layout.stored_nbytes)
+    numel, dtype = layout.slot_shape if slot_bytes is None else (0, layout.dtype)
+    return ExpertCache(cfg, rs, numel, dtype, layout.stored_nbytes)
