@@ -90,6 +90,9 @@ def test_offloaded_vllm_generates_what_resident_vllm_generates(tmp_path, model, 
     assert t["misses"] > 0 and t["evictions"] > 0 and c["multi_wave_calls"] > 0
     assert t["bytes_read"] == (t["demand_loads"] + t["prefetch_loaded"]) * c["expert_stored_bytes"]
     assert sum(x["misses"] for x in c["per_layer"]) == t["misses"]
+    packed = Path(c["store"])  # (a miss reads its packed expert straight into the slot)
+    assert c["packed_store"] and packed.name.endswith(f"-vllm-{c['isa']}-tp0of1.safetensors")
+    assert c["expert_stored_bytes"] == c["slot_bytes"]
 
 
 @needs_vllm

@@ -45,7 +45,7 @@ import torch
 from tensorbend.cache.config import SERVING, PolicyConfig
 from tensorbend.errors import TensorbendError
 from tensorbend.models import RoutingSpec
-from tensorbend.offload.blocks import aligned_empty
+from tensorbend.offload.blocks import ALIGN, aligned_empty
 from tensorbend.offload.build import build_cache
 from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.loader import Loader, PrefetchGuard
@@ -102,7 +102,9 @@ def routed_layers(model) -> list:
 class VllmOffload:
     """The slot pool, cache, store and I/O threads of one vLLM model; see the module note."""
 
-    def __init__(self, layers, spec: RoutingSpec, layout: ExpertLayout, store: Path, settings):
+    def __init__(
+        self, layers, spec: RoutingSpec, layout: ExpertLayout, store: Path, settings, fingerprint
+    ):
         self.spec, self.layout, self.settings = spec, layout, settings
         self.layers = layers
         first = layers[0]
@@ -115,22 +117,28 @@ class VllmOffload:
             )
         pc = first.moe_config.moe_parallel_config
         self.tp = (pc.tp_rank, pc.tp_size)
-        w13, w2 = self._pack(_unpacked(torch.zeros(layout.numel, dtype=layout.dtype), layout))
+        w13, w2 = self.pack(torch.zeros(layout.numel, dtype=layout.dtype))
         self.slot_bytes = w13.nbytes + w2.nbytes
+        packed = ExpertLayout((("w13", tuple(w13.shape)), ("w2", tuple(w2.shape))), w13.dtype)
+        self.packed = w13.nbytes % ALIGN == 0  # (else the second part's reads would straddle)
+        if self.packed:  # (a miss: one read straight into its slot; else read, then pack)
+            store = self._packed_store(store, packed, fingerprint)
         scratch = settings.policy.staging(spec.top_k)
         budget = settings.max_memory - scratch * self.slot_bytes
         policy = replace(settings.policy, cache_bytes=max(budget, 0))
-        self.cache = build_cache(policy, spec, layout, None, "cpu", slot_bytes=self.slot_bytes)
+        stored = packed if self.packed else layout
+        self.cache = build_cache(policy, spec, stored, None, "cpu", slot_bytes=self.slot_bytes)
         rows = self.cache.capacity + scratch
-        self.w13_C = torch.zeros((rows, *w13.shape), dtype=w13.dtype)
-        self.w2_C = torch.zeros((rows, *w2.shape), dtype=w2.dtype)
+        self.w13_C = _aligned((rows, *w13.shape), w13.dtype)
+        self.w2_C = _aligned((rows, *w2.shape), w2.dtype)
         self.wave = max(1, min(self.cache.capacity, scratch))
         w13_C = torch.nn.Parameter(self.w13_C, requires_grad=False)
         w2_C = torch.nn.Parameter(self.w2_C, requires_grad=False)
         for layer in layers:  # one pool for every layer (the ids are remapped to its slots)
             layer.w13_weight, layer.w2_weight = w13_C, w2_C
         self.store = ExpertStore.open(store, StoreConfig(settings.io))
-        self.store.check({}, spec.num_moe_layers, spec.num_experts, layout)
+        self.store.check({}, spec.num_moe_layers, spec.num_experts, stored)
+        self._staging = threading.local()  # (unpacked store: each I/O thread's read buffer)
         self.loader = _PackingLoader(self, settings.io_threads)
         self.clock = None  # the Prefetcher's StepClock, when the plugin has one (`attach`)
         self._step = 0
@@ -167,7 +175,7 @@ class VllmOffload:
         plan = ExpertPlan.of(Checkpoint.open(path), meta, spec, layout)
         store = store_path(settings.store_dir, path, store_tag(None, dtype))
         ensure_store(plan, store, fingerprint, layout, progress=False)
-        off = cls(layers, spec, layout, store, settings)
+        off = cls(layers, spec, layout, store, settings, fingerprint)
         model.tensorbend_offload = off  # (what `llm.apply_model` hands back carries it)
         if meter is not None:
             off.clock = meter.pf.clock
@@ -192,7 +200,9 @@ class VllmOffload:
             "cache_slots": self.cache.capacity,
             "staging_slots": self.w13_C.shape[0] - self.cache.capacity,
             "slot_bytes": self.slot_bytes,
-            "expert_stored_bytes": self.layout.stored_nbytes,
+            "expert_stored_bytes": self.cache.nbytes,
+            "packed_store": self.packed,
+            "isa": getattr(self.kernel, "isa", None),
             "wave": self.wave,
             "multi_wave_calls": self.waves,
             "store": str(self.store.path),
@@ -206,18 +216,30 @@ class VllmOffload:
 
     # ------------------------------------------------------------ the I/O threads' side
 
-    def pack(self, slot: int, raw_flat: torch.Tensor) -> None:
-        """The store's expert (flat, transformers' layout) into `slot`, packed for vLLM."""
-        w13, w2 = self._pack(_unpacked(raw_flat, self.layout))
+    def read(self, key, slot: int, pause=None) -> int:
+        """Expert `key` from the store into `slot` (an I/O thread's work); returns bytes read."""
+        m, e = key
+        if self.packed:
+            outs = [self.w13_C[slot].view(-1), self.w2_C[slot].view(-1)]
+            return self.store.read_parts_into(m, e, outs, pause)
+        raw = getattr(self._staging, "raw", None)
+        if raw is None:
+            raw = self._staging.raw = aligned_empty(1, self.layout.numel, self.layout.dtype)[0]
+        nbytes = self.store.read_into(m, e, raw, pause)
+        w13, w2 = self.pack(raw)
         self.w13_C[slot].copy_(w13)
         self.w2_C[slot].copy_(w2)
+        return nbytes
 
-    def _pack(self, parts: tuple[torch.Tensor, torch.Tensor]):
+    def pack(self, raw_flat: torch.Tensor):
+        """A store expert (flat, transformers' layout) as the kernel keeps it: (w13, w2)."""
+        return self._pack(*_unpacked(raw_flat, self.layout))
+
+    def _pack(self, gate_up: torch.Tensor, down: torch.Tensor):
         """(w13 [2I, D], w2 [D, I]) of one expert -> this rank's shard, padded and prepacked by
         the kernel's own code (its `process_weights_after_loading` on a one-expert layer)."""
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-        gate_up, down = parts
         rank, size = self.tp
         if size > 1:
             inter = down.shape[1]
@@ -234,6 +256,19 @@ class VllmOffload:
         one.w2_weight = torch.nn.Parameter(down[None].contiguous(), requires_grad=False)
         CPUUnquantizedExperts.process_weights_after_loading(self.kernel, one)
         return one.w13_weight.data[0], one.w2_weight.data[0]
+
+    def _packed_store(self, plain: Path, packed: ExpertLayout, fingerprint: str) -> Path:
+        from tensorbend.engines.vllm_store import ensure_packed, probe
+
+        rank, size = self.tp
+        isa = getattr(self.kernel, "isa", "cpu")
+        ident = {
+            "fingerprint": fingerprint,
+            "vllm_packing": f"{isa}:{probe(self.pack, self.layout)}",
+        }
+        shape = (self.spec.num_moe_layers, self.spec.num_experts)
+        tag = f"vllm-{isa}-tp{rank}of{size}"
+        return ensure_packed(plain, self.layout, packed, self.pack, ident, tag, shape)
 
     # ------------------------------------------------------------ the compute side
 
@@ -310,23 +345,24 @@ _KERNELS = (
 
 
 class _PackingLoader(Loader):
-    """Loader whose reads land in a staging buffer (one per I/O thread) and are then packed
-    into the slot by vLLM's kernel code, on the I/O thread: the slot is ready when packed."""
+    """Loader whose I/O threads fill the kernel's two pools (`VllmOffload.read`): the slot is
+    ready when its packed expert is in both."""
 
     def __init__(self, off: VllmOffload, threads: int):
         self.off = off
-        self._staging = threading.local()
         super().__init__(off.store, off.cache, threads, guard=PrefetchGuard())
 
     def _read(self, key, slot: int, pause=None) -> int:
-        raw = getattr(self._staging, "raw", None)
-        if raw is None:
-            raw = self._staging.raw = aligned_empty(
-                1, self.off.layout.numel, self.off.layout.dtype
-            )[0]
-        nbytes = self.store.read_into(key[0], key[1], raw, pause)
-        self.off.pack(slot, raw)
-        return nbytes
+        return self.off.read(key, slot, pause)
+
+
+def _aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous zeroed tensor starting on a 4096-byte boundary (direct reads land in its
+    rows with no copy when a row's bytes are whole blocks)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return aligned_empty(1, numel, dtype)[0].zero_().view(shape)
 
 
 def _wave(weights_TK, ids_TK, wave: list[int], all_rows: bool):

@@ -277,18 +277,31 @@ class ExpertStore:
             return got
         return self._read(m, e, out_flat, pause)
 
-    def _read(self, m: int, e: int, out_flat: torch.Tensor, pause=None) -> int:
-        """Expert e of MoE layer m's stored bytes into `out_flat` (see `read_into`)."""
+    def read_parts_into(self, m: int, e: int, outs: list[torch.Tensor], pause=None) -> int:
+        """Expert e of MoE layer m's stored bytes split over `outs` (contiguous tensors whose
+        bytes add up to the expert's, in order: an engine's pools, one per part); each part
+        after the first must start on a 4096-byte block of the file. Returns bytes read."""
+        return self._read(m, e, outs, pause)
+
+    def _read(self, m: int, e: int, out_flat, pause=None) -> int:
+        """Expert e of MoE layer m's stored bytes into `out_flat` (see `read_into`), or into a
+        list of tensors in turn (`read_parts_into`)."""
         start, end = self._offsets[_name(m, e)]
         nbytes = end - start
-        assert out_flat.is_contiguous() and out_flat.numel() * out_flat.element_size() == nbytes
+        outs = out_flat if isinstance(out_flat, list) else [out_flat]
+        sizes = [o.numel() * o.element_size() for o in outs]
+        assert all(o.is_contiguous() for o in outs) and sum(sizes) == nbytes
         done_at = self._reserve_wire(nbytes)
         offset = self._data_start + start
         try:
             if self._direct is not None:
-                got = self._direct.read(out_flat, offset, nbytes, pause)
+                got, at = 0, offset
+                for o, n in zip(outs, sizes, strict=True):
+                    got += self._direct.read(o, at, n, pause)
+                    at += n
             else:  # (the kernel copies, with the interpreter lock released)
-                got = os.preadv(self._fd, [memoryview(out_flat.view(torch.uint8).numpy())], offset)
+                views = [memoryview(o.view(torch.uint8).numpy()) for o in outs]
+                got = os.preadv(self._fd, views, offset)
                 if self.cfg.io == "fadvise":
                     os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as e:
