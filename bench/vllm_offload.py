@@ -22,7 +22,8 @@ Rows:
   generate lfru/adm=frequency          `tensorbend generate` (transformers' generate)
   generate ours d1/adm=predicted       ... --policy prefetch --predictor
   accelerate                           `tensorbend generate --engine accelerate`
-at concurrency 1 (the prompts one after another) and, for the vLLM rows, 4 (the prompts at
+(`--accelerate-tokens` new tokens per prompt: it reads every expert at every token, so its tok/s
+does not depend on how many) at concurrency 1 (the prompts one after another) and, for the vLLM rows, 4 (the prompts at
 once, continuous batching; `generate` and accelerate decode one sequence at a time).
 A vLLM row's decode tok/s: tokens after each request's first / the seconds after the step that
 made the first tokens (LLMEngine.step, one decode step per running request); its bytes and hit
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=4, help="test prompts per run")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--accelerate-tokens", type=int, default=8,
+                    help="new tokens per prompt of the accelerate row (it reads every expert "
+                         "at every token, so its tok/s does not depend on how many)")  # fmt: skip
     ap.add_argument("--predictor", type=Path, help="zoo:qwen3moe-tiny within-token checkpoint")
     ap.add_argument("--memory-cap", action="store_true", help="each row in a memory cgroup")
     ap.add_argument("--cap-margin", default="512MB", help="headroom of --memory-cap")
@@ -114,7 +118,11 @@ def _bench(args) -> dict:
         "vllm+tb lfru/adm=frequency c=1": ("vllm", vllm_env, 1),
         "vllm+tb lfru/adm=frequency c=4": ("vllm", vllm_env, 4),
         "generate lfru/adm=frequency c=1": ("generate", [], 1),
-        "accelerate c=1": ("accelerate", ["--engine", "accelerate"], 1),
+        "accelerate c=1": (
+            "accelerate",
+            ["--engine", "accelerate", "--max-new-tokens", str(args.accelerate_tokens)],
+            1,
+        ),
     }
     if ours:
         pred_env = {**vllm_env, "TENSORBEND_PREDICTOR": str(args.predictor)}

@@ -2,13 +2,16 @@
 
 Every verb builds its config from flags derived from the config dataclass (`flags.py`: help,
 defaults and choices live in the dataclass only), calls one public API function and prints
-the result. User errors (`TensorbendError`, bad flags) become one `error: ...` line on
-stderr and exit code 2; no traceback.
+the result. User errors (`TensorbendError`, bad flags, a `--json` path that cannot be written,
+a file that cannot be read) become one `error: ...` line on stderr and exit code 2, before the
+work where they can be known before it; no traceback. A closed stdout (`| head`) ends quietly
+with 141, as a process killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from dataclasses import replace
@@ -27,12 +30,21 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        _check_json_path(getattr(args, "json", None))
         with warnings.catch_warnings():  # (restores showwarning on the way out)
             warnings.showwarning = _warning_line(warnings.showwarning)
             return args.func(args) or 0
     except (TensorbendError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:
+        print(f"error: {e.filename}: permission denied (expected this user to have access); "
+              "check its permissions, or run as its owner", file=sys.stderr)  # fmt: skip
+        return 2
+    except BrokenPipeError:  # (stdout closed by the reader: nothing more to say to it)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print(f"error: interrupted{_kept(args)}", file=sys.stderr)
         return 130
@@ -240,6 +252,26 @@ def _cmd_store_list(args) -> int:
     return 0
 
 
+def _cmd_store_build(args) -> int:
+    from tensorbend.serving.offloaded import load_offloaded
+
+    model = load_offloaded(args.model, policy="on_demand", store_dir=args.store_dir,
+                           dtype=args.dtype, store_dtype=args.store_dtype,
+                           progress=not args.quiet)  # fmt: skip
+    path = model.tensorbend.store.path
+    model.tensorbend.close()
+    print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+def _cmd_store_prune(args) -> int:
+    from tensorbend.serving.stores import remove_orphans
+
+    removed = remove_orphans(args.store_dir)
+    print("\n".join(f"removed {p}" for p in removed) or "no stores of checkpoints that are gone")
+    return 0
+
+
 def _cmd_store_rm(args) -> int:
     from tensorbend.serving.stores import remove_partial, remove_store
 
@@ -254,6 +286,26 @@ def _cmd_store_rm(args) -> int:
 
 
 # ---------------------------------------------------------------- parser
+
+
+def _check_json_path(path) -> None:
+    """Refuse a `--json` path that cannot be written before any work (a directory, a missing
+    or read-only folder), so a run's summary is never lost at its end."""
+    if not isinstance(path, str) or not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise TensorbendError(
+            f"--json {path}: expected a file path, found a directory; pass a file name such "
+            f"as {p / 'summary.json'}"
+        )
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise TensorbendError(
+            f"--json {path}: expected an existing folder, found no {folder}; create it first"
+        )
+    if not os.access(folder, os.W_OK):
+        raise TensorbendError(f"--json {path}: the folder {folder} is not writable by this user")
 
 
 def _write_json(path: str | None, obj: dict) -> None:
@@ -287,8 +339,10 @@ def _verbs() -> dict:
         "measure": _cmd_run,
         "simulate": _cmd_simulate,
         "live": _cmd_live,
+        "store build": _cmd_store_build,
         "store list": _cmd_store_list,
         "store rm": _cmd_store_rm,
+        "store prune": _cmd_store_prune,
         "zoo list": _cmd_zoo_list,
         "zoo path": _cmd_zoo_path,
         "zoo card": _cmd_zoo_card,

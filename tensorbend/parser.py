@@ -66,7 +66,9 @@ EXAMPLES = {
         "VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/tensorbend live --engine vllm "
         "--model zoo:qwen3moe-tiny --predictor ours_d1.safetensors",
     ],
+    "store build": ["tensorbend store build --model DIR --dtype bfloat16"],
     "store list": ["tensorbend store list", "tensorbend store list --json"],
+    "store prune": ["tensorbend store prune"],
     "store rm": ["tensorbend store rm my-moe-checkpoint", "tensorbend store rm --partial"],
     "zoo list": ["tensorbend zoo list"],
     "zoo path": ["tensorbend zoo path default"],
@@ -248,13 +250,19 @@ def _trace_parser(sub, funcs, import_config) -> None:
 
 
 def _store_parser(sub, funcs) -> None:
-    ssub = sub.add_parser("store", help="expert stores on disk: list, remove")
+    ssub = sub.add_parser("store", help="expert stores on disk: build, list, remove, prune")
     verb = _Verbs(
         ssub.add_subparsers(dest="store_verb", metavar="SUBVERB", parser_class=_Parser),
         funcs,
         "store ",
     )
     root = "root of the stores (default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores)"
+    sb = verb("build", "build a checkpoint's store without generating (reused if current)")
+    sb.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
+    sb.add_argument("--dtype", default="auto", help="precision the model is served in")
+    sb.add_argument("--store-dtype", choices=("auto", "int4"), default="auto",
+                    help="what the store keeps of each expert")  # fmt: skip
+    sb.add_argument("--store-dir", help=root)
     sl = verb("list", "each store's checkpoint, dtype, size and build time", quiet=False)
     sl.add_argument("--store-dir", help=root)
     sl.add_argument("--json", action="store_true", help="print JSON")
@@ -266,6 +274,8 @@ def _store_parser(sub, funcs) -> None:
         help="remove every interrupted build instead (none being built now)",
     )
     sr.add_argument("--store-dir", help=root)
+    sp = verb("prune", "remove the stores of checkpoints that are gone", quiet=False)
+    sp.add_argument("--store-dir", help=root)
 
 
 def _zoo_parser(sub, funcs) -> None:

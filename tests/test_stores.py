@@ -107,6 +107,55 @@ def test_expert_edited_in_place_is_never_served_stale(tmp_path):
     assert store.stat().st_ino == built
 
 
+def test_an_edit_whose_mtime_was_put_back_is_never_served(tmp_path):
+    """An expert scaled in place and the shard's mtime restored (as `touch -r`, `cp -p`,
+    `rsync -a` or `tar` leave it): the next load still sees the change (the shard's change
+    time moved), rebuilds the store and serves the edited experts."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    kw = dict(store_dir=tmp_path / "stores", cache_frac=0.3, progress=False)
+    model = tensorbend.load_offloaded(ckpt, **kw)
+    store = model.tensorbend.store.path
+    model.tensorbend.close()
+    built = store.stat().st_ino
+    ref = next(r for k, r in Checkpoint.open(ckpt).refs.items() if ".experts." in k)
+    st = os.stat(ref.shard)
+    with open(ref.shard, "r+b") as f:  # (double the tensor's first 8 values)
+        f.seek(ref.start)
+        vals = torch.frombuffer(bytearray(f.read(32)), dtype=torch.float32)
+        f.seek(ref.start)
+        f.write((vals * 2).numpy().tobytes())
+    os.utime(ref.shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # (the mtime put back)
+    assert (os.stat(ref.shard).st_size, os.stat(ref.shard).st_mtime_ns) == (
+        st.st_size,
+        st.st_mtime_ns,
+    )
+    resident = AutoModelForCausalLM.from_pretrained(ckpt, experts_implementation="eager").eval()
+    spec = describe_model(resident)
+    model = tensorbend.load_offloaded(ckpt, **kw)
+    assert store.stat().st_ino != built  # (rebuilt)
+    got = _store_experts(model.tensorbend, spec)
+    want = _experts_of(resident, spec, model.tensorbend.layout)
+    model.tensorbend.close()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_symlink_to_a_checkpoint_shares_its_store(tmp_path):
+    """The README's `ln -s` recipe: loading through the link reuses the store the real path
+    built (one folder under the root, the store file not rebuilt)."""
+    ckpt = save_checkpoint("qwen3_moe", tmp_path / "ckpt")
+    link = tmp_path / "my-moe-checkpoint"
+    link.symlink_to(ckpt)
+    kw = dict(store_dir=tmp_path / "stores", cache_frac=0.3, progress=False)
+    model = tensorbend.load_offloaded(ckpt, **kw)
+    store = model.tensorbend.store.path
+    model.tensorbend.close()
+    built = store.stat().st_ino
+    model = tensorbend.load_offloaded(link, **kw)
+    assert model.tensorbend.store.path == store and store.stat().st_ino == built
+    model.tensorbend.close()
+    assert [p.name for p in (tmp_path / "stores").iterdir()] == [store.parent.name]
+
+
 def test_budget_disk_space_and_unwritable_root_refused_before_a_byte(tmp_path, monkeypatch, capsys):
     """A budget too small, a disk too full and a store root that cannot be a folder are each
     one line, before anything is written; the disk message gives the size and the place."""

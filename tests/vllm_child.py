@@ -50,6 +50,7 @@ if __name__ == "__main__":
         "batched": [tokens(o) for o in batched],
         "alone": [tokens(o) for o in alone],
         "logprobs": [logprobs(o) for o in batched],
+        "text": [o.outputs[0].text for o in batched],
     }
     if tp == 1:
 

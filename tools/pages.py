@@ -41,6 +41,7 @@ PAGES = (
     *[("bench.pages.serve_precision", f"bench/{n}.json", f"{n}.md")
       for n in ("serve_precision", "serve_precision_qwen")],
     ("bench.sim_validation", "simulate_validation.json", "simulate_validation.md"),
+    ("bench.pages.vllm_offload", "bench/vllm_offload.json", "vllm_offload.md"),
 )  # fmt: skip
 
 

@@ -42,22 +42,35 @@ def markdown(rep: dict) -> str:
         f"({best}); a range holding 1.00 is a tie. Host load: other processes used "
         f"{_cores(rep['host_load'])} of {rep['host_load']['cpus']} cores over the run.",
         "",
-        "| row | decode tok/s [range] | vs best without prediction | MB from disk / token | "
-        "hit rate | slots | peak RSS MB | cgroup peak MB | tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | decode tok/s [range] | vs best without prediction | vs generate, same cache |"
+        " MB from disk / token | hit rate | slots | peak RSS MB | cgroup peak MB | tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    gen = next((n for n in rows if n.startswith("generate lfru")), best)
     for name, r in rows.items():
         reps = r["decode_tok_s_repeats"]
-        ratios = [x / b for x, b in zip(reps, rows[best]["decode_tok_s_repeats"], strict=True)]
-        lo, hi, med = min(ratios), max(ratios), sorted(ratios)[len(ratios) // 2]
         lines.append(
             f"| {name} | {r['decode_tok_s']:.2f} [{min(reps):.2f}, {max(reps):.2f}] | "
-            f"{med:.2f}x [{lo:.2f}, {hi:.2f}] ({ratio_verdict(lo, hi)}) | "
+            f"{_ratio(reps, rows[best])} | {_ratio(reps, rows[gen])} | "
             f"{_mb(r.get('bytes_read_per_token'))} | "
             f"{_num(r.get('hit_rate'))} | {r.get('cache_slots') or '-'} | "
             f"{r['peak_rss_bytes'] / MB:.0f} | {_mb(r.get('cap_max_usage_bytes'), 0)} | "
             f"{_tokens(r)} |"
         )
+    vllm = [r for n, r in rows.items() if n.startswith("vllm")]
+    if vllm and cap:
+        bound = rep["import_baseline_bytes"]["vllm"] + rep["slot_bytes_vllm"]
+        rss = [r["peak_rss_bytes"] for r in vllm]
+        cg = [r["cap_max_usage_bytes"] for r in vllm if r.get("cap_max_usage_bytes")]
+        lines += [
+            "",
+            f"Memory of the vLLM rows against vLLM's baseline + the slots ({bound / MB:.0f} MB): "
+            f"peak RSS {min(rss) / MB:.0f}-{max(rss) / MB:.0f} MB ({(min(rss) - bound) / MB:+.0f}"
+            f" to {(max(rss) - bound) / MB:+.0f} MB: the I/O threads' buffers, the waves' "
+            f"outputs, shared libraries' pages), the cgroup's peak "
+            + (f"{min(cg) / MB:.0f}-{max(cg) / MB:.0f} MB" if cg else "-")
+            + f" (page cache included); the checkpoint is {rep['checkpoint_bytes'] / MB:.0f} MB.",
+        ]
     lines += [
         "",
         "Tokens: a vLLM row's greedy tokens against resident vLLM's (one uncapped run of the "
@@ -69,6 +82,13 @@ def markdown(rep: dict) -> str:
         "in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(reps: list[float], ref: dict) -> str:
+    """Median [range] of per-repeat ratios to `ref`'s row, with the verdict."""
+    ratios = [x / b for x, b in zip(reps, ref["decode_tok_s_repeats"], strict=True)]
+    lo, hi, med = min(ratios), max(ratios), sorted(ratios)[len(ratios) // 2]
+    return f"{med:.2f}x [{lo:.2f}, {hi:.2f}] ({ratio_verdict(lo, hi)})"
 
 
 def _best(rows: dict, keep) -> str:

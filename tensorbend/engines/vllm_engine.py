@@ -73,6 +73,7 @@ class VllmEngine:
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: hooks
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # (stdout: our tables)
         try:
             from vllm import LLM
         except ImportError as e:

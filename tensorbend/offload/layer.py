@@ -53,7 +53,8 @@ def check_supported(family: str) -> None:
         )
         raise UnsupportedModelError(
             f"offload of {family} models is not supported ({why}): expected one of "
-            f"{', '.join(OFFLOAD_FAMILIES)}; use --policy resident to run it in memory"
+            f"{', '.join(OFFLOAD_FAMILIES)}; run it resident with transformers (or `tensorbend "
+            f"measure --policy resident`), where it fits in memory"
         )
 
 

@@ -145,11 +145,18 @@ class Checkpoint:
             self._digests, self._only = None, None
 
     def stats(self, shards) -> dict[str, dict[str, int]]:
-        """{shard name: {size, mtime_ns}} of `shards` (paths of this checkpoint)."""
+        """{shard name: {size, mtime_ns, ino, ctime_ns}} of `shards` (paths of this
+        checkpoint). The inode and the change time are what no copy (`cp -p`, `rsync -a`,
+        `tar`) or `touch -r` restores: an edit with its mtime put back still shows."""
         out = {}
         for shard in sorted(shards):
             st = shard.stat()
-            out[shard.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            out[shard.name] = {
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "ino": st.st_ino,
+                "ctime_ns": st.st_ctime_ns,
+            }
         return out
 
     @property

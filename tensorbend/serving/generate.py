@@ -28,6 +28,7 @@ from tensorbend.capture.hf import DecodeConfig
 from tensorbend.capture.prompts import load_prompts
 from tensorbend.errors import TensorbendError
 from tensorbend.host_load import BUSY_CORES, CpuMeter
+from tensorbend.serving.decoding import Decoding, encode, generate_kwargs, interactive
 from tensorbend.serving.offloaded import ServeConfig, load_offloaded
 
 
@@ -47,6 +48,10 @@ class GenerateConfig:
     (fewer at EOS), with --temperature and --seed; prompts are not truncated."""
     top_p: float = field(default=1.0, metadata={"group": "decoding"})
     """Nucleus sampling mass with --sample."""
+    text: Decoding = field(default_factory=Decoding, metadata={"group": "decoding"})
+    """Chat template, system prompt, top-k, repetition penalty, stop strings, -i."""
+    profile: bool = field(default=False, metadata={"group": "output"})
+    """After the summary, where decode's time went and each MoE layer's hits and misses."""
     engine: Literal["tensorbend", "accelerate"] = "tensorbend"
     """Who offloads, tensorbend or the baseline without it: tensorbend (expert store, cache,
     policy, predictors) or accelerate
@@ -56,8 +61,11 @@ class GenerateConfig:
     """Placement, cache, policy and predictors."""
 
     def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.prompts is None):
-            raise TensorbendError("expected exactly one of --prompt TEXT or --prompts FILE")
+        given = [self.prompt is not None, self.prompts is not None, self.text.interactive]
+        if sum(given) != 1:
+            raise TensorbendError(
+                "expected exactly one of --prompt TEXT, --prompts FILE or --interactive"
+            )
         if self.prompts is not None and not Path(self.prompts).is_file():
             raise TensorbendError(f"--prompts {self.prompts}: expected a JSONL file, found none")
         if self.decode.max_new_tokens < 1:
@@ -70,6 +78,7 @@ class GenerateConfig:
             )
         if not 0 < self.top_p <= 1:
             raise TensorbendError(f"--top-p {self.top_p}: expected a value in (0, 1]")
+        self.text.check(self.decode.decode == "sample", self.top_p)
         pred = self.serve.prediction
         if self.engine == "accelerate" and (pred.predictor or pred.baseline or pred.horizon):
             raise TensorbendError(
@@ -79,22 +88,30 @@ class GenerateConfig:
             )
 
 
-def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
+def generate(cfg: GenerateConfig, out=None, err=None, stdin=None) -> dict:
     """Stream every prompt's continuation to `out` (stdout); returns the summary (also to err).
     The tokenizer loads and every prompt is tokenized first: a checkpoint without a tokenizer
-    or a prompt of no tokens is refused before any store is built."""
+    or a prompt of no tokens is refused before any store is built. With --interactive the
+    prompts are read from `stdin` once the model is loaded."""
     from tensorbend.capture.hf import load_tokenizer
     from tensorbend.zoo import resolve_model
 
     out, err = out or sys.stdout, err or sys.stderr
     tok = load_tokenizer(resolve_model(cfg.model))
+    opts = cfg.text
     if cfg.prompt is not None:
-        inputs = [_encode(tok, cfg.prompt, f"--prompt {cfg.prompt!r}")]
-    else:
+        inputs = [encode(tok, cfg.prompt, opts, f"--prompt {cfg.prompt!r}")]
+    elif cfg.prompts is not None:
         inputs = [
-            _encode(tok, p.text, f"prompt {p.id!r} of {cfg.prompts}")
+            encode(tok, p.text, opts, f"prompt {p.id!r} of {cfg.prompts}")
             for p in load_prompts(cfg.prompts, "all")
         ]
+    else:
+        if opts.chat:
+            encode(tok, "x", opts, "--chat")  # (no template: refused before loading)
+        inputs = interactive(tok, opts, stdin or sys.stdin, err)
+    if not opts.interactive:
+        _check_positions(resolve_model(cfg.model), inputs, cfg.decode.max_new_tokens)
     if cfg.engine == "accelerate":
         from tensorbend.serving import accelerate_baseline
 
@@ -112,29 +129,38 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> dict:
         summary = summarize(handle.counters(), cfg.serve)
         summary["memory_plan"] = handle.memory_plan
         summary["host_load"] = load.to_json()
+        if cfg.profile:
+            from tensorbend.serving.profile import profile
+
+            summary["profile"] = profile(handle.counters())
     finally:
         handle.close()
     err.write(format_summary(summary) + "\n")
+    if cfg.profile:
+        err.write(summary["profile"] + "\n")
     return summary
 
 
-def _encode(tok, text: str, what: str) -> tuple[str, torch.Tensor]:
-    """(text, its input ids); TensorbendError naming `what` when it tokenizes to nothing."""
-    ids = tok(text, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
+def _check_positions(path, inputs: list, new_tokens: int) -> None:
+    """Refuse, before loading, a prompt whose tokens plus --max-new-tokens pass the model's
+    positions (config.json's max_position_embeddings)."""
+    from tensorbend.models import read_config
+
+    limit = getattr(read_config(path), "max_position_embeddings", None)
+    longest = max(ids.shape[1] for _, ids in inputs)
+    if limit and longest + new_tokens > limit:
         raise TensorbendError(
-            f"{what}: expected text of at least one token, found {ids.shape[1]} tokens "
-            f"(the tokenizer adds no BOS token); give the prompt some text"
+            f"a prompt of {longest} tokens + --max-new-tokens {new_tokens}: expected at most "
+            f"{limit} positions (the model's max_position_embeddings); shorten the prompt or "
+            f"lower --max-new-tokens"
         )
-    return text, ids
 
 
 def _continue(model, tok, inputs: list, cfg: GenerateConfig, out, on_prompt=None) -> None:
     """Each (text, ids), then its continuation streamed, through transformers' generate()."""
     streamer = _Streamer(tok, out)
-    dc, sample = cfg.decode, cfg.decode.decode == "sample"
-    kw = {"max_new_tokens": dc.max_new_tokens, "do_sample": sample}
-    kw.update({"temperature": dc.temperature, "top_p": cfg.top_p} if sample else {})
+    dc = cfg.decode
+    kw = generate_kwargs(cfg.text, dc, cfg.top_p, tok)
     for i, (text, ids) in enumerate(inputs):
         torch.manual_seed(dc.seed + i)  # (as hf.decode_prompt seeds prompt i)
         ids = ids.to(cfg.serve.device)

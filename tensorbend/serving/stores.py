@@ -7,7 +7,7 @@ Usage:
     stale_sources(plan, store)      # None, or why the store no longer holds the checkpoint's bytes
     check_room(store, nbytes)       # StoreError (one line) unless its folder is writable, with room
     list_stores()                   # [{store, checkpoint, dtype, bytes, built, partial}]: `store list`
-    remove_store("my-moe"); remove_partial()                          # `store rm`
+    remove_store("my-moe"); remove_partial(); remove_orphans()      # `store rm`, `store prune`
     block = store_format(cfg, ckpt.block)     # what a serving run's store keeps (--store-dtype)
     ensure_store(plan, path, fingerprint, layout, progress)   # reuse it, or build it (locked)
 
@@ -65,9 +65,11 @@ def store_root(root: str | Path | None = None) -> Path:
 
 
 def store_path(root: str | Path | None, checkpoint: Path, dtype: str) -> Path:
-    """The store of `checkpoint` in `dtype`: ROOT/<name>-<hash of its path>/experts-<dtype>."""
-    tag = hashlib.sha256(str(Path(checkpoint).resolve()).encode()).hexdigest()[:8]
-    folder = store_root(root) / f"{Path(checkpoint).name}-{tag}"
+    """The store of `checkpoint` in `dtype`: ROOT/<name>-<hash of its path>/experts-<dtype>,
+    both of the resolved path: a symlink or another spelling of the same directory shares it."""
+    resolved = Path(checkpoint).resolve()
+    tag = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    folder = store_root(root) / f"{resolved.name}-{tag}"
     return folder / f"experts-{dtype}.safetensors"
 
 
@@ -99,8 +101,9 @@ def store_lock(store: Path, progress: bool = True) -> Iterator[None]:
 
 def stale_sources(plan: ExpertPlan, store: Path) -> str | None:
     """Why `store` no longer holds the expert bytes of `plan`'s checkpoint, or None when it
-    does. Shards whose size and mtime match the record cost a stat; the others have their
-    expert ranges hashed again (and, when unchanged, their new mtime recorded)."""
+    does. Shards whose size, mtime, inode and change time match the record cost a stat; the
+    others have their expert ranges hashed again (and, when unchanged, their new stat
+    recorded). A record without inode and change time (an older store) hashes once."""
     try:
         rec = json.loads(sources_file(store).read_text())["shards"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -110,11 +113,8 @@ def stale_sources(plan: ExpertPlan, store: Path) -> str | None:
         now = ckpt.stats(ckpt.directory / n for n in rec)
     except OSError:
         return "a source shard is gone"
-    changed = {
-        n
-        for n in rec
-        if (now[n]["size"], now[n]["mtime_ns"]) != (rec[n].get("size"), rec[n].get("mtime_ns"))
-    }
+    keys = ("size", "mtime_ns", "ino", "ctime_ns")
+    changed = {n for n in rec if any(now[n][k] != rec[n].get(k) for k in keys)}
     if not changed:
         return None
     paths = {ckpt.directory / n for n in changed}
@@ -167,7 +167,8 @@ def unwritable(e: OSError) -> str:
 def list_stores(root: str | Path | None = None) -> list[dict]:
     """Every store under the root, finished or interrupted: {store (its file), checkpoint (the
     source it was built from), dtype, bytes (on disk), built (finished: when; else None),
-    partial (an interrupted build: layers done of all, else None)}."""
+    partial (an interrupted build: layers done of all, else None), orphan (its checkpoint's
+    directory is gone)}."""
     root = store_root(root)
     files = [*root.glob("*/experts-*.safetensors*"), *root.glob("experts-*.safetensors*")]
     out = []
@@ -196,6 +197,7 @@ def list_stores(root: str | Path | None = None) -> list[dict]:
                 "partial": None
                 if not partial
                 else f"{done} of {meta.get('num_layers', '?')} layers",
+                "orphan": "source" in meta and not Path(meta["source"]).is_dir(),
             }
         )
     return out
@@ -208,9 +210,10 @@ def format_stores(stores: list[dict], root: Path) -> str:
     lines = [f"{len(stores)} expert store(s) under {root}:"]
     for s in stores:
         when = s["built"] or f"interrupted ({s['partial']})"
+        gone = " (gone: `tensorbend store prune` removes its stores)" if s.get("orphan") else ""
         lines.append(
             f"{s['store']}  {s['dtype']}  {s['bytes'] / 1e6:.1f} MB  {when}  "
-            f"checkpoint {s['checkpoint']}"
+            f"checkpoint {s['checkpoint']}{gone}"
         )
     return "\n".join(lines)
 
@@ -239,6 +242,19 @@ def remove_store(target: str | Path, root: str | Path | None = None) -> Path:
         _refuse_if_busy(lock)
     shutil.rmtree(folder)
     return folder
+
+
+def remove_orphans(root: str | Path | None = None) -> list[Path]:
+    """Remove the store folders whose every store's checkpoint is gone (none in use by a
+    process now). Returns the folders removed."""
+    by_folder: dict[Path, list[dict]] = {}
+    for s in list_stores(root):
+        by_folder.setdefault(Path(s["store"]).parent, []).append(s)
+    removed = []
+    for folder, stores in sorted(by_folder.items()):
+        if folder != store_root(root) and all(s["orphan"] for s in stores):
+            removed.append(remove_store(folder, root))
+    return removed
 
 
 def remove_partial(root: str | Path | None = None) -> list[Path]:

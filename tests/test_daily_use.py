@@ -1,0 +1,156 @@
+"""What a user of `tensorbend generate` and `tensorbend store` runs into day to day: chat
+templates, sampling and stop options, interactive prompts, the time profile, store build /
+prune, and failures that are one line (exit 2, nothing lost) instead of a traceback."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tiny_models import char_tokenizer, save_checkpoint
+
+from tensorbend.capture.hf import DecodeConfig
+from tensorbend.cli import main
+from tensorbend.serving.decoding import Decoding, generate_kwargs
+from tensorbend.serving.generate import GenerateConfig, generate
+from tensorbend.serving.offloaded import ServeConfig
+
+CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "ckpt")
+
+
+def _err(capsys, *argv) -> str:
+    capsys.readouterr()
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _cfg(ckpt, tmp_path, **kw) -> GenerateConfig:
+    serve = ServeConfig(store_dir=tmp_path / "stores", progress=False)
+    decode = kw.pop("decode", DecodeConfig(max_new_tokens=6))
+    return GenerateConfig(model=str(ckpt), serve=serve, decode=decode, **kw)
+
+
+def test_option_errors_are_one_line_before_any_work(ckpt, tmp_path, capsys):
+    gen = ["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet"]
+    err = _err(capsys, *gen, "--json", str(tmp_path))
+    assert f"--json {tmp_path}: expected a file path, found a directory" in err
+    err = _err(capsys, *gen, "--json", str(tmp_path / "no" / "s.json"))
+    assert "expected an existing folder" in err
+    assert "--top-k: expected --sample too" in _err(capsys, *gen, "--top-k", "5")
+    assert "--top-p: expected --sample too" in _err(capsys, *gen, "--top-p", "0.5")
+    assert "--system: expected --chat too" in _err(capsys, *gen, "--system", "Be brief.")
+    assert "--repetition-penalty 0.0: expected a value > 0" in _err(
+        capsys, *gen, "--repetition-penalty", "0"
+    )
+    long = ["generate", "--model", str(ckpt), "--prompt", "ab" * 200, "--quiet"]
+    err = _err(capsys, *long, "--max-new-tokens", "200")
+    assert "a prompt of 400 tokens + --max-new-tokens 200: expected at most" in err
+    err = _err(capsys, *gen, "--chat")
+    assert "--chat: expected a chat template in the tokenizer" in err
+    assert not (tmp_path / "stores").exists()  # (nothing was built)
+
+
+def test_generate_kwargs_are_transformers_own():
+    greedy, sample = DecodeConfig(max_new_tokens=4), DecodeConfig("sample", 4, temperature=0.7)
+    tok = object()
+    assert generate_kwargs(Decoding(), greedy, 1.0, tok) == {
+        "max_new_tokens": 4,
+        "do_sample": False,
+    }
+    kw = generate_kwargs(Decoding(top_k=5, repetition_penalty=1.3, stop=("\n",)), sample, 0.9, tok)
+    assert kw == {"max_new_tokens": 4, "do_sample": True, "temperature": 0.7, "top_p": 0.9,
+                  "top_k": 5, "repetition_penalty": 1.3, "stop_strings": ["\n"], "tokenizer": tok}  # fmt: skip
+
+
+def test_chat_template_and_system_prompt(ckpt, tmp_path):
+    """--chat feeds the template's rendering (the system turn first, then the user's, then the
+    generation prompt), as transformers' apply_chat_template writes it."""
+    chat = tmp_path / "chat"
+    shutil.copytree(ckpt, chat)
+    tok = char_tokenizer()
+    tok.chat_template = CHAT
+    tok.save_pretrained(chat)
+    out = io.StringIO()
+    text = Decoding(chat=True, system="Be brief.")
+    s = generate(_cfg(chat, tmp_path, prompt="Hi", text=text), out=out, err=io.StringIO())
+    assert out.getvalue().startswith("<system>Be brief.<user>Hi<assistant>")
+    assert s["decode_tokens"] == 5  # (6 new tokens: the first is prefill's)
+
+
+def test_stop_string_ends_the_continuation(tmp_path):
+    """A string the greedy continuation reaches ends it there (transformers' stop_strings, on
+    the bundled model's byte-level tokenizer), the stop string printed."""
+    model, prompt = "zoo:qwen3moe-tiny", "And God said"
+    decode = DecodeConfig(max_new_tokens=16)
+    plain = io.StringIO()
+    generate(_cfg(model, tmp_path, prompt=prompt, decode=decode), out=plain, err=io.StringIO())
+    said = plain.getvalue().removeprefix(prompt)[:-1]  # (generate ends each with a newline)
+    end = said.index("\n") + 1  # (the line break: a token of its own in byte-level BPE)
+    assert end < len(said) - 1
+    out = io.StringIO()
+    cfg = _cfg(model, tmp_path, prompt=prompt, decode=decode, text=Decoding(stop=("\n",)))
+    generate(cfg, out=out, err=io.StringIO())
+    assert out.getvalue().removeprefix(prompt)[:-1] == said[:end]
+
+
+def test_interactive_prompts_on_one_loaded_model_with_profile(ckpt, tmp_path):
+    """-i: each line of standard input continued in turn, blank lines skipped, on one model;
+    --profile's parts add up to decode's time, one row per MoE layer."""
+    out, err = io.StringIO(), io.StringIO()
+    cfg = _cfg(ckpt, tmp_path, text=Decoding(interactive=True), profile=True)
+    s = generate(cfg, out=out, err=err, stdin=io.StringIO("ab\n\ncd\n"))
+    lines = out.getvalue().splitlines()
+    assert [ln[:2] for ln in lines] == ["ab", "cd"]
+    assert s["decode_tokens"] == 2 * 5
+    prof = s["profile"].splitlines()
+    ms = [float(ln.split()[0]) for ln in prof[1:5]]
+    per_token = s["decode_tokens"] and 1e3 / s["decode_tok_s"]
+    assert sum(ms) == pytest.approx(per_token, rel=0.02)
+    layers = [ln for ln in prof if ln.strip().startswith("layer")]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tensorbend.models import describe_model, read_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(read_config(ckpt))
+    assert len(layers) == describe_model(meta).num_moe_layers
+    assert "per MoE layer" in err.getvalue()
+
+
+def test_store_build_list_orphan_and_prune(ckpt, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    root = tmp_path / "stores"
+    assert main(["store", "build", "--model", str(copy), "--store-dir", str(root), "--quiet"]) == 0
+    built = capsys.readouterr().out.split()[0]
+    assert os.path.isfile(built)
+    shutil.rmtree(copy)
+    assert main(["store", "list", "--store-dir", str(root), "--json"]) == 0
+    [s] = json.loads(capsys.readouterr().out)
+    assert s["orphan"] and s["store"] == built
+    assert main(["store", "prune", "--store-dir", str(root)]) == 0
+    assert "removed" in capsys.readouterr().out and not os.path.exists(built)
+
+
+def test_a_closed_stdout_ends_quietly(ckpt, tmp_path):
+    """`tensorbend generate ... | head -c 5`: no traceback, exit 141 (as SIGPIPE would)."""
+    cmd = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt), "--prompt",
+           "abcdefgh", "--max-new-tokens", "110", "--quiet", "--store-dir", str(tmp_path / "s")]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(5) == b"abcde"
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
