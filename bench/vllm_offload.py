@@ -221,6 +221,7 @@ def _child(args) -> int:
     decode_s = prefill_s = 0.0
     decode_tokens = 0
     tokens: dict[int, list[int]] = {}
+    said: dict[int, str] = {}
     before_decode, after = [], []
     for start in range(0, len(texts), args.concurrency):
         group = range(start, min(start + args.concurrency, len(texts)))
@@ -238,6 +239,7 @@ def _child(args) -> int:
             for o in outs:
                 if o.finished:
                     tokens[int(o.request_id)] = list(o.outputs[0].token_ids)
+                    said[int(o.request_id)] = o.outputs[0].text
         decode_s += time.perf_counter() - t1
         after.append(totals())
         decode_tokens += sum(len(tokens[i]) - 1 for i in group)
@@ -247,6 +249,7 @@ def _child(args) -> int:
         "decode_s": decode_s,
         "prefill_s": prefill_s,
         "tokens": [tokens[i] for i in range(len(texts))],
+        "text": [said[i] for i in range(len(texts))],
         "peak_rss_bytes": peak_rss_bytes(),
     }
     if after[0] is not None:

@@ -14,7 +14,6 @@ Runs where vLLM imports (`make test-vllm`); the settings' errors are checked eve
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -129,47 +128,19 @@ def test_openai_server_serves_offloaded_experts(tmp_path):
     """vLLM's OpenAI server (the module `vllm serve` runs) with TENSORBEND_MAX_MEMORY: its
     greedy completions, requested concurrently, equal resident vLLM's; the counters file
     carries the offload's misses and bytes."""
-    from openai import APIConnectionError, OpenAI
+    from vllm_child import PROMPTS
+    from vllm_server import openai_server
 
     from tensorbend.zoo import resolve_model
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from vllm_child import PROMPTS
-
     ref = _child(tmp_path, "resident", "zoo:qwen3moe-tiny", "float32", {})
-    port = _free_port()
-    env = {**os.environ, "TENSORBEND_MAX_MEMORY": "2MB", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "TENSORBEND_COUNTERS": str(tmp_path / "counters"), "TENSORBEND_FLUSH_S": "0.2",
-           "TENSORBEND_STORE_DIR": str(tmp_path / "stores"), "PYTHONPATH": str(ROOT)}  # fmt: skip
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-           str(resolve_model("zoo:qwen3moe-tiny")), "--dtype", "float32", "--port", str(port),
-           "--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching"]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        for _ in range(240):
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                model = client.models.list().data[0].id
-                break
-            except APIConnectionError:  # the server is still starting
-                time.sleep(0.5)
-        else:
-            pytest.fail("server not up in 120 s: " + (tmp_path / "serve.log").read_text()[-3000:])
+    env = {"TENSORBEND_MAX_MEMORY": "2MB", "TENSORBEND_COUNTERS": str(tmp_path / "counters"),
+           "TENSORBEND_FLUSH_S": "0.2", "TENSORBEND_STORE_DIR": str(tmp_path / "stores")}  # fmt: skip
+    with openai_server(tmp_path, resolve_model("zoo:qwen3moe-tiny"), env) as (client, model):
         r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=16, temperature=0)
         texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
         time.sleep(1.0)  # (the counters file is written every 0.2 s)
-    finally:
-        server.terminate()
-        server.wait(60)
     assert texts == ref["text"]
     [c] = [json.loads(p.read_text()) for p in (tmp_path / "counters").glob("*.json")]
     t = c["offload"]["totals"]
     assert t["misses"] > 0 and t["bytes_read"] > 0 and c["offload"]["cache_slots"] < 6 * 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,10 +7,6 @@ settings' errors are checked everywhere.
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -51,12 +47,6 @@ needs_plugin = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _diff(after: dict, before: dict, *keys) -> np.ndarray:
     a, b = after, before
     for k in keys:
@@ -69,7 +59,6 @@ def test_served_requests_fill_the_counters(tmp_path):
     """Known answers: every layer routes tokens x K, per-rank counts are the per-expert counts
     grouped by vLLM's linear placement, predicted counts sum like actual ones, and recall is
     what `tensorbend live` measures on the same prompts (one request at a time)."""
-    from openai import APIConnectionError, OpenAI
 
     from tensorbend.capture.hf import DecodeConfig, encode_prompt, load_tokenizer
     from tensorbend.capture.prompts import load_prompts
@@ -87,29 +76,13 @@ def test_served_requests_fill_the_counters(tmp_path):
                  "--json", str(tmp_path / "live.json")]) == 0  # fmt: skip
     live = json.loads((tmp_path / "live.json").read_text())
 
+    from vllm_server import openai_server
+
     path = resolve_model("zoo:qwen3moe-tiny")
-    port, counters = _free_port(), tmp_path / "counters"
-    env = {**os.environ, "TENSORBEND_COUNTERS": str(counters), "TENSORBEND_PREDICTOR": str(ckpt),
-           "TENSORBEND_EP": "2", "TENSORBEND_FLUSH_S": "0.2", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-           "--dtype", "float32", "--port", str(port), "--max-model-len", "512",
-           "--enforce-eager", "--no-enable-prefix-caching"]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        for _ in range(240):
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                model = client.models.list().data[0].id
-                break
-            except APIConnectionError:  # the server is still starting
-                time.sleep(0.5)
-        else:
-            pytest.fail(
-                "vLLM server not up in 120 s: " + (tmp_path / "serve.log").read_text()[-3000:]
-            )
+    counters = tmp_path / "counters"
+    env = {"TENSORBEND_COUNTERS": str(counters), "TENSORBEND_PREDICTOR": str(ckpt),
+           "TENSORBEND_EP": "2", "TENSORBEND_FLUSH_S": "0.2"}  # fmt: skip
+    with openai_server(tmp_path, path, env) as (client, model):
         before = read_counters(counters)[0]
         tok = load_tokenizer(path)
         dc = DecodeConfig("greedy", 8, 256)
@@ -123,9 +96,6 @@ def test_served_requests_fill_the_counters(tmp_path):
             if sum(after["forwards"].values()) - sum(before["forwards"].values()) >= 27:
                 break
             time.sleep(0.2)
-    finally:
-        server.terminate()
-        server.wait(60)
     assert after["predictor"] == str(ckpt) and after["lookahead"] == "d1"
     assert after["ep_degree"] == 2 and after["expert_placement"] == "linear"
     forwards = {ph: n - before["forwards"][ph] for ph, n in after["forwards"].items()}

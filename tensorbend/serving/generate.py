@@ -78,7 +78,6 @@ class GenerateConfig:
             )
         if not 0 < self.top_p <= 1:
             raise TensorbendError(f"--top-p {self.top_p}: expected a value in (0, 1]")
-        self.text.check(self.decode.decode == "sample", self.top_p)
         pred = self.serve.prediction
         if self.engine == "accelerate" and (pred.predictor or pred.baseline or pred.horizon):
             raise TensorbendError(
@@ -97,8 +96,9 @@ def generate(cfg: GenerateConfig, out=None, err=None, stdin=None) -> dict:
     from tensorbend.zoo import resolve_model
 
     out, err = out or sys.stdout, err or sys.stderr
-    tok = load_tokenizer(resolve_model(cfg.model))
     opts = cfg.text
+    opts.check(cfg.decode.decode == "sample", cfg.top_p)  # (the CLI sets decode after building)
+    tok = load_tokenizer(resolve_model(cfg.model))
     if cfg.prompt is not None:
         inputs = [encode(tok, cfg.prompt, opts, f"--prompt {cfg.prompt!r}")]
     elif cfg.prompts is not None:
