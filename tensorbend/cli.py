@@ -264,6 +264,22 @@ def _cmd_store_build(args) -> int:
     return 0
 
 
+def _cmd_store_verify(args) -> int:
+    from tensorbend.serving.offloaded import ServeConfig
+    from tensorbend.serving.verify import verify_store
+
+    cfg = ServeConfig(dtype=args.dtype, store_dtype=args.store_dtype, store_dir=args.store_dir)
+    bad = verify_store(args.model, cfg, progress=not args.quiet)
+    if not bad:
+        print(f"{args.model}: every stored expert equals the checkpoint's")
+        return 0
+    shown = ", ".join(f"layer {m} expert {e}" for m, e in bad[:5])
+    print(f"{args.model}: {len(bad)} stored experts differ from the checkpoint ({shown}"
+          f"{', ...' if len(bad) > 5 else ''}); `tensorbend store rm {args.model}`, then rebuild",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
 def _cmd_store_prune(args) -> int:
     from tensorbend.serving.stores import remove_orphans
 
@@ -343,6 +359,7 @@ def _verbs() -> dict:
         "store list": _cmd_store_list,
         "store rm": _cmd_store_rm,
         "store prune": _cmd_store_prune,
+        "store verify": _cmd_store_verify,
         "zoo list": _cmd_zoo_list,
         "zoo path": _cmd_zoo_path,
         "zoo card": _cmd_zoo_card,

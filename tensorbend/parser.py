@@ -69,6 +69,7 @@ EXAMPLES = {
     "store build": ["tensorbend store build --model DIR --dtype bfloat16"],
     "store list": ["tensorbend store list", "tensorbend store list --json"],
     "store prune": ["tensorbend store prune"],
+    "store verify": ["tensorbend store verify --model DIR --dtype bfloat16"],
     "store rm": ["tensorbend store rm my-moe-checkpoint", "tensorbend store rm --partial"],
     "zoo list": ["tensorbend zoo list"],
     "zoo path": ["tensorbend zoo path default"],
@@ -257,12 +258,9 @@ def _store_parser(sub, funcs) -> None:
         "store ",
     )
     root = "root of the stores (default: $TENSORBEND_STORE_DIR or ~/.cache/tensorbend/stores)"
-    sb = verb("build", "build a checkpoint's store without generating (reused if current)")
-    sb.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
-    sb.add_argument("--dtype", default="auto", help="precision the model is served in")
-    sb.add_argument("--store-dtype", choices=("auto", "int4"), default="auto",
-                    help="what the store keeps of each expert")  # fmt: skip
-    sb.add_argument("--store-dir", help=root)
+    _store_of(
+        verb("build", "build a checkpoint's store without generating (reused if current)"), root
+    )
     sl = verb("list", "each store's checkpoint, dtype, size and build time", quiet=False)
     sl.add_argument("--store-dir", help=root)
     sl.add_argument("--json", action="store_true", help="print JSON")
@@ -274,8 +272,18 @@ def _store_parser(sub, funcs) -> None:
         help="remove every interrupted build instead (none being built now)",
     )
     sr.add_argument("--store-dir", help=root)
+    _store_of(verb("verify", "compare every stored expert with the checkpoint's bytes"), root)
     sp = verb("prune", "remove the stores of checkpoints that are gone", quiet=False)
     sp.add_argument("--store-dir", help=root)
+
+
+def _store_of(v, root: str) -> None:
+    """The flags naming one checkpoint's store: the checkpoint, its precisions, the root."""
+    v.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
+    v.add_argument("--dtype", default="auto", help="precision the model is served in")
+    v.add_argument("--store-dtype", choices=("auto", "int4"), default="auto",
+                   help="what the store keeps of each expert")  # fmt: skip
+    v.add_argument("--store-dir", help=root)
 
 
 def _zoo_parser(sub, funcs) -> None:

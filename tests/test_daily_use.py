@@ -154,3 +154,30 @@ def test_a_closed_stdout_ends_quietly(ckpt, tmp_path):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_store_verify_finds_a_corrupted_expert(ckpt, tmp_path, capsys):
+    """A store byte flipped behind the record's back (size and times kept): `store verify`
+    names that expert and exits 1; an intact store verifies (exit 0)."""
+    root = tmp_path / "stores"
+    base = ["--model", str(ckpt), "--store-dir", str(root), "--quiet"]
+    assert main(["store", "build", *base]) == 0
+    store = capsys.readouterr().out.split()[0]
+    assert main(["store", "verify", *base]) == 0
+    assert "every stored expert equals" in capsys.readouterr().out
+    from tensorbend.offload.store import ExpertStore
+
+    s = ExpertStore.open(store)
+    start = s._data_start + s._offsets["layers.001.experts.0002"][0]
+    s.close()
+    st = os.stat(store)
+    with open(store, "r+b") as f:
+        f.seek(start + 8)
+        byte = f.read(1)
+        f.seek(start + 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(store, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert main(["store", "verify", *base]) == 1
+    assert (
+        "1 stored experts differ from the checkpoint (layer 1 expert 2)" in capsys.readouterr().err
+    )
