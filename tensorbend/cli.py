@@ -38,8 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PermissionError as e:
-        print(f"error: {e.filename}: permission denied (expected this user to have access); "
-              "check its permissions, or run as its owner", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {e.filename}: permission denied (expected this user to have access); "
+            "check its permissions, or run as its owner",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:  # (stdout closed by the reader: nothing more to say to it)
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -255,9 +258,14 @@ def _cmd_store_list(args) -> int:
 def _cmd_store_build(args) -> int:
     from tensorbend.serving.offloaded import load_offloaded
 
-    model = load_offloaded(args.model, policy="on_demand", store_dir=args.store_dir,
-                           dtype=args.dtype, store_dtype=args.store_dtype,
-                           progress=not args.quiet)  # fmt: skip
+    model = load_offloaded(
+        args.model,
+        policy="on_demand",
+        store_dir=args.store_dir,
+        dtype=args.dtype,
+        store_dtype=args.store_dtype,
+        progress=not args.quiet,
+    )
     path = model.tensorbend.store.path
     model.tensorbend.close()
     print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
@@ -274,9 +282,11 @@ def _cmd_store_verify(args) -> int:
         print(f"{args.model}: every stored expert equals the checkpoint's")
         return 0
     shown = ", ".join(f"layer {m} expert {e}" for m, e in bad[:5])
-    print(f"{args.model}: {len(bad)} stored experts differ from the checkpoint ({shown}"
-          f"{', ...' if len(bad) > 5 else ''}); `tensorbend store rm {args.model}`, then rebuild",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{args.model}: {len(bad)} stored experts differ from the checkpoint ({shown}"
+        f"{', ...' if len(bad) > 5 else ''}); `tensorbend store rm {args.model}`, then rebuild",
+        file=sys.stderr,
+    )
     return 1
 
 

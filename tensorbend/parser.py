@@ -281,8 +281,12 @@ def _store_of(v, root: str) -> None:
     """The flags naming one checkpoint's store: the checkpoint, its precisions, the root."""
     v.add_argument("--model", required=True, help="local HF checkpoint directory or zoo:NAME")
     v.add_argument("--dtype", default="auto", help="precision the model is served in")
-    v.add_argument("--store-dtype", choices=("auto", "int4"), default="auto",
-                   help="what the store keeps of each expert")  # fmt: skip
+    v.add_argument(
+        "--store-dtype",
+        choices=("auto", "int4"),
+        default="auto",
+        help="what the store keeps of each expert",
+    )
     v.add_argument("--store-dir", help=root)
 
 

@@ -78,8 +78,9 @@ def ensure_packed(
 
 def _build(plain, path, layout, packed, pack, ident, shape) -> None:
     L, E = shape
-    print(f"tensorbend: packing {L * E} experts for vLLM's kernel into {path} (once)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"tensorbend: packing {L * E} experts for vLLM's kernel into {path} (once)", file=sys.stderr
+    )
     src = ExpertStore.open(plain, StoreConfig("buffered"))
     raw = torch.empty(layout.numel, dtype=layout.dtype)
     header = store_header(L, E, packed, ident)

@@ -46,8 +46,10 @@ def verify_store(model: str, cfg, progress: bool = True) -> list[tuple[int, int]
     plan = ExpertPlan.of(ckpt, meta, spec, layout)
     st = ExpertStore.open(store, StoreConfig("buffered"))
     quantized = layout.block is not None
-    want = torch.empty(layout.stored_nbytes if quantized else layout.numel,
-                       dtype=torch.uint8 if quantized else dtype)  # fmt: skip
+    want = torch.empty(
+        layout.stored_nbytes if quantized else layout.numel,
+        dtype=torch.uint8 if quantized else dtype,
+    )
     got = torch.empty(st.expert_nbytes, dtype=torch.uint8)
     bad = []
     keys = [(m, e) for m in range(spec.num_moe_layers) for e in range(spec.num_experts)]
