@@ -153,27 +153,27 @@ class VllmOffload:
         """Build (or reuse) the store, allocate the slots, wrap every MoE layer; with a meter
         (engines/vllm_counters.ServeMeter), its Prefetcher's predictions become prefetches.
         fingerprint: the model's (`routers.model_fingerprint`), which the store records."""
-        from tensorbend.offload.expert_plan import ExpertPlan
-        from tensorbend.offload.shards import Checkpoint
-        from tensorbend.serving.model_build import build_without_experts
-        from tensorbend.serving.stores import ensure_store, store_path, store_tag
+        from tensorbend.serving.offloaded import ServeConfig, plan_store
+        from tensorbend.serving.stores import ensure_store
 
         layers = routed_layers(model)
-        path = Path(checkpoint)
         dtype = layers[0].w13_weight.dtype
-        meta, spec, layout = build_without_experts(path, dtype)
+        serve = ServeConfig(dtype=dtype, store_dir=settings.store_dir)
+        _, spec, layout, plan, store = plan_store(Path(checkpoint), serve)
         if len(layers) != spec.num_moe_layers:
             raise TensorbendError(
                 f"vLLM built {len(layers)} fused-MoE layers, the checkpoint has "
                 f"{spec.num_moe_layers}: this model is not supported"
             )
-        if [n for n, _ in layout.parts] != ["gate_up_proj", "down_proj"]:
+        if layout.block is not None or [n for n, _ in layout.parts] != [
+            "gate_up_proj",
+            "down_proj",
+        ]:
             raise TensorbendError(
-                f"offload in vLLM: expected experts of gate_up_proj and down_proj (SwiGLU, no "
-                f"biases), found {[n for n, _ in layout.parts]}"
+                f"offload in vLLM: expected unquantized experts of gate_up_proj and down_proj "
+                f"(SwiGLU, no biases), found {[n for n, _ in layout.parts]}"
+                + (f" stored as {layout.block}" if layout.block is not None else "")
             )
-        plan = ExpertPlan.of(Checkpoint.open(path), meta, spec, layout)
-        store = store_path(settings.store_dir, path, store_tag(None, dtype))
         ensure_store(plan, store, fingerprint, layout, progress=False)
         off = cls(layers, spec, layout, store, settings, fingerprint)
         model.tensorbend_offload = off  # (what `llm.apply_model` hands back carries it)

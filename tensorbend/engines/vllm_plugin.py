@@ -147,11 +147,12 @@ def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, in
     flat_mla_rope(model)  # vLLM 0.32 CPU's MLA rotary bug (vllm_engine's module note)
     routers = routers_only(Path(checkpoint))
     spec = describe_model(routers)
+    fingerprint = model_fingerprint(routers, spec)
     pred = None
     if settings.predictor is not None:
         from tensorbend.predictors.checkpoint import load_predictor
 
-        pred = load_predictor(settings.predictor, spec, model_fingerprint(routers, spec))
+        pred = load_predictor(settings.predictor, spec, fingerprint)
         if pred.lookahead is None:
             raise TensorbendError(
                 f"{PREFIX}PREDICTOR={settings.predictor}: expected a within-token predictor"
@@ -167,7 +168,7 @@ def attach(model, checkpoint: str, settings: PluginSettings, rank: tuple[int, in
     hooks = VllmRouterHooks(model, spec, on_route=meter.on_route, on_layer_input=on_input)
     hooks.__enter__()  # for the process's life
     if settings.max_memory is not None:
-        _offload(model, checkpoint, settings, meter, model_fingerprint(routers, spec), pred)
+        _offload(model, checkpoint, settings, meter, fingerprint, pred)
     if settings.counters is not None:
         path = settings.counters / f"counters-rank{rank[0]}.json"
         meter.write(path)

@@ -5,9 +5,8 @@ Usage (engines/vllm_offload.py):
     store.read_parts_into(m, e, [w13_C[slot].view(-1), w2_C[slot].view(-1)])
 
 vLLM's CPU experts compute from weights padded and prepacked for the kernel
-(`cpu_prepack_moe_weight`). Packing an 18 MB fp32 expert took 12-18 ms on this CPU, longer than
-reading it (bench/vllm_offload.py measured the per-load packing at 0.65x the transformers
-path's tok/s at the same bytes), so the experts are packed once: a second store beside the
+(`cpu_prepack_moe_weight`). Packing rewrites every byte of an expert on the CPU, the core
+decode needs, so the experts are packed once: a second store beside the
 plain one (`experts-<dtype>-vllm-<isa>-tp<rank>of<size>.safetensors`), each expert's packed
 w13 then w2, read by a miss straight into its slot of the two pools (`ExpertStore.
 read_parts_into`: two block-aligned reads with O_DIRECT, one preadv otherwise).

@@ -159,13 +159,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
 
     path = resolve_model(str(model))
     rss0 = rss_after_baseline_imports() if cfg.device == "cpu" else None
-    ckpt = Checkpoint.open(path)
-    dtype = resolve_dtype(cfg.dtype, path, ckpt)
-    lm, spec, layout = build_without_experts(path, dtype)
-    layout = replace(layout, block=store_format(cfg, ckpt.block))  # (see `store_format`)
-    if isinstance(layout.block, Int4):
-        layout.block.check_parts(layout.parts)
-    plan = ExpertPlan.of(ckpt, lm, spec, layout)
+    lm, spec, layout, plan, store = plan_store(path, cfg)
     load_non_experts(lm, plan)
     for m in range(spec.num_moe_layers):  # the meta parameters go: weights live in the store
         for name, _ in layout.parts:
@@ -178,7 +172,6 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     grown = None if rss0 is None else rss_bytes() - rss0  # (rss0 is None off Linux too)
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
-    store = store_path(cfg.store_dir, path, store_tag(layout.block, dtype))
     ensure_store(plan, store, fingerprint, layout, cfg.progress)
     opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
     lm.tensorbend = OffloadHandle(
@@ -198,6 +191,20 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
             mem["measured"] = grown  # the growth itself, before rounding up
     lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
     return lm
+
+
+def plan_store(path: Path, cfg: ServeConfig):
+    """(model built without its experts, spec, expert layout, ExpertPlan, store path) of the
+    checkpoint directory `path` as `cfg` serves it: its dtype and store dtype (`store_format`),
+    the store under `cfg.store_dir`. Nothing is read but headers and config; nothing is built."""
+    ckpt = Checkpoint.open(path)
+    dtype = resolve_dtype(cfg.dtype, path, ckpt)
+    lm, spec, layout = build_without_experts(path, dtype)
+    layout = replace(layout, block=store_format(cfg, ckpt.block))  # (see `store_format`)
+    if isinstance(layout.block, Int4):
+        layout.block.check_parts(layout.parts)
+    plan = ExpertPlan.of(ckpt, lm, spec, layout)
+    return lm, spec, layout, plan, store_path(cfg.store_dir, path, store_tag(layout.block, dtype))
 
 
 # ------------------------------------------------------------ helpers

@@ -22,7 +22,7 @@ Shapes: T tokens, K top-k, D hidden size, E experts, I expert intermediate size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,21 @@ class ZooSize:
             )
 
 
+_SMALL = ZooSize(  # (the bundled models, and zoo:dsv3-vllm with its MLA widths)
+    hidden_size=128,
+    moe_layers=6,
+    num_heads=4,
+    head_dim=32,
+    num_experts=32,
+    top_k=4,
+    moe_intermediate_size=64,
+    dense_intermediate_size=384,
+    vocab_size=8192,
+    seq_len=256,
+    batch_size=8,
+    lr=2e-3,
+)
+
 SIZES = {
     # for tests: trains in seconds, not a language model worth reading
     "tiny": ZooSize(
@@ -113,20 +128,7 @@ SIZES = {
         lr=3e-3,
     ),
     # the bundled models: ~6.5M parameters, ~26 MB in fp32, several million tokens in an hour on 2 cores
-    "small": ZooSize(
-        hidden_size=128,
-        moe_layers=6,
-        num_heads=4,
-        head_dim=32,
-        num_experts=32,
-        top_k=4,
-        moe_intermediate_size=64,
-        dense_intermediate_size=384,
-        vocab_size=8192,
-        seq_len=256,
-        batch_size=8,
-        lr=2e-3,
-    ),
+    "small": _SMALL,
     # the realistic-routing benchmark model: DeepSeek-V2-Lite's routing shape (64 experts, top-6)
     # over twice the MoE depth of `small`, narrow experts so it stays ~45 MB and trains on 2 cores
     "deep": ZooSize(
@@ -145,24 +147,8 @@ SIZES = {
     ),
     # zoo:dsv3-vllm: `small` with DeepSeek-V3's MLA widths (kv_lora_rank 512 + rope 64 = 576,
     # what vLLM's CPU MLA kernel supports), query compression, and group-limited routing
-    "vllm": ZooSize(
-        hidden_size=128,
-        moe_layers=6,
-        num_heads=4,
-        head_dim=32,
-        num_experts=32,
-        top_k=4,
-        moe_intermediate_size=64,
-        dense_intermediate_size=384,
-        vocab_size=8192,
-        seq_len=256,
-        batch_size=8,
-        lr=2e-3,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        q_lora_rank=64,
-        n_group=4,
-        topk_group=2,
+    "vllm": replace(
+        _SMALL, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=64, n_group=4, topk_group=2
     ),
     # for a GPU or a long CPU run
     "medium": ZooSize(
