@@ -253,7 +253,7 @@ bench-headline-domain: bench-accuracy
 # The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
 # ours on zoo:default x184 (~35 min), then every peer and llama.cpp beside ours on
 # qwen3moe-tiny x184, the checkpoint llama.cpp loads (needs `make llama-cpp`; ~43 min).
-SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$'
+SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$|^recency\(evict only\)$$|^recency\+d1:spec_gate/adm=predicted/extra=-2$$'
 bench-serve: bench-traces
 	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
 		--max-new-tokens 32 --accelerate --accelerate-tokens 4 --predictor $(BENCH)/default/ours_d1.safetensors \

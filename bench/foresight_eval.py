@@ -9,7 +9,8 @@ Trains (when missing, seed 0) the horizon predictor with routing + hidden-state 
 routing-only configuration on the trace's train split (val: early stopping), then scores both
 on the test split with `foresight.evaluate_foresight` at each `--fracs` cache fraction:
 next-forward recall, within-h recall, and the demand-only replay (experts read per decode
-token) of every no-prediction cache, of the forecast-driven `horizon(evict only)` policy and
+token) of every no-prediction cache, of the forecast-driven `horizon(evict only)` policy (and
+the same driven by the training-free peer `recency`, the request's decayed routing) and
 of the oracle knowing h = 1, 2, 4, 8 forwards or the whole future (Belady within its sight,
 the best no-prediction cache's rule, pool and admission beyond it). Writes JSON and a markdown doc whose
 numbers all come from that JSON (tests/test_docs_results.py checks the tables).
@@ -29,6 +30,7 @@ from tensorbend.atomic import atomic_write_text
 from tensorbend.capture.trace import Trace
 from tensorbend.predictors.checkpoint import load_predictor
 from tensorbend.predictors.foresight import evaluate_foresight
+from tensorbend.predictors.recency import NAME, RecencyForecaster
 from tensorbend.predictors.train import TrainConfig, train
 
 INPUTS = ("routing+hidden", "routing")
@@ -53,6 +55,13 @@ def main(argv=None) -> int:
             rep = evaluate_foresight(pred, rows, cache_frac=frac)
             out["runs"].append({"checkpoint": str(ckpt), **rep})
             print(f"{inputs} {frac}: gap closed {rep['gap_closed']}", file=sys.stderr)
+    if not a.no_peer:  # the training-free cross-token peer, scored the same way
+        peer = RecencyForecaster(tr.spec)
+        rows = tr.load(("ids",), split="test")
+        for frac in (float(f) for f in a.fracs.split(",")):
+            rep = evaluate_foresight(peer, rows, cache_frac=frac)
+            out["runs"].append({"checkpoint": NAME, **rep})
+            print(f"{NAME} {frac}: gap closed {rep['gap_closed']}", file=sys.stderr)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if a.doc:
         atomic_write_text(Path(a.doc), markdown(out))
@@ -66,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fracs", default="0.125,0.25,0.5")
     p.add_argument("--inputs", default=",".join(INPUTS),
                    help="horizon input configurations to train (when missing) and score")  # fmt: skip
+    p.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="without the training-free cross-token peer (recency)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None)
     return p

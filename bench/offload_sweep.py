@@ -13,7 +13,10 @@ alone) and with each predictor; with `--horizon` (a cross-token checkpoint): its
 driving eviction with no prefetch at all (eviction alone), plus next-forward prefetches
 (admission all, and predicted), and with our within-token predictor (the first --predictor)
 on top, with and without those next-forward prefetches (the ablation row
-`horizon(evict only)+d1:...`); the oracle at every foresight h (tokens of exact routing it knows; `all` = the
+`horizon(evict only)+d1:...`); the training-free cross-token peer (`recency`: the request's
+decayed routing as the forecast) the same way: eviction alone, with its next-forward
+prefetches at predicted admission, and under each peer predictor's prefetches
+(`recency+d1:spec_gate/adm=predicted`; `--no-peer-horizon` drops them); the oracle at every foresight h (tokens of exact routing it knows; `all` = the
 whole run), run after the caches: past its sight it ranks like the no-prediction cache with
 the fewest bytes at that size (`--oracle-beyond best`), with ours' predicted admission. With
 `--horizon`, every other predictor (the peers: later --predictor checkpoints such as the seed's
@@ -57,6 +60,7 @@ from tensorbend.offload.runner import build_predictor
 from tensorbend.offload.session import OffloadSession, SessionConfig
 from tensorbend.predictors.base import get_lookahead
 from tensorbend.predictors.checkpoint import check_held_out
+from tensorbend.predictors.recency import RecencyForecaster
 from tensorbend.predictors.spec import NEEDS_TRACE
 
 
@@ -84,6 +88,7 @@ def main(argv=None) -> int:
     horizon = (
         build_predictor(model, Path(a.horizon), None, a.lookahead, None) if a.horizon else None
     )
+    peer = None if a.no_peer_horizon or not a.horizon else RecencyForecaster(describe_model(model))
     t0 = time.perf_counter()
     dc = DecodeConfig(decode=a.decode, max_new_tokens=a.max_new_tokens)
     cfg = SessionConfig(dc, io=a.io, io_threads=a.io_threads, batch=a.batch)
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
                 print(f"repeat {rep}, link: {link.to_dict()}", file=sys.stderr)
                 done = []
                 for frac in _floats(a.fracs):
-                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon)
+                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon, peer)
                     for pc, p, hz in plan:
                         if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
                             at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
@@ -130,8 +135,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[tuple]:
-    """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None)."""
+def _plan(a, frac: float, predictors: list, num_experts: int, horizon, peer=None) -> list[tuple]:
+    """Every run at one cache fraction: (PolicyConfig, predictor or None, horizon or None);
+    peer: the training-free cross-token forecast (`recency`), run as ours' horizon is."""
     common = dict(
         cache_frac=frac,
         lookahead=a.lookahead,
@@ -159,6 +165,13 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon) -> list[t
             # the ablation: the same without the horizon's next-forward prefetches
             pc = PolicyConfig("prefetch", admission="predicted", token_ahead_layers=0, **common)
             plan.append((pc, ours, horizon))
+    if peer is not None:  # the peer across tokens, alone and under each peer's prefetches
+        plan += [
+            (PolicyConfig("prefetch", token_ahead_layers=0, **common), none, peer),
+            (PolicyConfig("prefetch", admission="predicted", **common), none, peer),
+        ]
+        pc = PolicyConfig("prefetch", admission="predicted", **common)
+        plan += [(pc, p, peer) for p in predictors[1:]]
     for h in _names(a.foresights):  # the oracle after the caches: beyond its sight it ranks
         foresight = None if h == "all" else int(h)  # like the best of them (--oracle-beyond)
         for adm in ("all", "predicted") if foresight is None else ("predicted",):
@@ -344,6 +357,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="trace of this model (train split fits tables)")
     p.add_argument("--predictor", action="append", default=[], help="checkpoint (repeatable)")
     p.add_argument("--horizon", default=None, help="cross-token (horizon) checkpoint")
+    p.add_argument(
+        "--no-peer-horizon",
+        action="store_true",
+        help="without the training-free cross-token peer's rows (recency)",
+    )
     p.add_argument("--allow-seen-split", action="store_true",
                    help="run checkpoints on prompts they were trained or early-stopped on")  # fmt: skip
     p.add_argument("--baselines", default="prev_token,spec_gate,transition,frequency,random")

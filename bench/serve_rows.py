@@ -82,6 +82,11 @@ def policies(predictor: Path | None, horizon: Path | None, seed_mlp: Path | None
             rows["ours: horizon(evict only)+d1/adm=predicted"] = evict + d1
             rows["ours: horizon(evict only)+d1/per_layer/adm=predicted"] = evict + [
                 "--pool", "per_layer", *d1]  # fmt: skip
+    if horizon:  # the training-free cross-token peer, run as ours' forecast is
+        evict = ["--policy", "prefetch", "--horizon", "recency", "--token-ahead-layers", "0", *ALL]
+        rows["recency(evict only)"] = evict
+        rows["recency+d1:spec_gate/adm=predicted"] = PREFETCH + [
+            "--horizon", "recency", *peers["spec_gate"]]  # fmt: skip
     if horizon or predictor:
         ours = list(PREFETCH)
         ours += ["--horizon", str(horizon)] if horizon else []

@@ -8,7 +8,8 @@ popularity (frequency) cannot do better than about K/E.
 `cycle_trace`: every request starts at the same point of a cycle of two expert sets per layer
 (A, B, A, B, ... across tokens: 1 prefill token, then decode) and has an even length, so the
 whole run's routing is a function of the present one: a cross-token predictor can place every
-next use exactly, and Belady is reached.
+next use exactly, and Belady is reached. With `sticky`, a request keeps one set at every token:
+its present routing is its next.
 
 `router_trace`: each layer routes like a real linear router, top-K of W_m @ gate_input[m], and
 the trace's router weights are those W_m (spec_gate at same_layer is exact). Only the hidden
@@ -59,16 +60,17 @@ def _phase(tokens: int, decode: int) -> torch.Tensor:
     return torch.cat([torch.zeros(tokens), torch.ones(decode)]).to(torch.int8)
 
 
-def cycle_trace(root, *, L=2, K=2, prompts=40, decode=11, D=8):
+def cycle_trace(root, *, L=2, K=2, prompts=40, decode=11, D=8, sticky=False):
     """E = 2K experts per layer: set A = experts 0..K-1, set B = K..2K-1; token t uses A at
-    even t, B at odd t (t counts from 0 at the prompt's single prefill token)."""
+    even t, B at odd t (t counts from 0 at the prompt's single prefill token). sticky: request
+    i uses one set at every token instead (A for even i, B for odd)."""
     E, T = 2 * K, 1 + decode
     assert T % 2 == 0, "an even request length keeps the cycle going across requests"
     spec = _spec(L, E, K, D)
-    w = _writer(root, spec, {}, "planted-cycle")
+    w = _writer(root, spec, {}, "planted-sticky" if sticky else "planted-cycle")
     sets_K = [torch.arange(K), torch.arange(K, 2 * K)]
     for i in range(prompts):
-        ids_TK = torch.stack([sets_K[t % 2] for t in range(T)])
+        ids_TK = torch.stack([sets_K[i % 2 if sticky else t % 2] for t in range(T)])
         rows = {
             "expert_ids_TLK": ids_TK[:, None, :].expand(T, L, K).to(torch.int16).contiguous(),
             "gate_input_TLD": torch.zeros(T, L, D).half(),

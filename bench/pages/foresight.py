@@ -6,6 +6,7 @@ Usage:
 
 from __future__ import annotations
 
+PEER = "recency"  # the training-free cross-token peer's runs (checkpoint: its name)
 SHOWN = ("1", "2", "4", "8", "all")  # oracle_ceiling: the oracle knowing h forwards
 
 
@@ -31,11 +32,11 @@ def markdown(out: dict) -> str:
         if r["cache_frac"] != first["cache_frac"]:
             continue
         lines.append(
-            f"| {r['inputs']} | {mean(r['next_forward_recall']):.3f} | "
+            f"| {_who(r)} | {mean(r['next_forward_recall']):.3f} | "
             f"{mean(r['within_h_recall']):.3f} | {_pct(r['good_decisions'])} "
             f"({_pct(r['good_decisions_best_no_prediction'])}) |"
         )
-    lines += ["", "| cache | inputs | best no-prediction cache | ours (horizon) | "
+    lines += ["", "| cache | inputs | best no-prediction cache | its forecast's eviction | "
               + " | ".join(f"oracle h={h}" for h in SHOWN) + " | gap closed |",
               "|" + "---|" * (5 + len(SHOWN))]  # fmt: skip
     for r in runs:
@@ -43,7 +44,7 @@ def markdown(out: dict) -> str:
         best = rp[r["best_no_prediction"]]["experts_per_token"]
         cells = [f"{rp[r['oracle_ceiling'][h]]['experts_per_token']:.2f}" for h in SHOWN]
         lines.append(
-            f"| {r['cache_frac']} | {r['inputs']} | {r['best_no_prediction']}: {best:.2f} | "
+            f"| {r['cache_frac']} | {_who(r)} | {r['best_no_prediction']}: {best:.2f} | "
             f"{rp[r['best_reuse']]['experts_per_token']:.2f} | "
             + " | ".join(cells)
             + f" | {_pct(r['gap_closed'])} |"
@@ -60,7 +61,19 @@ def markdown(out: dict) -> str:
         "decisions: evictions whose victim is next used no sooner than Belady's choice among "
         "the same candidates. Every replay's experts per token, by label: the JSON's `replay`.",
     ]
+    if any(r.get("checkpoint") == PEER for r in runs):
+        lines += [
+            "",
+            f"`{PEER}` (peer, no training): the training-free cross-token forecast, each "
+            "request's own routing decayed by 0.7 per forward as P(use) at every next forward "
+            "(predictors/recency.py), driving the same eviction and admission as ours' horizon.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _who(r: dict) -> str:
+    """A run's name: ours' horizon by its inputs, or the training-free peer."""
+    return f"{PEER} (peer, no training)" if r.get("checkpoint") == PEER else r["inputs"]
 
 
 def _pct(x) -> str:

@@ -32,6 +32,7 @@ ran, from the row's own fields, never from a field of an empty predictor:
   horizon, horizon(evict only)             the cross-token forecast (with / without prefetches
                                            of the next forward's first layers)
   horizon+d1:tensorbend                    both
+  recency, recency+d1:spec_gate            the training-free cross-token peer (a peer's row)
   oracle@h=2, oracle@h=2/beyond=lfru       the bounded-foresight oracle (its rule past its sight)
   ... [0 prefetches loaded]                a predictor ran and none of its prefetches loaded
 The comparison, per cache fraction: the best no-prediction cache (every bounded policy that
@@ -49,6 +50,8 @@ import statistics
 
 from tensorbend.cache.config import POLICIES
 from tensorbend.host_load import warning
+
+PEER_HORIZON = "recency"  # the training-free cross-token peer's row (predictors/recency.py)
 
 ROW_KEYS = (
     "policy",
@@ -99,7 +102,8 @@ def run_label(row: dict) -> str:
     elif spec.uses_prediction:
         parts = []
         if row.get("horizon"):
-            parts.append("horizon" if row.get("token_ahead_layers", 1) else "horizon(evict only)")
+            name = PEER_HORIZON if row["horizon"] == PEER_HORIZON else "horizon"
+            parts.append(name if row.get("token_ahead_layers", 1) else f"{name}(evict only)")
         if _within(row):
             la = row.get("lookahead")
             parts.append(f"{la}:{row['predictor']}" if la else row["predictor"])
@@ -130,8 +134,10 @@ def best_no_prediction(rows: list[dict], metric: str = "decode_tok_s") -> dict |
 
 
 def is_ours(row: dict) -> bool:
-    """A row of ours: our within-token predictor (kind tensorbend) or our horizon."""
-    return row.get("predictor") == "tensorbend" or bool(row.get("horizon"))
+    """A row of ours: our within-token predictor (kind tensorbend) or our horizon (not the
+    training-free `recency` forecast, a peer)."""
+    ours_horizon = bool(row.get("horizon")) and row["horizon"] != PEER_HORIZON
+    return row.get("predictor") == "tensorbend" or ours_horizon
 
 
 def best_peer(rows: list[dict]) -> dict | None:

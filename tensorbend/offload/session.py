@@ -215,7 +215,7 @@ class OffloadSession:
         if horizon is not None:
             result = dataclasses.replace(
                 result,
-                horizon=horizon.checkpoint or "horizon",
+                horizon=horizon.checkpoint or horizon.kind,
                 token_ahead_layers=pc.token_ahead_layers,
             )
         return self._declare(result, link, predictor if pc.policy == "prefetch" else None, horizon)

@@ -25,6 +25,8 @@ from tensorbend.atomic import atomic_save_tensors
 from tensorbend.errors import CheckpointError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import LOOKAHEADS
+from tensorbend.predictors.recency import NAME as PEER_HORIZON
+from tensorbend.predictors.recency import RecencyForecaster
 from tensorbend.predictors.registry import KINDS
 
 FORMAT_VERSION = 1
@@ -88,7 +90,11 @@ def read_metadata(path: str | Path) -> dict:
 def load_predictor(
     path: str | Path, spec: RoutingSpec | None = None, fingerprint: str | None = None
 ):
-    """Load a predictor; with spec/fingerprint given, refuse one trained for another model."""
+    """Load a predictor; with spec/fingerprint given, refuse one trained for another model.
+    `recency` (no file: nothing is trained) is the training-free cross-token peer for `spec`."""
+    if is_peer_name(path):
+        assert spec is not None, "the peer is built for a model: pass its spec"
+        return RecencyForecaster(spec)
     path = Path(path)
     meta = read_metadata(path)
     saved_spec = RoutingSpec.from_dict(meta["routing"])
@@ -123,6 +129,8 @@ def check_held_out(
     checkpoint's metadata lists the prompts it saw (`seen_prompts`); an older one without that
     list may have seen any non-test prompt of its model (`fingerprint` None: unknown yet, so
     assumed the same). Callers skip this when the user passes `--allow-seen-split`."""
+    if is_peer_name(path):  # trained on nothing
+        return
     meta = read_metadata(path)
     ids = set(prompt_ids)
     if "seen_prompts" in meta:
@@ -162,3 +170,8 @@ def _check_fields(path: Path, meta: dict) -> None:
         raise CheckpointError(
             f"predictor {path}: metadata routing is not a routing spec ({e}); retrain it"
         ) from e
+
+
+def is_peer_name(path) -> bool:
+    """`path` names the training-free cross-token peer (`--horizon recency`), not a file."""
+    return path is not None and str(path) == PEER_HORIZON

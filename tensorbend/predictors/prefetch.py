@@ -66,6 +66,7 @@ from tensorbend.errors import PredictorInputError
 from tensorbend.models import RoutingSpec
 from tensorbend.predictors.base import Lookahead, SourceBatch
 from tensorbend.predictors.horizon_fast import FastHorizon
+from tensorbend.predictors.recency import RecencyForecaster
 from tensorbend.predictors.registry import check_roles
 from tensorbend.predictors.spec import prefetch_width
 
@@ -167,7 +168,7 @@ class Prefetcher:
         prefetch_width(spec.top_k, extra)
         self.spec, self.predictor, self.extra = spec, predictor, extra
         self.token_ahead_layers = token_ahead_layers
-        self.horizon = None if horizon is None else FastHorizon(horizon)
+        self.horizon = None if horizon is None else _fast(horizon)
         self.la: Lookahead | None = None if predictor is None else predictor.lookahead
         # a predictor of only -inf scores names nothing: not asked (its lookahead still labels)
         self._asks = predictor is not None and not predictor.predicts_nothing
@@ -392,3 +393,8 @@ def prefetch_list(ids_NJ: torch.Tensor, top_k: int, extra: int) -> list[int]:
 def likeliest(probs_E, k: int) -> list[int]:
     """The `k` experts of highest probability (a horizon's next-forward guess), ties by id."""
     return np.argsort(-np.asarray(probs_E), kind="stable")[:k].tolist()
+
+
+def _fast(horizon):
+    """A cross-token forecaster's numpy twin for the per-forward work: ours' or the peer's."""
+    return horizon.fast() if isinstance(horizon, RecencyForecaster) else FastHorizon(horizon)

@@ -42,6 +42,7 @@ from tensorbend.predictors.baselines import (
     TransitionPredictor,
 )
 from tensorbend.predictors.horizon import HorizonConfig, HorizonPredictor
+from tensorbend.predictors.recency import RecencyForecaster
 from tensorbend.predictors.residual_gate import ResidualGateConfig, ResidualGatePredictor
 from tensorbend.predictors.seed_mlp import SeedMLPConfig, SeedMLPPredictor
 
@@ -82,6 +83,18 @@ _ROWS = (
         needs_train_data=True,
         help="ours across tokens: P(expert used within the next h forwards), for eviction",
         cross_token=True,
+    ),
+    PredictorKind(
+        name="recency",
+        cls=RecencyForecaster,
+        config_cls=None,
+        trainable=False,
+        baseline=False,
+        needs_train_data=False,
+        help="the peer across tokens: the request's decayed routing as the next forwards' (no "
+        "training; `--horizon recency`)",
+        cross_token=True,
+        needs_hidden=False,
     ),
     PredictorKind(
         name="seed_mlp",

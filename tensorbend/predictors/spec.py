@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorbend.errors import TensorbendError
-from tensorbend.predictors.checkpoint import read_metadata
+from tensorbend.predictors.checkpoint import is_peer_name, read_metadata
+from tensorbend.predictors.recency import NAME as PEER_HORIZON
 from tensorbend.predictors.registry import BASELINES, KINDS, check_roles
 
 PEERS = tuple(b for b in BASELINES if not KINDS[b].cls.needs_truth)  # oracle: --policy oracle
@@ -43,8 +44,9 @@ class PredictorSpec:
     spec_gate (the next layer's router on the current router input; no training), random, or
     a table peer fit on a trace (`run` only, with --trace)."""
     horizon: Path | None = None
-    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`): its forecasts
-    drive eviction (Reuse) and next-forward prefetches (with --policy prefetch)."""
+    """Cross-token predictor checkpoint (`tensorbend train --predictor horizon`), or `recency`
+    (the training-free peer: the request's decayed routing): its forecasts drive eviction
+    (Reuse) and next-forward prefetches (with --policy prefetch)."""
     prefetch_extra: int = 0
     """Batch-1 decode prefetches the top-(K + extra) predicted experts (negative: fewer than
     the K routed, down to 1 - K: only the likeliest one)."""
@@ -55,6 +57,8 @@ class PredictorSpec:
         if self.baseline is not None and self.baseline not in PEERS:
             raise TensorbendError(f"--baseline {self.baseline}: expected one of {', '.join(PEERS)}")
         for flag, path in (("--predictor", self.predictor), ("--horizon", self.horizon)):
+            if flag == "--horizon" and is_peer_name(path):
+                continue
             if path is not None and not Path(path).is_file():
                 how = " --predictor horizon" if flag == "--horizon" else ""
                 raise TensorbendError(
@@ -62,7 +66,8 @@ class PredictorSpec:
                     f"`tensorbend train{how}`"
                 )
         kinds = [
-            None if p is None else read_metadata(p)["kind"] for p in (self.predictor, self.horizon)
+            None if p is None else PEER_HORIZON if is_peer_name(p) else read_metadata(p)["kind"]
+            for p in (self.predictor, self.horizon)
         ]
         check_roles(*kinds, ("--predictor", "--horizon"))
 
