@@ -190,7 +190,7 @@ bench-headline: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default/trace \
 		--predictor $(BENCH)/default/ours_d1.safetensors \
 		--horizon $(BENCH)/default/horizon_routing_hidden.safetensors $(call peers,default) \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 48 --batch 4 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 --max-new-tokens 48 --batch 4 \
 		--link-speedups 1 --out docs/results/bench/headline_default_b4 \
 		--doc docs/results/headline_default_b4.md > /dev/null
 
@@ -206,7 +206,7 @@ bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
 		--horizon $(BENCH)/deep/horizon_routing_hidden.safetensors $(call peers,deep) \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 --max-new-tokens 24 \
 		--batch 4 --link-speedups 1 --out docs/results/bench/headline_deep_b4 \
 		--doc docs/results/headline_deep_b4.md > /dev/null
 
@@ -229,7 +229,7 @@ bench-headline-deep-domain: bench-accuracy
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep_domain/trace \
 		--predictor $(BENCH)/deep_domain/ours_d1.safetensors \
 		--horizon $(BENCH)/deep_domain/horizon_routing_hidden.safetensors $(call peers,deep_domain) \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 4 --max-new-tokens 24 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 4 --max-new-tokens 24 \
 		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
 		--out docs/results/bench/headline_deep_domain --doc docs/results/headline_deep_domain.md > /dev/null
 
@@ -245,7 +245,7 @@ bench-headline-domain: bench-accuracy
 	$(PY) -m bench.offload_sweep --model zoo:default --trace $(BENCH)/default_domain/trace \
 		--predictor $(BENCH)/default_domain/ours_d1.safetensors \
 		--horizon $(BENCH)/default_domain/horizon_routing_hidden.safetensors $(call peers,default_domain) \
-		--fracs 0.25 --foresights all --repeats 3 --max-prompts 6 --max-new-tokens 48 \
+		--fracs 0.25 --foresights all --repeats 5 --max-prompts 6 --max-new-tokens 48 \
 		--link-speedups 1 --split all --topics $(DOMAIN_TOPICS) \
 		--out docs/results/bench/headline_default_domain --doc docs/results/headline_default_domain.md > /dev/null
 

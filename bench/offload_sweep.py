@@ -105,7 +105,11 @@ def main(argv=None) -> int:
                 print(f"repeat {rep}, link: {link.to_dict()}", file=sys.stderr)
                 done = []
                 for frac in _floats(a.fracs):
-                    plan = _plan(a, frac, predictors, sess.spec.num_experts, horizon, peer)
+                    plan = _rotated(
+                        _plan(a, frac, predictors, sess.spec.num_experts, horizon, peer),
+                        rep,
+                        a.repeats,
+                    )
                     for pc, p, hz in plan:
                         if POLICIES[pc.policy].recorded_routing and a.oracle_beyond == "best":
                             at = [r for r in done if abs(r["cache_frac"] - frac) < 0.01]
@@ -182,6 +186,19 @@ def _plan(a, frac: float, predictors: list, num_experts: int, horizon, peer=None
 
 # ---------------------------------------------------------------- helpers
 
+ORDER = (
+    "rotated: repeat r of R starts at row r*n/R of the n runs that are not oracles; the "
+    "oracles run last (they rank beyond their sight by the best cache of the same repeat)"
+)
+
+
+def _rotated(plan: list[tuple], rep: int, repeats: int) -> list[tuple]:
+    """The plan in repeat `rep`'s order (ORDER), so no run always follows the same one."""
+    head = [x for x in plan if not POLICIES[x[0].policy].recorded_routing]
+    tail = [x for x in plan if POLICIES[x[0].policy].recorded_routing]
+    k = rep * len(head) // max(repeats, 1)
+    return head[k:] + head[:k] + tail
+
 
 def _tag(r: dict, speedup: float) -> dict:
     return {**r, "label": run_label(r), "link_speedup": speedup}
@@ -223,6 +240,7 @@ def _report(a, model, sess, prompts, links, seconds: float) -> dict:
         "topics": _names(a.topics) if a.topics else None,
         "max_new_tokens": a.max_new_tokens,
         "repeats": a.repeats,
+        "order": ORDER,
         "decode": a.decode,
         "batch": a.batch,
         "lookahead": a.lookahead,

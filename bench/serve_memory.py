@@ -221,6 +221,7 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None 
             "decode_tok_s": statistics.median(tok_s),
             "decode_tok_s_range": [min(tok_s), max(tok_s)],
             "decode_tok_s_repeats": tok_s,
+            "host_other_cores_repeats": [(r.get("host_load") or {}).get("other_cores") for r in rs],
             "engine": rs[0].get("engine", "tensorbend"),
             "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in rs),
             "disk_read_bytes_per_token": _median(rs, "disk_read_bytes_per_token"),

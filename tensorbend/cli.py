@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.showwarning = _warning_line(warnings.showwarning)
             return args.func(args) or 0
     except (TensorbendError, UsageError) as e:
+        _close_bars()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except PermissionError as e:
@@ -51,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"error: interrupted{_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _close_bars() -> None:
+    """End any progress bar still open (an error raised inside its loop), so the error line
+    starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")  # (never imported here: only a bar that ran is open)
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def _kept(args) -> str:
@@ -169,6 +178,8 @@ def _cmd_run(args) -> int:
 def _cmd_generate(args) -> int:
     from tensorbend.serving.generate import GenerateConfig, generate
 
+    if args.max_new_tokens < 1:  # (before DecodeConfig, whose floor is collect's 0)
+        raise TensorbendError(f"--max-new-tokens {args.max_new_tokens}: expected a count >= 1")
     cfg = config_from_args(GenerateConfig, args)
     decode = replace(cfg.decode, decode="sample") if args.sample else cfg.decode
     cfg = replace(cfg, decode=decode, serve=replace(cfg.serve, progress=not args.quiet))

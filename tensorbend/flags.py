@@ -51,13 +51,15 @@ def add_config_flags(
     positional: tuple[str, ...] = (),
     defaults=None,
     title: str | None = None,
+    narrow: dict[str, tuple] | None = None,
     _root: argparse.ArgumentParser | None = None,
 ) -> None:
     """Add one flag per field of dataclass `cls` (nested config dataclasses flattened);
     `defaults`: an instance of `cls` whose values are the defaults (else the fields').
     title: the help's option group for `cls`'s own fields; a nested config whose field has
     `metadata={"group": TITLE}` gets a group of its own (else it joins its parent's), and so
-    does a plain field with that metadata."""
+    does a plain field with that metadata. narrow: field name -> the choices this command
+    accepts of a field that has more (e.g. the policies `generate` serves)."""
     root = _root or parser
     if title and isinstance(root, argparse.ArgumentParser):
         parser = option_group(root, title)
@@ -76,6 +78,7 @@ def add_config_flags(
                 skip=inner,
                 defaults=default,
                 title=f.metadata.get("group"),
+                narrow=narrow,
                 _root=root,
             )
             continue
@@ -100,7 +103,7 @@ def add_config_flags(
                 kw["action"] = "store_true"
             target.add_argument(*names, default=bool(default), **kw)
             continue
-        choices = _choices(f, base)
+        choices = (narrow or {}).get(f.name) or _choices(f, base)
         kw["type"] = _converter(type(choices[0]) if choices else base)
         if choices:
             kw["choices"] = list(choices)

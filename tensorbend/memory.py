@@ -81,11 +81,21 @@ def parse_bytes(text: str | int | float, flag: str = "--max-memory") -> int:
         )
     if not unit:
         n = num.strip()
+        how = f"write {n}GB, {n}MiB, or {n}B for bytes"
+        if value >= 1e4 or not n.replace(".", "").isdigit():  # 1e9, 100000: bytes, surely
+            how = f"write {int(value)}B for {int(value):,} bytes ({_decimal(value)})"
         raise TensorbendError(
-            f"{flag} {text!r}: expected a size with a unit, found a bare number; "
-            f"write {n}GB, {n}MiB, or {n}B for bytes"
+            f"{flag} {text!r}: expected a size with a unit, found a bare number; {how}"
         )
     return int(value)
+
+
+def _decimal(n: float) -> str:
+    """A byte count in the largest decimal unit it reaches: 1e9 -> '1GB'."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}B"
 
 
 def physical_bytes(device: str) -> int | None:

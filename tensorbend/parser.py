@@ -95,6 +95,31 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(_joined_sizes(args), namespace)
+
+
+SIZE_FLAGS = ("--max-memory", "--reserve", "--cache-bytes")
+"""Flags whose value may start with '-' (a negative size, which their own check refuses in
+words; argparse would take '-1GB' for a flag and say only 'expected one argument')."""
+
+
+def _joined_sizes(args):
+    """`--max-memory -1GB` as `--max-memory=-1GB`."""
+    if args is None:
+        return None
+    args, out, i = list(args), [], 0
+    while i < len(args):
+        a = args[i]
+        nxt = args[i + 1] if i + 1 < len(args) else ""
+        if a in SIZE_FLAGS and nxt[:1] == "-" and nxt[1:2].isdigit():
+            out.append(f"{a}={nxt}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
 
 def build_parser(funcs: dict[str, Callable]) -> argparse.ArgumentParser:
     """The whole CLI: verbs in pipeline order, each calling `funcs[its name]`."""
@@ -106,6 +131,7 @@ def build_parser(funcs: dict[str, Callable]) -> argparse.ArgumentParser:
     from tensorbend.predictors.evaluate import EvalConfig
     from tensorbend.predictors.train import TrainConfig
     from tensorbend.serving.generate import GenerateConfig
+    from tensorbend.serving.offloaded import SERVED_PEERS, SERVED_POLICIES
     from tensorbend.simulate.simulator import SimulateConfig
     from tensorbend.version import __version__
 
@@ -127,7 +153,13 @@ def build_parser(funcs: dict[str, Callable]) -> argparse.ArgumentParser:
     option_group(ev, "output").add_argument("--plots", help="directory for PNG plots")
 
     gn = verb("generate", "serve a model larger than memory: stream text, one summary line")
-    add_config_flags(gn, GenerateConfig, skip=("foresight", "lookahead"), title="model and prompts")
+    add_config_flags(
+        gn,
+        GenerateConfig,
+        skip=("foresight", "lookahead", "oracle_beyond"),  # (the oracle's: `measure` only)
+        narrow={"policy": SERVED_POLICIES, "baseline": SERVED_PEERS},
+        title="model and prompts",
+    )
     option_group(gn, "decoding").add_argument(
         "--sample", action="store_true", help="Sample instead of greedy decoding."
     )

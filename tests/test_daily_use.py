@@ -181,3 +181,33 @@ def test_store_verify_finds_a_corrupted_expert(ckpt, tmp_path, capsys):
     assert (
         "1 stored experts differ from the checkpoint (layer 1 expert 2)" in capsys.readouterr().err
     )
+
+
+def test_a_build_that_fails_says_so_on_its_own_line_and_in_store_list(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """A store build that stops on an error inside its progress bar: the error is a line of
+    its own (not appended to the bar's), exit 2, and `store list` calls the leftover `failed`
+    with that error, not `interrupted`. (The error is planted at layer 1: a read failing in
+    the middle of a real build, e.g. a shard replaced under it, cannot be timed in a test.)"""
+    from tensorbend.errors import StoreError
+    from tensorbend.offload.expert_plan import ExpertPlan
+
+    real = ExpertPlan.expert_into
+
+    def failing(self, m, e, *args, **kw):
+        if m == 1:
+            raise StoreError(f"planted read error at layer {m}")
+        return real(self, m, e, *args, **kw)
+
+    monkeypatch.setattr(ExpertPlan, "expert_into", failing)
+    root = str(tmp_path / "stores")
+    capsys.readouterr()
+    assert main(["store", "build", "--model", str(ckpt), "--store-dir", root]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "error: planted read error at layer 1", lines
+    assert "expert store" in "".join(lines[:-1])  # (the bar ran, and ended its line)
+    assert main(["store", "list", "--store-dir", root]) == 0
+    out = capsys.readouterr().out
+    assert "failed (1 of 3 layers: planted read error at layer 1;" in out, out
+    assert "interrupted" not in out

@@ -48,6 +48,28 @@ def test_meter_counts_our_own_spinning_as_ours():
     assert load.own_cores + load.other_cores <= load.cpus * 1.05, load
 
 
+@linux
+def test_our_children_spinning_every_core_are_ours_and_not_also_others():
+    """Children we wait for spin on every core for 0.5 s of CPU each: the meter counts their
+    seconds as ours (os.times), and ours plus everyone else's stays within the machine's
+    cores. The machine is saturated by us for the window, so a meter that also counted our
+    seconds as others' would report others near our own share and pass the cores by at least
+    that: the bound fails it (the earlier one-thread test could not: one spinning thread on
+    two idle cores double-counted still fits)."""
+    import os
+
+    spin = "import time\nc = time.process_time()\nwhile time.process_time() - c < 0.5: pass\n"
+    n = os.cpu_count() or 1
+    meter = CpuMeter()
+    kids = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    for k in kids:
+        k.wait()
+    load = meter.stop()
+    ours_s = load.own_cores * load.wall_s
+    assert ours_s >= 0.5 * n - 0.05 * n, load  # (os.times ticks; interpreter start is extra)
+    assert load.own_cores + load.other_cores <= load.cpus * 1.05, load
+
+
 def _row(policy: str, run_cores, ref_cores=0.01, **kw) -> dict:
     load = {"run": {"other_cores": run_cores, "cpus": 2},
             "reference": {"other_cores": ref_cores, "cpus": 2}}  # fmt: skip

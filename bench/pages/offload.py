@@ -132,37 +132,56 @@ def peer_summary(runs: list[dict], frac: float) -> dict | None:
     best, mine = best_peer(at), [r for r in at if ours(r)]
     if best is None or not mine:
         return None
-    charged = [x for x in map(charged_tok_s, (r for r in at if not ours(r))) if x]
-    best_charged = max(charged) if charged else None
+    peers_charged = [r for r in at if not ours(r) and charged_tok_s(r)]
+    best_c = max(peers_charged, key=charged_tok_s, default=None)  # best peer, charged
+    best_charged = charged_tok_s(best_c) if best_c else None
     out = {"best_peer": run_label(best), "best_peer_tok_s": best["decode_tok_s"],
            "best_peer_charged_tok_s": best_charged, "ours": {}}  # fmt: skip
     for r in mine:
         c = charged_tok_s(r)
         per = repeat_ratios(r, best)  # (sorted; None for a run without repeats)
+        per_c = _charged_ratios(r, best_c) if c and best_c else None
         out["ours"][run_label(r)] = {
             "as_run": per[len(per) // 2] if per else r["decode_tok_s"] / best["decode_tok_s"],
             "as_run_range": [per[0], per[-1]] if per else None,
-            "charged": c / best_charged if c and best_charged else None,
+            "charged": per_c[len(per_c) // 2] if per_c else c / best_charged if c else None,
+            "charged_range": [per_c[0], per_c[-1]] if per_c else None,
         }
     return out
 
 
-def format_peer_ratio(v: dict) -> str:
-    """Ours over the best peer as a page says it: as run, the median [range] of the per-repeat
-    ratios and its verdict (a ratio of medians for a run without repeats); charged, of medians.
+def _charged_ratios(row: dict, best: dict) -> list[float] | None:
+    """Sorted per-repeat ratios of row's charged tok/s to the best peer's in the same repeat
+    (None where either lacks per-repeat charged speeds)."""
+    xs = (row.get("time_model") or {}).get("decode_tok_s_charged_repeats")
+    bs = (best.get("time_model") or {}).get("decode_tok_s_charged_repeats")
+    if not xs or not bs or len(xs) != len(bs) or None in xs or None in bs:
+        return None
+    return sorted(x / b for x, b in zip(xs, bs, strict=True))
 
-    >>> format_peer_ratio({"as_run": 1.08, "as_run_range": [1.06, 1.12], "charged": 1.03})
-    '1.08x [1.06, 1.12] as run (faster), 1.03x charged (medians)'
+
+def format_peer_ratio(v: dict) -> str:
+    """Ours over the best peer as a page says it, as run and charged: the median [range] of
+    the per-repeat ratios and its verdict (a ratio of medians where there are no repeats).
+
+    >>> format_peer_ratio({"as_run": 1.08, "as_run_range": [1.06, 1.12], "charged": 1.03,
+    ...                    "charged_range": [1.01, 1.05]})
+    '1.08x [1.06, 1.12] as run (faster), 1.03x [1.01, 1.05] charged (faster)'
     >>> format_peer_ratio({"as_run": 1.04, "as_run_range": [0.93, 1.14], "charged": None})
     '1.04x [0.93, 1.14] as run (a tie)'
+    >>> format_peer_ratio({"as_run": 1.1, "as_run_range": None, "charged": 1.05})
+    '1.10x as run, 1.05x charged (medians, no repeats)'
     """
-    lo_hi = v.get("as_run_range")
-    text = f"{v['as_run']:.2f}x"
-    if lo_hi:
-        text += f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}] as run ({ratio_verdict(*lo_hi)})"
-    else:
-        text += " as run"
-    return text + ("" if v["charged"] is None else f", {v['charged']:.2f}x charged (medians)")
+    text = f"{v['as_run']:.2f}x" + _ranged(v.get("as_run_range"), "as run")
+    if v["charged"] is None:
+        return text
+    return text + f", {v['charged']:.2f}x" + _ranged(v.get("charged_range"), "charged")
+
+
+def _ranged(lo_hi, what: str) -> str:
+    if not lo_hi:
+        return f" {what}" + (" (medians, no repeats)" if what == "charged" else "")
+    return f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}] {what} ({ratio_verdict(*lo_hi)})"
 
 
 def _against_peers(runs: list[dict], frac: float) -> list[str]:
@@ -172,7 +191,7 @@ def _against_peers(runs: list[dict], frac: float) -> list[str]:
     cells = "; ".join(f"{k} {format_peer_ratio(v)}" for k, v in summ["ours"].items())
     lines = ["", f"Best peer (fastest row that is neither ours nor an oracle, by median): "
              f"{summ['best_peer']} ({summ['best_peer_tok_s']:.1f} tok/s). Ours over it (the median "
-             f"[range] of per-repeat ratios; charged: of medians): {cells}."]  # fmt: skip
+             f"[range] of per-repeat ratios, as run and charged): {cells}."]  # fmt: skip
     if not any(_predicting_peer(r) for r in runs):
         lines.append("**No peer that predicts is in this run** (spec_gate and the seed's MLP "
                      "as prefetchers): ours is compared only with caches that predict nothing.")  # fmt: skip

@@ -35,7 +35,7 @@ def markdown(res: dict) -> str:
         f"tok/s [range]. vs best = the median [range] of the per-repeat ratios to the best "
         f"policy without prediction ({res['best_no_prediction']}); a range that holds 1.00 is "
         f"no gain. Rows ending /jit=0 run with `TENSORBEND_JIT=0` (numpy paths instead of "
-        f"numba's compiled kernels, whose memory then goes to the cache).",
+        f"numba's compiled kernels, whose memory then goes to the cache)." + _host_line(res),
         "",
         "| policy | decode tok/s [range] | vs best | "
         + (
@@ -285,3 +285,17 @@ def _same_text(results: list[dict]) -> str:
     if apart:
         said += f" ({', '.join(apart)}: own output format, its greedy tokens tested apart)"
     return said + "."
+
+
+def _host_line(res: dict) -> str:
+    """The most CPU other processes took during any timed run (`host_load` per run, in
+    `generate --json`; none in JSON from before it was kept, nor for external engines' rows)."""
+    xs = [
+        x for r in res["results"] for x in r.get("host_other_cores_repeats") or () if x is not None
+    ]
+    if not xs:
+        return ""
+    return (
+        f" Other processes used at most {max(xs):.2f} CPU cores during any tensorbend run "
+        "(`host_other_cores_repeats` in the JSON)."
+    )

@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from tensorbend.atomic import atomic_write_text
-from tensorbend.errors import StoreError, UnsupportedModelError
+from tensorbend.errors import StoreError, TensorbendError, UnsupportedModelError
 from tensorbend.models import RoutingSpec, moe_block
 from tensorbend.offload import int4, mxfp4
 from tensorbend.offload.blocks import stride
@@ -206,9 +206,14 @@ class ExpertPlan:
             for name, src in parts.items():
                 if src.fused is None and sorted(src.pieces) != list(range(E)):
                     found = "none" if not src.pieces else f"{len(src.pieces)} of {E} experts"
+                    if src.pieces:  # name them as the checkpoint does: its keys
+                        missing = sorted(set(range(E)) - set(src.pieces))
+                        some = next(iter(src.pieces[min(src.pieces)].values())).key
+                        found += f" (missing experts {missing[:8]}; present: {some}, ...)"
                     raise StoreError(
-                        f"{self.ckpt.directory}: MoE layer {m} part {name}: expected the "
-                        f"weights of {E} routed experts, found {found}; is a shard missing?"
+                        f"{self.ckpt.directory}: decoder layer {self.spec.moe_layer_ids[m]} "
+                        f"part {name}: expected the weights of {E} routed experts, found "
+                        f"{found}; is a shard missing?"
                     )
 
 
@@ -263,7 +268,12 @@ def build_store(
         for m in range(done, L):
             with plan.ckpt.hashing() as digests:
                 for e in range(E):
-                    plan.expert_into(m, e, flat, staging)
+                    try:
+                        plan.expert_into(m, e, flat, staging)
+                    except TensorbendError as err:  # (a rerun fails the same: say so)
+                        rec = {**want, "layers_done": m, "digests": layers, "failed": str(err)}
+                        atomic_write_text(record, json.dumps(rec))
+                        raise
                     data = memoryview(flat.view(torch.uint8).numpy())
                     at = expert_offset(len(header), m, e, E, layout.stored_nbytes)
                     if os.pwrite(fd, data, at) != len(data):

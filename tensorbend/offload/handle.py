@@ -60,6 +60,9 @@ class AttachOptions:
     """Emulated transfer cap (default: none, real reads only)."""
     drive_clock: bool = True
     """Advance clock/history and count phases from model hooks (False: the caller does)."""
+    max_tokens: int | None = None
+    """Tokens (sequences x length) the memory budget's reserve holds: a forward past them is
+    refused before it runs (None: not checked)."""
 
 
 class OffloadHandle:
@@ -120,6 +123,7 @@ class OffloadHandle:
         self.gen = Generation()
         self.compute = ExpertCompute()  # the experts' math seconds (layer.OffloadedExperts)
         self._phase: tuple[str, CacheStats, float] | None = None
+        self._max_tokens = opts.max_tokens
         self._disk: tuple[str, int] | None = None  # (phase, disk_read_bytes) since a forward began
         self._model_hooks = []
         if opts.drive_clock:
@@ -224,31 +228,35 @@ class OffloadHandle:
     def _begin(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         past = kwargs.get("cache", kwargs.get("past_key_values"))
-        filled = past is not None and past.get_seq_length() > 0
+        held = past.get_seq_length() if past is not None else 0
+        if self._max_tokens is not None and ids is not None:
+            _check_tokens(ids.shape[0], held + ids.shape[-1], self._max_tokens)
+        filled = held > 0
+        # a filled cache and several tokens: a later chunk of a chunked prefill (PREFILL_CHUNK)
+        decode = filled and (ids is None or ids.shape[-1] == 1)
+        phase = "decode" if decode else "prefill"
         if not filled:
             self.history.begin_prompt()
             self.history.batch = ids.shape[0] if ids is not None else 1
         self.clock.begin_forward()
         self.history.begin_forward()
         mask = kwargs.get("attention_mask")
-        if filled:
+        if decode:
             real = ids.shape[0] if ids is not None else 1
+        elif filled:
+            real = ids.numel()
         else:
             real = int(mask.sum()) if mask is not None else (ids.numel() if ids is not None else 0)
-        self.gen.tokens["decode" if filled else "prefill"] += real
+        self.gen.tokens[phase] += real
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.hooks.phase = "decode" if filled else "prefill"
-        self._charge_disk(self.hooks.phase)
+        self.hooks.phase = phase
+        self._charge_disk(phase)
         if self._decode_threads is not None:
-            n = self._decode_threads if filled else self._threads
+            n = self._decode_threads if decode else self._threads
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
-        self._phase = (
-            "decode" if filled else "prefill",
-            self.cache.stats.copy(),
-            time.perf_counter(),
-        )
+        self._phase = (phase, self.cache.stats.copy(), time.perf_counter())
 
     def _end(self, module, args, kwargs, output) -> None:
         if self._phase is None:
@@ -272,6 +280,18 @@ class OffloadHandle:
             self.gen.disk_bytes[self._disk[0]] += now - self._disk[1]
             phase = phase or self._disk[0]
         self._disk = None if phase is None else (phase, now)
+
+
+def _check_tokens(batch: int, length: int, most: int) -> None:
+    """Refuse a forward whose sequences (batch x length tokens) pass what the memory budget's
+    reserve was sized for (`ServeConfig.context_tokens`), before it runs."""
+    if batch * length > most:
+        raise TensorbendError(
+            f"{batch} sequence(s) of {length:,} tokens: expected at most {most:,} tokens, what "
+            f"--reserve auto kept room for within --max-memory; load with context_tokens="
+            f"{batch * length} (`tensorbend generate` sizes it from its prompts), or pass "
+            "--reserve"
+        )
 
 
 def decode_threads(threads: int) -> int:

@@ -272,6 +272,8 @@ def _read_header(shard: Path) -> dict[str, TensorRef]:
             if hlen > size - 8:
                 raise ValueError(f"header of {hlen} bytes in a file of {size}")
             header = json.loads(f.read(hlen))
+    except PermissionError:
+        raise  # (not a bad file: the CLI says whose access is missing)
     except (OSError, ValueError, struct.error) as e:
         raise StoreError(
             f"{shard}: expected a safetensors file, cannot read its header ({e}); the shard "

@@ -45,6 +45,8 @@ class RecencyConfig:
     inputs: str = "routing"
     """What it reads: the request's routing only."""
     uses_hidden: bool = False
+    features: tuple[str, ...] = ("ids",)
+    """Trace features it reads."""
 
 
 class RecencyForecaster:

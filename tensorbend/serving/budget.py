@@ -34,8 +34,19 @@ inference needs (torch, transformers' modeling and generation code) and tensorbe
 baseline that a memory budget comes on top of (about 400 MB on CPU)."""
 
 RESERVE_FIXED = 64 * 10**6
-"""--reserve auto's part beside the KV cache: activations, the allocator's retained heap and
-the I/O threads' arenas (what the serving bench's runs use of the reserve: docs/results/serve_memory.md)."""
+"""--reserve auto's part beside the KV cache and the attention scores: activations, the
+allocator's retained heap and the I/O threads' arenas (what the serving bench's runs use of
+the reserve: docs/results/serve_memory.md)."""
+
+CONTEXT_TOKENS = 2048
+"""Tokens per sequence (prompt + new) --reserve auto keeps room for unless told
+(`ServeConfig.context_tokens`; `tensorbend generate` sets it from its prompts)."""
+
+PREFILL_CHUNK = 512
+"""Prompt tokens per prefill forward (transformers' `prefill_chunk_size`): a long prompt
+prefills in chunks, so its activations grow with the chunk, not the prompt. On CPU the
+attention of a chunk holds up to chunk x context x heads fp32 scores: what `reserve_auto`
+counts (tests/test_long_prompt.py holds the bound at 2k, 6k and 12k-token prompts)."""
 
 MEASURE_GRAIN = 16 * 10**6
 """The measured model part is rounded up to this: it varies by a few MB from run to run
@@ -50,11 +61,13 @@ def memory_plan(
     expert_bytes: int,
     kv_bytes: int,
     loaded_bytes: int | None = None,
+    attn_heads: int = 0,
 ) -> dict:
     """Where --max-memory goes (`cfg`: a ServeConfig), in bytes: {budget, non_expert, model, staging, reserve, cache};
     `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
     when the budget cannot hold the fewest slots the cache runs with (`cache.config.min_slots`).
-    kv_bytes: the KV cache per token (what --reserve auto sizes). Staging: the slots a
+    kv_bytes: the KV cache per token and attn_heads the attention heads (what --reserve auto
+    sizes for `cfg.context_tokens`: `reserve_auto`). Staging: the slots a
     bypassed miss is computed from (`--staging-slots`, default top-k; `--io direct` reads
     land in the aligned slots themselves: its bounce buffers hold one 4 KB block per I/O
     thread, inside the reserve). loaded_bytes:
@@ -68,16 +81,20 @@ def memory_plan(
     if model > non_expert_bytes:
         what = f"the model without its experts {_mb(model)} (measured; its tensors "
         what += f"{_mb(non_expert_bytes)})"
-    auto = 2048 * kv_bytes + RESERVE_FIXED
+    auto = reserve_auto(kv_bytes, cfg.context_tokens, attn_heads)
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
     staging = cfg.offload.staging(spec.top_k) * expert_bytes
     need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
     minimum = model + staging + reserve + need * expert_bytes
     if budget < minimum:
+        whose = "--reserve"
+        if cfg.reserve == "auto":
+            whose = f"the reserve for {cfg.context_tokens:,} tokens (KV cache, attention)"
         raise TensorbendError(
             f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
-            f"staging {_mb(staging)} + --reserve {_mb(reserve)} + {need} cached experts "
+            f"staging {_mb(staging)} + {whose} {_mb(reserve)} + {need} cached experts "
             f"of {_mb(expert_bytes)}; raise it"
+            + ("" if cfg.reserve != "auto" else " or shorten the prompt")
         )
     return {
         "budget": budget,
@@ -86,7 +103,24 @@ def memory_plan(
         "staging": staging,
         "reserve": reserve,
         "cache": budget - model - staging - reserve,
+        "context_tokens": cfg.context_tokens if cfg.reserve == "auto" else None,
     }
+
+
+def reserve_auto(kv_bytes: int, context: int, attn_heads: int) -> int:
+    """--reserve auto for sequences of `context` tokens: their KV cache, the fp32 attention
+    scores of one prefill chunk against them (PREFILL_CHUNK) and RESERVE_FIXED."""
+    scores = min(PREFILL_CHUNK, context) * context * attn_heads * 4
+    return context * kv_bytes + scores + RESERVE_FIXED
+
+
+def prefill_chunk(prompt_tokens: int) -> int:
+    """transformers' `prefill_chunk_size` for a prompt: PREFILL_CHUNK, or one less where the
+    last chunk would be one token (a one-token forward on a filled cache reads as decode)."""
+    chunk = PREFILL_CHUNK
+    while prompt_tokens > chunk and prompt_tokens % chunk == 1:
+        chunk -= 1
+    return chunk
 
 
 def size_cache(
@@ -99,7 +133,8 @@ def size_cache(
     )
     non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
     kv = kv_bytes_per_token(lm.config, layout.dtype)
-    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded)
+    heads = getattr(lm.config.get_text_config(), "num_attention_heads", 0) or 0
+    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded, heads)
     return replace(cfg.offload, cache_bytes=plan["cache"]), plan
 
 

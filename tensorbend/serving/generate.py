@@ -17,7 +17,7 @@ expert read is a real read (with `--io direct`, from the disk, past the page cac
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +28,7 @@ from tensorbend.capture.hf import DecodeConfig
 from tensorbend.capture.prompts import load_prompts
 from tensorbend.errors import TensorbendError
 from tensorbend.host_load import BUSY_CORES, CpuMeter
+from tensorbend.serving.budget import prefill_chunk
 from tensorbend.serving.decoding import Decoding, encode, generate_kwargs, interactive
 from tensorbend.serving.offloaded import ServeConfig, load_offloaded
 
@@ -120,11 +121,15 @@ def generate(cfg: GenerateConfig, out=None, err=None, stdin=None) -> dict:
             summary = run.summary()
         err.write(accelerate_baseline.format_summary(summary) + "\n")
         return summary
-    model = load_offloaded(cfg.model, cfg.serve)
+    serve = cfg.serve
+    if not opts.interactive:  # the reserve follows the request (typed prompts: the default)
+        longest = max(ids.shape[1] for _, ids in inputs)
+        serve = replace(serve, context_tokens=longest + cfg.decode.max_new_tokens)
+    model = load_offloaded(cfg.model, serve)
     handle = model.tensorbend
     try:
         meter = CpuMeter()  # (the generation only: what others took from its cores)
-        _continue(model, tok, inputs, cfg, out)
+        _continue(model, tok, inputs, cfg, out, chunked=True)
         load = meter.stop()
         summary = summarize(handle.counters(), cfg.serve)
         summary["memory_plan"] = handle.memory_plan
@@ -156,8 +161,11 @@ def _check_positions(path, inputs: list, new_tokens: int) -> None:
         )
 
 
-def _continue(model, tok, inputs: list, cfg: GenerateConfig, out, on_prompt=None) -> None:
-    """Each (text, ids), then its continuation streamed, through transformers' generate()."""
+def _continue(
+    model, tok, inputs: list, cfg: GenerateConfig, out, on_prompt=None, chunked=False
+) -> None:
+    """Each (text, ids), then its continuation streamed, through transformers' generate()
+    (chunked: the prompt prefilled in chunks, `budget.prefill_chunk`)."""
     streamer = _Streamer(tok, out)
     dc = cfg.decode
     kw = generate_kwargs(cfg.text, dc, cfg.top_p, tok)
@@ -167,6 +175,8 @@ def _continue(model, tok, inputs: list, cfg: GenerateConfig, out, on_prompt=None
         out.write(text)
         if on_prompt is not None:
             on_prompt()
+        if chunked:
+            kw["prefill_chunk_size"] = prefill_chunk(ids.shape[1])
         with torch.inference_mode():
             model.generate(ids, streamer=streamer, pad_token_id=tok.eos_token_id, **kw)
         out.write("\n")

@@ -55,14 +55,23 @@ from tensorbend.offload.store import (
 )
 from tensorbend.predictors.spec import NEEDS_TRACE, PEERS, PredictorSpec
 from tensorbend.serving.budget import (  # noqa: F401  (IMPORT_BASELINE, memory_plan: public)
+    CONTEXT_TOKENS,
     IMPORT_BASELINE,
     MEASURE_GRAIN,
+    PREFILL_CHUNK,
     memory_plan,
     rss_after_baseline_imports,
     size_cache,
 )
 from tensorbend.serving.model_build import build_without_experts, load_non_experts
 from tensorbend.serving.stores import ensure_store, store_format, store_path, store_tag
+
+SERVED_POLICIES = tuple(
+    p for p in POLICIES if POLICIES[p].bounded and not POLICIES[p].recorded_routing
+)
+"""The policies serving runs (resident and oracle need a resident reference: `measure`)."""
+SERVED_PEERS = tuple(b for b in PEERS if b not in NEEDS_TRACE)
+"""The peers --baseline builds when serving (the table peers need a trace: `measure`)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,12 @@ class ServeConfig:
     non-expert weights + expert cache + staging + --reserve. The natural way to size the cache;
     overrides --cache-frac. (Python: also an int of bytes, or accelerate's {device: size})"""
     reserve: str = "auto"
-    """Part of --max-memory kept for the KV cache and activations: a size, or auto (the KV
-    cache of 2048 tokens at batch 1 from config.json, + 64 MB)."""
+    """Part of --max-memory kept for the KV cache and activations: a size, or auto (for
+    --context-tokens at batch 1: their KV cache from config.json, the attention scores of one
+    512-token prefill chunk against them, + 64 MB)."""
+    context_tokens: int = CONTEXT_TOKENS
+    """Tokens per sequence (prompt + new) that --reserve auto keeps room for; a longer
+    sequence is refused. `generate` sets it from its longest prompt + --max-new-tokens."""
     device: str = "cpu"
     """Where the model and the expert cache live: cpu or cuda[:N] (experts are read into pinned
     host staging and copied on their own stream)."""
@@ -124,20 +137,24 @@ class ServeConfig:
             parse_bytes(self.max_memory)
         if self.reserve != "auto":
             parse_bytes(self.reserve, "--reserve")
+        if self.context_tokens < 1:
+            raise TensorbendError(
+                f"--context-tokens {self.context_tokens}: expected a count of tokens >= 1"
+            )
         if self.io_threads < 1:
             raise TensorbendError(f"--io-threads {self.io_threads}: expected a count >= 1")
         StoreConfig(self.io)
         pol = self.offload.policy
-        if not POLICIES[pol].bounded or POLICIES[pol].recorded_routing:  # resident, oracle
+        if pol not in SERVED_POLICIES:  # resident, oracle
             raise TensorbendError(
                 f"--policy {pol}: not a serving policy (it needs a resident reference run); "
-                f"use `tensorbend measure` to measure it, or lru, lfu, lfru, on_demand, prefetch"
+                f"use `tensorbend measure` to measure it, or {', '.join(SERVED_POLICIES)}"
             )
         self.prediction.check_policy(pol)
         if self.prediction.baseline in NEEDS_TRACE:
             raise TensorbendError(
                 f"--baseline {self.prediction.baseline}: expected a peer that needs no trace "
-                f"when serving ({', '.join(b for b in PEERS if b not in NEEDS_TRACE)}); "
+                f"when serving ({', '.join(SERVED_PEERS)}); "
                 f"measure table peers with `tensorbend measure --trace DIR`"
             )
 
@@ -173,7 +190,10 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
     loaded = None if grown is None else -(-grown // MEASURE_GRAIN) * MEASURE_GRAIN
     pc, mem = size_cache(cfg, lm, spec, layout, loaded)  # (the budget: before a store byte)
     ensure_store(plan, store, fingerprint, layout, cfg.progress)
-    opts = AttachOptions(io=cfg.io, io_threads=cfg.io_threads)
+    guard = mem is not None and cfg.reserve == "auto"  # (the reserve holds this many tokens)
+    opts = AttachOptions(
+        io=cfg.io, io_threads=cfg.io_threads, max_tokens=cfg.context_tokens if guard else None
+    )
     lm.tensorbend = OffloadHandle(
         lm,
         spec,
@@ -190,6 +210,7 @@ def load_offloaded(model: str | Path, cfg: ServeConfig | None = None, **override
         if grown is not None:
             mem["measured"] = grown  # the growth itself, before rounding up
     lm.tensorbend.memory_plan = mem  # where --max-memory went (bytes), or None
+    lm.generation_config.prefill_chunk_size = PREFILL_CHUNK  # activations bounded by a chunk
     return lm
 
 

@@ -178,11 +178,11 @@ def list_stores(root: str | Path | None = None) -> list[dict]:
             continue
         meta = _metadata(f)
         st = f.stat()
-        done = None
+        done, failed = None, None
         if partial:
             try:
                 rec = json.loads(f.with_name(f.name.replace(".partial", ".progress")).read_text())
-                done = int(rec["layers_done"])
+                done, failed = int(rec["layers_done"]), rec.get("failed")
             except (OSError, ValueError, KeyError, TypeError):
                 done = 0
         out.append(
@@ -198,6 +198,7 @@ def list_stores(root: str | Path | None = None) -> list[dict]:
                 if not partial
                 else f"{done} of {meta.get('num_layers', '?')} layers",
                 "orphan": "source" in meta and not Path(meta["source"]).is_dir(),
+                "failed": failed,  # the build stopped on this error, not an interruption
             }
         )
     return out
@@ -210,6 +211,8 @@ def format_stores(stores: list[dict], root: Path) -> str:
     lines = [f"{len(stores)} expert store(s) under {root}:"]
     for s in stores:
         when = s["built"] or f"interrupted ({s['partial']})"
+        if s.get("failed"):
+            when = f"failed ({s['partial']}: {s['failed']}; `tensorbend store rm --partial` removes it)"
         gone = " (gone: `tensorbend store prune` removes its stores)" if s.get("orphan") else ""
         lines.append(
             f"{s['store']}  {s['dtype']}  {s['bytes'] / 1e6:.1f} MB  {when}  "

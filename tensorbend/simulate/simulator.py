@@ -36,7 +36,7 @@ from tensorbend.capture.rows import RowSelection, forwards, select_rows
 from tensorbend.capture.trace import Trace
 from tensorbend.errors import TensorbendError
 from tensorbend.predictors import get_lookahead
-from tensorbend.predictors.checkpoint import check_held_out, read_metadata
+from tensorbend.predictors.checkpoint import check_held_out, is_peer_name, read_metadata
 from tensorbend.predictors.spec import PredictorSpec, prefetch_width
 from tensorbend.simulate import plan
 from tensorbend.simulate.costs import Calibration, Costs
@@ -336,7 +336,9 @@ def _rows(cfg, tr: Trace):
             hidden.add(get_lookahead(read_metadata(p)["lookahead"]).hidden)
     horizon = cfg.prediction.horizon
     if horizon is not None and "prefetch" in cfg.policies:
-        if read_metadata(horizon)["config"].get("inputs") == "routing+hidden":
+        if not is_peer_name(horizon) and read_metadata(horizon)["config"].get("inputs") == (
+            "routing+hidden"
+        ):
             hidden.add("gate_input")
     rows = routing_rows(tr, None if cfg.split == "all" else cfg.split, ("ids", *sorted(hidden)))
     if rows["expert_ids_TLK"].shape[0] == 0:
