@@ -19,12 +19,15 @@ from pathlib import Path
 
 from tensorbend.errors import TensorbendError, TensorbendWarning
 from tensorbend.flags import config_from_args
-from tensorbend.parser import UsageError, build_parser
+from tensorbend.parser import UsageError, build_parser, quick_check
 
 
 def main(argv: list[str] | None = None) -> int:
     args = None
     try:
+        table = _flags()
+        if table is not None:  # (unknown verbs and flags: before torch is imported)
+            quick_check(sys.argv[1:] if argv is None else list(argv), table)
         parser = build_parser(_verbs())
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
@@ -52,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"error: interrupted{_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _flags() -> dict[str, list[str]] | None:
+    """Every verb's flags (tensorbend/data/cli_flags.json, generated from the parser by
+    tools/cli_reference.py; tests keep it current), or None where it is missing."""
+    path = Path(__file__).parent / "data" / "cli_flags.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _close_bars() -> None:

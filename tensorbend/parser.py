@@ -350,3 +350,53 @@ def _zoo_parser(sub, funcs) -> None:
     zc = verb("corpus", "extract the offline training corpus", quiet=False)
     zc.add_argument("--out", required=True, help="corpus directory to write")
     add_config_flags(verb("train", "train a small MoE LM"), ZooTrainConfig, title="training")
+
+
+def flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """{verb words (aliases too; "" for the bare command): its --flags}, what `cli.main`
+    checks a command line against before the heavy imports (tensorbend/data/cli_flags.json,
+    written by tools/cli_reference.py)."""
+    out: dict[str, list[str]] = {}
+
+    def walk(p: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        flags = {o for a in p._actions for o in a.option_strings if o.startswith("--")}
+        out[" ".join(path)] = sorted(flags)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, child in a.choices.items():
+                    walk(child, (*path, name))
+
+    walk(parser, ())
+    return out
+
+
+def quick_check(argv: list[str], table: dict[str, list[str]]) -> None:
+    """Refuse a verb or --flag that `table` (flag_table's) does not have: the errors that
+    need no import of torch or transformers. What it lets through, argparse checks."""
+    path: tuple[str, ...] = ()
+    i = 0
+    while i < len(argv) and not argv[i].startswith("-"):
+        nxt = " ".join((*path, argv[i]))
+        if nxt not in table:
+            subs = sorted({k.split(" ")[len(path)] for k in table if _under(k, path)})
+            if not subs:
+                break  # (a positional argument of this verb)
+            prog = " ".join(("tensorbend", *path))
+            raise UsageError(
+                f"{prog}: argument VERB: invalid choice: {argv[i]!r} (choose from "
+                f"{', '.join(subs)}) (see `{prog} --help`)"
+            )
+        path, i = (*path, argv[i]), i + 1
+    flags = table[" ".join(path)]
+    for a in argv[i:]:
+        if a == "--":
+            return
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and not any(f.startswith(name) for f in flags):
+            prog = " ".join(("tensorbend", *path))
+            raise UsageError(f"{prog}: unrecognized arguments: {a} (see `{prog} --help`)")
+
+
+def _under(key: str, path: tuple[str, ...]) -> bool:
+    words = key.split(" ") if key else []
+    return len(words) == len(path) + 1 and tuple(words[: len(path)]) == path

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
+import subprocess
+import sys
 
 import pytest
 
-from tensorbend.cli import _verbs
-from tensorbend.parser import EXAMPLES, build_parser, verb_paths
+from tensorbend.cli import _flags, _verbs
+from tensorbend.parser import EXAMPLES, build_parser, quick_check, verb_paths
 
 
 def _verb(parser, path):
@@ -49,6 +52,40 @@ def test_every_example_parses_as_its_verb(key):
     for example in EXAMPLES[key]:
         words = shlex.split(example)
         start = next(i for i, w in enumerate(words) if w.split("/")[-1] == "tensorbend")
+        quick_check(words[start + 1 :], _flags())  # (the pre-import check lets it through)
         args = parser.parse_args(words[start + 1 :])
         called.append(args.func)
     assert _verbs()[key] in called
+
+
+def test_the_flag_table_is_the_parsers():
+    """tensorbend/data/cli_flags.json (what the CLI checks before importing torch) lists every
+    verb, alias and flag the parser has, and no other."""
+    from tools.cli_reference import flags
+
+    assert json.loads(flags()) == _flags(), "run `python tools/cli_reference.py`"
+    assert {"generate", "measure", "run", "trace info", "store build", ""} <= set(_flags())
+
+
+def test_a_bad_verb_or_flag_is_refused_before_torch_is_imported():
+    """Misspelled verbs and flags get argparse's kind of line, exit 2, without importing torch
+    or transformers (which take seconds); abbreviations argparse accepts pass through."""
+    code = (
+        "import sys; from tensorbend.cli import main\n"
+        "for argv in (['generate', '--bogus'], ['genrate'], ['trace', 'infoo']):\n"
+        "    assert main(argv) == 2\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.stdout.split() == ["False", "False"], run.stderr
+    err = run.stderr.splitlines()
+    assert err == [
+        "error: tensorbend generate: unrecognized arguments: --bogus (see `tensorbend "
+        "generate --help`)",
+        "error: tensorbend: argument VERB: invalid choice: 'genrate' (choose from collect, demo, "
+        "eval, generate, live, measure, run, simulate, store, trace, train, zoo) (see "
+        "`tensorbend --help`)",
+        "error: tensorbend trace: argument VERB: invalid choice: 'infoo' (choose from export, "
+        "import, info, resplit) (see `tensorbend trace --help`)",
+    ]
+    quick_check(["generate", "--max-mem", "1GB", "--prompt", "--", "--anything"], _flags())

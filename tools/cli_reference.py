@@ -1,5 +1,6 @@
 """docs/cli.md: every verb's `--help` (every verb the parser has, in its order), exactly as the
-CLI prints it (tests keep it so).
+CLI prints it (tests keep it so); and tensorbend/data/cli_flags.json, every verb's flags (what
+the CLI checks before its heavy imports).
 
 Usage:
     python tools/cli_reference.py           # rewrite docs/cli.md
@@ -18,6 +19,7 @@ from tensorbend.atomic import write_generated
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "cli.md"
+FLAGS = ROOT / "tensorbend" / "data" / "cli_flags.json"
 
 
 def help_text(verb: tuple[str, ...]) -> str:
@@ -46,11 +48,23 @@ def reference() -> str:
     return "\n".join(parts)
 
 
+def flags() -> str:
+    """tensorbend/data/cli_flags.json: every verb's flags, what the CLI checks a command line
+    against before its heavy imports (`parser.quick_check`)."""
+    import json
+
+    from tensorbend.cli import _verbs
+    from tensorbend.parser import build_parser, flag_table
+
+    return json.dumps(flag_table(build_parser(_verbs())), indent=1, sort_keys=True) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true")
     a = p.parse_args(argv)
-    return write_generated(OUT, reference(), a.check)
+    rc = write_generated(FLAGS, flags(), a.check)
+    return rc | write_generated(OUT, reference(), a.check)
 
 
 if __name__ == "__main__":
