@@ -135,16 +135,26 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def check_model_type(path) -> None:
-    """One-line UnsupportedModelError when config.json's model_type is unknown to transformers
-    (instead of transformers' paragraph); a known non-MoE type is describe_model's to refuse."""
+    """One-line UnsupportedModelError when config.json is not JSON or its model_type is unknown
+    to transformers (instead of transformers' paragraph, or a complaint about the tokenizer); a
+    known non-MoE type is describe_model's to refuse."""
     import transformers
     from transformers import CONFIG_MAPPING
 
     file = Path(path) / "config.json"
     try:
-        mt = json.loads(file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        text = file.read_text()
+    except OSError:
         return  # (missing or unreadable: AutoConfig's own error names it)
+    try:
+        mt = json.loads(text).get("model_type")
+    except ValueError as e:
+        raise UnsupportedModelError(
+            f"{file}: expected a JSON object (transformers' config), found invalid JSON ({e}); "
+            "fix it, or save the model's config again with config.save_pretrained(DIR)"
+        ) from None
+    except AttributeError:
+        return
     if isinstance(mt, str) and mt not in CONFIG_MAPPING and mt not in MODEL_TYPE_ALIASES:
         raise UnsupportedModelError(
             f"{file}: model_type {mt!r} is unknown to transformers {transformers.__version__}: "

@@ -211,3 +211,12 @@ def test_a_build_that_fails_says_so_on_its_own_line_and_in_store_list(
     out = capsys.readouterr().out
     assert "failed (1 of 3 layers: planted read error at layer 1;" in out, out
     assert "interrupted" not in out
+
+
+def test_an_invalid_config_json_is_named_not_the_tokenizer(ckpt, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "config.json").write_text("{not json")
+    err = _err(capsys, "generate", "--model", str(bad), "--prompt", "ab", "--quiet")
+    assert err.startswith(f"error: {bad / 'config.json'}: expected a JSON object")
+    assert "tokenizer" not in err
