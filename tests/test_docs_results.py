@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorbend.cache.report import compare, run_label
+from tensorbend.cache.report import best_no_prediction, compare, repeat_ratios, run_label
 from tools import pages, readme_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,9 +109,8 @@ def test_readme_is_a_product_page():
     assert f"about {best['bytes_read_per_token'] / 1e6:.0f} MB per token" in opening
     assert f"streams {a['bytes_read_per_token'] / 1e9:.1f} GB" in opening
     runs = [r for r in _headline_x1() if abs(r["cache_frac"] - 0.25) < 0.01]
-    ((_, c),) = compare(runs).items()
-    mine = c["runs"][run_label(readme_table.ours(runs, "horizon + within-token"))]
-    assert f"{mine['vs_best_cache']:.1f}x over the best cache" in opening
+    per = repeat_ratios(readme_table.ours(runs, "horizon + within-token"), best_no_prediction(runs))
+    assert f"{per[len(per) // 2]:.1f}x over the best cache" in opening  # (per-repeat median)
     serve = json.loads((DOCS / "bench" / "serve_memory.json").read_text())
     key = "vs_best_peer" if "best_peer" in serve else "vs_best_cache"  # (older runs: caches)
     top = max((r for r in serve["results"] if r["policy"].startswith("ours")),

@@ -99,8 +99,8 @@ def test_seed_mlp_checkpoint_prefetches_and_serves_the_text_of_no_prediction(tmp
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--policy", "prefetch", "--baseline", "transition"],
-         "--baseline transition: expected a peer that needs no trace when serving"),
+        (["--policy", "prefetch", "--baseline", "transition"],  # (a table peer: `measure`'s)
+         "argument --baseline: invalid choice: 'transition' (choose from 'spec_gate', 'random')"),
         (["--policy", "prefetch", "--baseline", "spec_gate", "--predictor", "x.safetensors"],
          "--predictor and --baseline both given"),
         (["--engine", "accelerate", "--policy", "prefetch", "--baseline", "spec_gate"],
