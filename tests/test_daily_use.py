@@ -220,3 +220,17 @@ def test_an_invalid_config_json_is_named_not_the_tokenizer(ckpt, tmp_path, capsy
     err = _err(capsys, "generate", "--model", str(bad), "--prompt", "ab", "--quiet")
     assert err.startswith(f"error: {bad / 'config.json'}: expected a JSON object")
     assert "tokenizer" not in err
+
+
+def test_collect_with_vllm_past_the_models_positions_is_one_line(ckpt, tmp_path, capsys):
+    """The prompt + new-token window vLLM would be given (`max_model_len`) is checked against
+    the model's positions before vLLM is imported (vLLM's own refusal is a pydantic
+    traceback); the tiny model has 128 positions."""
+    err = _err(capsys, "collect", "--engine", "vllm", "--model", str(ckpt), "--out",
+               str(tmp_path / "t"), "--max-prompt-tokens", "100", "--max-new-tokens", "40")  # fmt: skip
+    assert err == (
+        "error: --max-prompt-tokens 100 + --max-new-tokens 40 + 1: expected at most 128 "
+        "positions (the model's max_position_embeddings); lower --max-prompt-tokens or "
+        "--max-new-tokens"
+    )
+    assert not (tmp_path / "t").exists()

@@ -57,6 +57,19 @@ from tensorbend.zoo import resolve_model
 NEEDS_VLLM = "{verb} needs vLLM: run `make vllm-env` and use .venv-vllm/bin/tensorbend"
 
 
+def _check_positions(path: Path, max_len: int, decode: DecodeConfig) -> None:
+    """Refuse, before vLLM loads, a prompt + new-token window past the model's positions."""
+    from tensorbend.models import read_config
+
+    limit = getattr(read_config(path), "max_position_embeddings", None)
+    if limit and max_len > limit:
+        raise TensorbendError(
+            f"--max-prompt-tokens {decode.max_prompt_tokens} + --max-new-tokens "
+            f"{decode.max_new_tokens} + 1: expected at most {limit} positions (the model's "
+            "max_position_embeddings); lower --max-prompt-tokens or --max-new-tokens"
+        )
+
+
 class VllmEngine:
     """A model loaded by vLLM offline inference, with what `collect` needs: `.model` (the HF
     model's routers, see routers_only, for router_params and model_fingerprint), `.spec` (its
@@ -71,6 +84,9 @@ class VllmEngine:
         kv_cache_gb: int = 1,
         verb: str = "collect --engine vllm",
     ):
+        path = resolve_model(model)
+        max_len = decode.max_prompt_tokens + decode.max_new_tokens + 1
+        _check_positions(path, max_len, decode)  # (vLLM's own error is a pydantic traceback)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process: hooks
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # (stdout: our tables)
@@ -78,10 +94,8 @@ class VllmEngine:
             from vllm import LLM
         except ImportError as e:
             raise TensorbendError(f"{NEEDS_VLLM.format(verb=verb)} ({e})") from None
-        path = resolve_model(model)
         self.decode = decode
         self.tokenizer = load_tokenizer(path)
-        max_len = decode.max_prompt_tokens + decode.max_new_tokens + 1
         self.llm = LLM(
             model=str(path),
             dtype=dtype,
