@@ -234,3 +234,37 @@ def test_collect_with_vllm_past_the_models_positions_is_one_line(ckpt, tmp_path,
         "--max-new-tokens"
     )
     assert not (tmp_path / "t").exists()
+
+
+def test_counts_and_sizes_are_refused_in_words(ckpt, capsys):
+    """--max-new-tokens -5 and 0 get the same floor; a bare 1e9 is read as bytes and said so;
+    a negative size reaches its own check instead of argparse's 'expected one argument'."""
+    gen = ["generate", "--model", str(ckpt), "--prompt", "ab", "--quiet"]
+    for n in ("-5", "0"):
+        err = _err(capsys, *gen, "--max-new-tokens", n)
+        assert err == f"error: --max-new-tokens {n}: expected a count >= 1"
+    assert _err(capsys, *gen, "--max-memory", "1e9") == (
+        "error: --max-memory '1e9': expected a size with a unit, found a bare number; write "
+        "1000000000B for 1,000,000,000 bytes (1GB)"
+    )
+    assert _err(capsys, *gen, "--max-memory", "-1GB") == (
+        "error: --max-memory '-1GB': expected a finite size of at least one byte, such as 8GB"
+    )
+
+
+def test_a_checkpoint_missing_experts_is_named_by_its_keys(ckpt, tmp_path, capsys):
+    """An expert's tensors missing from the shards: the error names the decoder layer, the
+    missing expert ids and a key the checkpoint does have (not tensorbend's MoE-layer index)."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    tensors = load_file(bad / "model.safetensors")
+    gone = [k for k in tensors if ".layers.2.mlp.experts.5." in k]
+    assert gone, sorted(tensors)[:20]
+    save_file({k: v for k, v in tensors.items() if k not in gone}, bad / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    err = _err(capsys, "store", "build", "--model", str(bad), "--store-dir",
+               str(tmp_path / "s"), "--quiet")  # fmt: skip
+    assert f"{bad}: decoder layer 2 part " in err and "missing experts [5]; present: " in err
+    assert "model.layers.2.mlp.experts." in err and err.endswith("is a shard missing?")
