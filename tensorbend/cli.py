@@ -17,9 +17,10 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+from tensorbend.command_line import UsageError, quick_check
 from tensorbend.errors import TensorbendError, TensorbendWarning
 from tensorbend.flags import config_from_args
-from tensorbend.parser import UsageError, build_parser, quick_check
+from tensorbend.parser import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:

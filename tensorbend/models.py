@@ -180,6 +180,12 @@ def read_config(path):
     return CONFIG_MAPPING[alias](**fields)
 
 
+def max_positions(path) -> int | None:
+    """config.json's max_position_embeddings (None where it has none): the longest prompt +
+    new tokens the model takes, which `generate` and `collect --engine vllm` check first."""
+    return getattr(read_config(path), "max_position_embeddings", None) or None
+
+
 def describe_model(model: torch.nn.Module) -> RoutingSpec:
     """Find MoE layers and routers; raise UnsupportedModelError naming the family otherwise."""
     config = getattr(model, "config", None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from tensorbend.command_line import UsageError, joined_sizes
 from tensorbend.flags import add_config_flags, option_group
 
 SENTENCE = (
@@ -85,10 +86,6 @@ EXAMPLES = {
 """Each verb's examples, shown under its --help."""
 
 
-class UsageError(Exception):
-    """A bad command line: one line, exit 2 (cli.main prints it)."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (`error: ...`) and exit 2 through `cli.main`."""
 
@@ -96,29 +93,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
     def parse_known_args(self, args=None, namespace=None):
-        return super().parse_known_args(_joined_sizes(args), namespace)
-
-
-SIZE_FLAGS = ("--max-memory", "--reserve", "--cache-bytes")
-"""Flags whose value may start with '-' (a negative size, which their own check refuses in
-words; argparse would take '-1GB' for a flag and say only 'expected one argument')."""
-
-
-def _joined_sizes(args):
-    """`--max-memory -1GB` as `--max-memory=-1GB`."""
-    if args is None:
-        return None
-    args, out, i = list(args), [], 0
-    while i < len(args):
-        a = args[i]
-        nxt = args[i + 1] if i + 1 < len(args) else ""
-        if a in SIZE_FLAGS and nxt[:1] == "-" and nxt[1:2].isdigit():
-            out.append(f"{a}={nxt}")
-            i += 2
-            continue
-        out.append(a)
-        i += 1
-    return out
+        return super().parse_known_args(joined_sizes(args), namespace)
 
 
 def build_parser(funcs: dict[str, Callable]) -> argparse.ArgumentParser:
@@ -350,53 +325,3 @@ def _zoo_parser(sub, funcs) -> None:
     zc = verb("corpus", "extract the offline training corpus", quiet=False)
     zc.add_argument("--out", required=True, help="corpus directory to write")
     add_config_flags(verb("train", "train a small MoE LM"), ZooTrainConfig, title="training")
-
-
-def flag_table(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    """{verb words (aliases too; "" for the bare command): its --flags}, what `cli.main`
-    checks a command line against before the heavy imports (tensorbend/data/cli_flags.json,
-    written by tools/cli_reference.py)."""
-    out: dict[str, list[str]] = {}
-
-    def walk(p: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
-        flags = {o for a in p._actions for o in a.option_strings if o.startswith("--")}
-        out[" ".join(path)] = sorted(flags)
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for name, child in a.choices.items():
-                    walk(child, (*path, name))
-
-    walk(parser, ())
-    return out
-
-
-def quick_check(argv: list[str], table: dict[str, list[str]]) -> None:
-    """Refuse a verb or --flag that `table` (flag_table's) does not have: the errors that
-    need no import of torch or transformers. What it lets through, argparse checks."""
-    path: tuple[str, ...] = ()
-    i = 0
-    while i < len(argv) and not argv[i].startswith("-"):
-        nxt = " ".join((*path, argv[i]))
-        if nxt not in table:
-            subs = sorted({k.split(" ")[len(path)] for k in table if _under(k, path)})
-            if not subs:
-                break  # (a positional argument of this verb)
-            prog = " ".join(("tensorbend", *path))
-            raise UsageError(
-                f"{prog}: argument VERB: invalid choice: {argv[i]!r} (choose from "
-                f"{', '.join(subs)}) (see `{prog} --help`)"
-            )
-        path, i = (*path, argv[i]), i + 1
-    flags = table[" ".join(path)]
-    for a in argv[i:]:
-        if a == "--":
-            return
-        name = a.split("=", 1)[0]
-        if name.startswith("--") and not any(f.startswith(name) for f in flags):
-            prog = " ".join(("tensorbend", *path))
-            raise UsageError(f"{prog}: unrecognized arguments: {a} (see `{prog} --help`)")
-
-
-def _under(key: str, path: tuple[str, ...]) -> bool:
-    words = key.split(" ") if key else []
-    return len(words) == len(path) + 1 and tuple(words[: len(path)]) == path

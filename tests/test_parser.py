@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from tensorbend.cli import _flags, _verbs
-from tensorbend.parser import EXAMPLES, build_parser, quick_check, verb_paths
+from tensorbend.command_line import quick_check
+from tensorbend.parser import EXAMPLES, build_parser, verb_paths
 
 
 def _verb(parser, path):

@@ -34,7 +34,7 @@ BASICS = (
     "routers",
 )
 """Root modules that are shared basics (the lowest layer)."""
-ENTRY = ("__init__", "__main__", "cli", "parser", "demo")
+ENTRY = ("__init__", "__main__", "cli", "command_line", "parser", "demo")
 """Root modules that are entry points (the top layer)."""
 LAYERS = [
     {"<basics>"},

@@ -50,11 +50,12 @@ def reference() -> str:
 
 def flags() -> str:
     """tensorbend/data/cli_flags.json: every verb's flags, what the CLI checks a command line
-    against before its heavy imports (`parser.quick_check`)."""
+    against before its heavy imports (`command_line.quick_check`)."""
     import json
 
     from tensorbend.cli import _verbs
-    from tensorbend.parser import build_parser, flag_table
+    from tensorbend.command_line import flag_table
+    from tensorbend.parser import build_parser
 
     return json.dumps(flag_table(build_parser(_verbs())), indent=1, sort_keys=True) + "\n"
 

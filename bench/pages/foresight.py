@@ -6,7 +6,9 @@ Usage:
 
 from __future__ import annotations
 
-PEER = "recency"  # the training-free cross-token peer's runs (checkpoint: its name)
+from tensorbend.cache.report import PEER_HORIZON
+
+PEER = PEER_HORIZON  # the training-free cross-token peer's runs (checkpoint: its name)
 SHOWN = ("1", "2", "4", "8", "all")  # oracle_ceiling: the oracle knowing h forwards
 
 

@@ -50,6 +50,7 @@ from tensorbend.models import (
     RoutingSpec,
     decoder_layers,
     describe_model,
+    max_positions,
     router_module,
 )
 from tensorbend.zoo import resolve_model
@@ -59,9 +60,7 @@ NEEDS_VLLM = "{verb} needs vLLM: run `make vllm-env` and use .venv-vllm/bin/tens
 
 def _check_positions(path: Path, max_len: int, decode: DecodeConfig) -> None:
     """Refuse, before vLLM loads, a prompt + new-token window past the model's positions."""
-    from tensorbend.models import read_config
-
-    limit = getattr(read_config(path), "max_position_embeddings", None)
+    limit = max_positions(path)
     if limit and max_len > limit:
         raise TensorbendError(
             f"--max-prompt-tokens {decode.max_prompt_tokens} + --max-new-tokens "

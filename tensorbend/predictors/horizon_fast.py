@@ -55,12 +55,15 @@ class FastHorizon:
             )
             b2 = sd["mlp.2.bias"].reshape(L, E, J).transpose(0, 2, 1).reshape(-1)
             self.mlp = (sd["mlp.0.weight"].T.copy(), sd["mlp.0.bias"], W2.T.copy(), b2.copy())
-        self.decays_C1 = np.asarray(COUNT_DECAYS, dtype=np.float32)[:, None]
         self.neg_inv_tau_T1 = (-1 / np.asarray(RECENCY_TAUS, dtype=np.float32))[:, None]
-        h = J - 1
+        self._steps(L, J - 1)
+
+    def _steps(self, L: int, h: int) -> None:
+        """What observing and the next-use steps need beside the forecast's own weights."""
+        self.decays_C1 = np.asarray(COUNT_DECAYS, dtype=np.float32)[:, None]
         # sums_2J @ p_LJE = (P(next use within h), sum over j < h of j * P(class j)): the
         # expected step of a use within h is base * the first + L * the second (steps below)
-        self.sums_2J = np.zeros((2, J))
+        self.sums_2J = np.zeros((2, h + 1))
         self.sums_2J[0, :h], self.sums_2J[1, :h] = 1.0, np.arange(h)
         self.m_L1 = np.arange(L, dtype=np.float64)[:, None]
         self.next_forward_probs = None

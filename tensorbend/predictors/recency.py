@@ -86,12 +86,7 @@ class FastRecency(FastHorizon):
 
     def __init__(self, pred: RecencyForecaster):  # FastHorizon's, less the network's weights
         self.spec, self.cfg = pred.spec, pred.cfg
-        h, L = pred.cfg.foresight, pred.spec.num_moe_layers
-        self.sums_2J = np.zeros((2, h + 1))
-        self.sums_2J[0, :h], self.sums_2J[1, :h] = 1.0, np.arange(h)
-        self.m_L1 = np.arange(L, dtype=np.float64)[:, None]
-        self.decays_C1 = np.asarray(COUNT_DECAYS, dtype=np.float32)[:, None]
-        self.next_forward_probs = None
+        self._steps(pred.spec.num_moe_layers, pred.cfg.foresight)
 
     def _probs(self, st: FastState) -> np.ndarray:
         rate_LE = use_rate(st.counts_LCE[:, 0], st.forwards)

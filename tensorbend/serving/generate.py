@@ -149,9 +149,9 @@ def generate(cfg: GenerateConfig, out=None, err=None, stdin=None) -> dict:
 def _check_positions(path, inputs: list, new_tokens: int) -> None:
     """Refuse, before loading, a prompt whose tokens plus --max-new-tokens pass the model's
     positions (config.json's max_position_embeddings)."""
-    from tensorbend.models import read_config
+    from tensorbend.models import max_positions
 
-    limit = getattr(read_config(path), "max_position_embeddings", None)
+    limit = max_positions(path)
     longest = max(ids.shape[1] for _, ids in inputs)
     if limit and longest + new_tokens > limit:
         raise TensorbendError(
