@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-staging bench-serve-accelerate llama-cpp clean
+.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-staging bench-serve-accelerate llama-cpp test-llama-cpp clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -251,8 +251,9 @@ bench-headline-domain: bench-accuracy
 
 # A 3.5 GB checkpoint served under a 1 GB budget (python -m bench.serve_memory; run alone).
 # The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
-# ours on zoo:default x184 (~35 min), then every peer and llama.cpp beside ours on
-# qwen3moe-tiny x184, the checkpoint llama.cpp loads (needs `make llama-cpp`; ~43 min).
+# ours on zoo:default x184 (~35 min), then every peer and llama.cpp (warm, f32, bf16 and Q8_0
+# GGUFs) beside ours on qwen3moe-tiny x184, the checkpoint llama.cpp loads (needs `make
+# llama-cpp`; ~60 min), then llama.cpp resident per precision and thread count (~5 min).
 SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$|^recency\(evict only\)$$|^recency\+d1:spec_gate/adm=predicted/extra=-2$$'
 bench-serve: bench-traces
 	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
@@ -261,11 +262,13 @@ bench-serve: bench-traces
 		--seed-mlp $(BENCH)/default/seed_mlp_d1.safetensors --memory-cap --only $(SERVE_ROWS) \
 		--json docs/results/bench/serve_memory.json --doc docs/results/serve_memory.md > /dev/null
 	$(PY) -m bench.serve_memory --model zoo:qwen3moe-tiny --factor 184 --max-memory 1GB \
-		--repeats 5 --prompts 3 --max-new-tokens 24 --memory-cap --llama-cpp --accelerate \
+		--repeats 5 --prompts 3 --max-new-tokens 24 --memory-cap --llama-cpp f32 bf16 Q8_0 --accelerate \
 		--accelerate-tokens 4 --predictor $(BENCH)/qwen/ours_d1.safetensors \
 		--horizon $(BENCH)/qwen/horizon_routing_hidden.safetensors \
 		--seed-mlp $(BENCH)/qwen/seed_mlp_d1.safetensors --only $(SERVE_ROWS)'|llama' \
 		--json docs/results/bench/serve_llama_cpp.json --doc docs/results/serve_llama_cpp.md > /dev/null
+	$(PY) -m bench.llama_cpp_resident --kinds f32 bf16 Q8_0 --threads 1 2 --repeats 5 \
+		--json docs/results/bench/llama_cpp_resident_warm.json
 
 # The staging slots' share of the budget given to the cache (`--staging-slots`): the best
 # cache, the best peer and ours, each with top-k staging slots, with one and with two (~30 min, alone).
@@ -287,9 +290,15 @@ bench-serve-accelerate: setup
 		--json docs/results/bench/serve_accelerate.json --doc docs/results/serve_accelerate.md > /dev/null
 
 # Optional extra: llama.cpp (the sources llama-cpp-python's sdist vendors) built into
-# runs/llama.cpp/ as a serving peer (bench/llama_cpp.py, docs/guide/peers.md); needs cmake + ninja.
+# runs/llama.cpp/ as a serving peer (bench/llama_cpp.py, docs/guide/peers.md), and
+# llama-cpp-python from the same sdist into .venv (bench/llama_cpp_serve.py's warm rows);
+# needs cmake + ninja. tests/test_llama_cpp.py runs its checks once this is built.
 llama-cpp: setup
 	$(PY) -m bench.llama_cpp build
+	$(PY) -m bench.llama_cpp_serve install
+
+test-llama-cpp: llama-cpp
+	$(PY) -m pytest tests/test_llama_cpp.py
 
 clean:
 	rm -rf $(VENV) runs

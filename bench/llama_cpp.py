@@ -107,7 +107,7 @@ def convert(checkpoint: Path, out: Path, outtype: str | None = None,
     if not (source / "convert_hf_to_gguf.py").is_file():
         raise TensorbendError(f"llama.cpp: expected its converter under {source}, found none; "
                               f"run `make llama-cpp` (python -m bench.llama_cpp build)")  # fmt: skip
-    outtype = outtype or _precision(checkpoint)
+    outtype = outtype or precision(checkpoint)
     _check_byte_level(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".part")
@@ -297,7 +297,8 @@ def _need() -> Tools:
     return tools
 
 
-def _precision(checkpoint: Path) -> str:
+def precision(checkpoint: Path) -> str:
+    """The checkpoint's own precision as a GGUF kind (f32, bf16 or f16), from its config."""
     config = json.loads((checkpoint / "config.json").read_text())
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     kinds = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}

@@ -6,6 +6,7 @@ Usage:
     python -m bench.llama_cpp_serve quantize IN.gguf OUT.gguf Q4_0   # llama.cpp's own quantizer
     python -m bench.llama_cpp_serve serve MODEL.gguf --prompts P.jsonl --max-new-tokens 32
     row = warm_row(gguf, ctx, prefill=False)           # bench.serve_rows.EXTERNAL's signature
+    files = ggufs(ckpt_dir, ["f32", "bf16", "Q8_0"])   # kind -> (GGUF, its repacking runs here)
 
 The process is llama-cpp-python (the Python binding PyPI ships of the same vendored llama.cpp
 bench/llama_cpp.py builds from: `pip install` compiles it with `-DGGML_NATIVE=ON`), the way a
@@ -33,6 +34,11 @@ from bench import llama_cpp, memory_cap
 from tensorbend.errors import TensorbendError
 
 QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
+KINDS = ("f32", "bf16", *QUANTS)
+"""The GGUF precisions a serving bench can run: the converter's f32 and bf16, llama-quantize's."""
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_K_M": None}
+"""Bytes a weight takes in each kind (Q8_0: 32 int8 + an fp16 scale per block of 32; Q4_0: 32
+nibbles + an fp16 scale; Q4_K_M mixes kinds per tensor)."""
 
 
 def install() -> None:
@@ -61,6 +67,38 @@ def install() -> None:
         f"llama-cpp-python {llama_cpp.VERSION} installed in {time.perf_counter() - t0:.0f} s",
         file=sys.stderr,
     )
+
+
+def ggufs(ckpt: Path, kinds) -> dict[str, tuple[Path, bool]]:
+    """The checkpoint as GGUFs of `kinds` (f32 and bf16 by the converter, the quantized kinds
+    by llama-quantize from the converter's own-precision file), each beside `ckpt` and reused,
+    with whether llama.cpp's weight repacking (its default) runs it here (`repack_runs`; where
+    it does not, the row runs `--no-repack`, said in its name: `row_name`)."""
+    if not kinds:
+        return {}
+    install()
+    own = llama_cpp.convert(ckpt, ckpt.with_name(f"{ckpt.name}-{llama_cpp.precision(ckpt)}.gguf"))
+    out = {}
+    for kind in kinds:
+        path = ckpt.with_name(f"{ckpt.name}-{kind}.gguf")  # (the file's last "-" part: its kind)
+        if path == own:
+            pass
+        elif kind in QUANTS:
+            path = quantize(own, path, kind)
+        else:
+            path = llama_cpp.convert(ckpt, path, kind)
+        out[kind] = (path, repack_runs(path))
+    return out
+
+
+def row_name(kind: str, repack: bool, cap: str = "") -> str:
+    """A llama.cpp row's name in the serving benches' tables.
+
+    >>> row_name("Q4_0", False, "same cap")
+    'llama.cpp Q4_0 (mmap, warm, --no-repack; same cap)'
+    """
+    flags = "" if repack else ", --no-repack"
+    return f"llama.cpp {kind} (mmap, warm{flags}{'; ' + cap if cap else ''})"
 
 
 def quantize(src: Path, out: Path, kind: str) -> Path:

@@ -25,8 +25,12 @@ the cache and admission ours uses, the page cache (`--policy on_demand --io buff
 expert cache of tensorbend's, the kernel's page cache holds the experts), ours, and
 `--accelerate`'s baseline without tensorbend: `tensorbend generate --engine accelerate`
 (transformers + accelerate's `device_map="auto"` within the same budget, the rest streamed in
-from disk every forward; `tensorbend.serving.accelerate_baseline`). A llama.cpp row plugs in through
-`serve_rows.EXTERNAL` (not wired here). `--memory-cap` runs every row in a memory
+from disk every forward; `tensorbend.serving.accelerate_baseline`). `--llama-cpp KIND...` adds a
+llama.cpp row per GGUF precision through `serve_rows.EXTERNAL` (`bench.llama_cpp_serve.warm_row`:
+one warm process per row serving every prompt, the GGUF's pages dropped once before it, bytes
+per token counted over decode only); each is set beside tensorbend's best row computing at its
+precision (`vs_same_precision`; bf16 adds the best cache on a bf16 store, BF16_CACHE) and its
+greedy text compared with that row's. `--memory-cap` runs every row in a memory
 cgroup of import baseline + budget + `--cap-margin` (`bench.memory_cap`: the page cache
 its reads fill counts too), as on a machine with only that much RAM; needs root.
 Every row reports decode tok/s, bytes read per decode token (expert bytes it loaded, and of
@@ -36,7 +40,8 @@ included); and prefill: the time to first token of one prompt of >= `--prefill-t
 (held-out prose: the shipped test prompts from the last backwards, joined; their ids are in
 the JSON), a second run per row and repeat with `--max-new-tokens 1`. Ours is set against the
 best cache (`vs_best_cache`) and against the best of every row that is not ours
-(`vs_best_peer`: caches, peers, page cache, accelerate, external rows), per repeat.
+(`vs_best_peer`: caches, peers, page cache, accelerate, external rows, at ours'
+precision), per repeat. The host load over every run is the JSON's `host_load`.
 Nothing else should run on the machine meanwhile.
 The page is rendered from the JSON by `bench.pages.serve_memory`.
 """
@@ -50,9 +55,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
-from bench import memory_cap
+from bench import llama_cpp_serve, memory_cap
 from bench.inflate import inflate
 from bench.pages.serve_memory import markdown
 from bench.serve_rows import (
@@ -68,8 +74,12 @@ from bench.serve_rows import (
     prefill_prompt,
 )
 from tensorbend.atomic import write_generated
+from tensorbend.host_load import CpuMeter
 from tensorbend.memory import parse_bytes
 from tensorbend.zoo import resolve_model
+
+BF16_CACHE = "lfru/adm=frequency/dtype=bf16"
+"""The best cache on a bf16 store (`--dtype bf16`), beside llama.cpp's bf16 GGUF."""
 
 
 def main(argv=None) -> int:
@@ -110,9 +120,12 @@ def main(argv=None) -> int:
                     help="run every row in a memory cgroup of import baseline + budget + "
                          "--cap-margin (page cache included; needs root)")  # fmt: skip
     ap.add_argument("--cap-margin", default="64MB", help="headroom of --memory-cap")
-    ap.add_argument("--llama-cpp", action="store_true",
-                    help="add the row 'llama.cpp' (bench.llama_cpp: a GGUF of the same "
-                         "checkpoint, mmap on, cold runs; needs `make llama-cpp`)")  # fmt: skip
+    ap.add_argument("--llama-cpp", nargs="+", default=(), choices=llama_cpp_serve.KINDS,
+                    metavar="KIND",
+                    help="add a llama.cpp row per GGUF precision (f32, bf16, Q8_0, Q4_0, Q4_K_M: "
+                         "bench.llama_cpp_serve, a warm process per row serving every prompt, "
+                         "mmap on, in the same memory cap; needs `make llama-cpp`); bf16 adds "
+                         "tensorbend's best cache on a bf16 store beside it")  # fmt: skip
     ap.add_argument("--staging-slots", type=int, nargs="+", default=(),
                     help="also run each tensorbend row that keeps experts with `generate "
                          "--staging-slots N`, for each N given (rows named .../staging=N)")  # fmt: skip
@@ -124,11 +137,8 @@ def main(argv=None) -> int:
     ckpt = inflate(resolve_model(args.model), args.workdir / f"{tag}-x{args.factor}"
                    if args.model != "zoo:default" else args.workdir / f"ckpt-x{args.factor}",
                    args.factor)  # fmt: skip
-    if args.llama_cpp:
-        from bench import llama_cpp
-
-        gguf = llama_cpp.convert(ckpt, ckpt.with_suffix(".gguf"))
-        EXTERNAL["llama.cpp"] = lambda name, ctx, prefill: llama_cpp.row(gguf, ctx, prefill)
+    for kind, (gguf, repack) in llama_cpp_serve.ggufs(ckpt, args.llama_cpp).items():
+        EXTERNAL[llama_cpp_serve.row_name(kind, repack)] = partial(_llama, gguf, repack)
     prompts = _test_prompts(args.workdir / "prompts.jsonl", args.prompts)
     long = args.workdir / "prefill.jsonl"
     prefill = prefill_prompt(long, ckpt, args.prefill_tokens)
@@ -140,12 +150,15 @@ def main(argv=None) -> int:
         if not any(predicts_nothing(k) for k in rows):
             raise SystemExit(f"--only {args.only!r}: expected it to keep a row without "
                              f"prediction (one of {', '.join(NO_PREDICTION)})")  # fmt: skip
+    if "bf16" in args.llama_cpp:  # (whatever --only keeps) tensorbend at llama.cpp bf16's bytes
+        rows[BF16_CACHE] = NO_PREDICTION["lfru/adm=frequency"] + ["--dtype", "bf16"]
     store = args.workdir / ("store" if args.model == "zoo:default" else f"store-{tag}")
     generate = [sys.executable, "-m", "tensorbend", "generate", "--model", str(ckpt),
                 "--max-memory", args.max_memory, "--quiet"]  # fmt: skip
     base = generate + ["--io", "direct", "--store-dir", str(store)]
     acc = generate + ["--store-dir", str(args.workdir / "accelerate")]  # its offload folder
-    _run(base + ["--prompts", str(prompts), "--max-new-tokens", "1"])  # builds the store once
+    for dtype in [[]] + ([["--dtype", "bf16"]] if BF16_CACHE in rows else []):
+        _run(base + dtype + ["--prompts", str(prompts), "--max-new-tokens", "1"])  # its store, once
     baseline = _import_rss()
     cap = None
     if args.memory_cap:
@@ -171,6 +184,7 @@ def main(argv=None) -> int:
 
     runs: dict[str, list[dict]] = {name: [] for name in rows}
     names = list(rows)
+    meter = CpuMeter()  # (this process and its children against the machine, every run)
     after = args.ttft_pass == "after"
     for r in range(args.repeats):
         for name in _rotated(names, r):  # (no row always runs at the same place in a repeat)
@@ -190,6 +204,9 @@ def main(argv=None) -> int:
         ref = _run(base + acc_decode, cap)["text"]  # tensorbend's plain cache, as many tokens
     result = _aggregate(runs, args, ckpt, baseline, ref)
     result["memory_cap_bytes"] = cap
+    result["host_load"] = meter.stop().to_json()
+    if args.llama_cpp:  # (its process's own baseline: the same cgroup leaves it more page cache)
+        result["llama_cpp_import_rss_bytes"] = llama_cpp_serve.import_rss()
     result["prefill_prompt"] = prefill
     result["order"] = "rotated"  # repeat r starts at row r (older JSON: the same order each time)
     result["ttft_pass"] = args.ttft_pass  # (older JSON: each TTFT run right after its decode run)
@@ -198,6 +215,11 @@ def main(argv=None) -> int:
     write_generated(args.doc, markdown(json.loads(args.json.read_text())))
     print(markdown(result))
     return 0
+
+
+def _llama(gguf: Path, repack: bool, name: str, ctx: dict, prefill: bool) -> dict:
+    """A llama.cpp row's run (serve_rows.EXTERNAL's signature): warm, every prompt."""
+    return llama_cpp_serve.warm_row(gguf, ctx, prefill, repack=repack)
 
 
 def _rotated(names: list[str], r: int) -> list[str]:
@@ -241,24 +263,36 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None 
             "cap_max_usage_bytes": _max(rs, "cap_max_usage_bytes"),
             "oom_kills": sum(r.get("oom_kills", 0) for r in rs),
             "text_equal_to_best": None,
+            "precision": _precision(rs[0]),
             "cache_slots": rs[0]["cache_slots"],
             "decode_tokens": rs[0]["decode_tokens"],
         })  # fmt: skip
     best = max((r for r in rows if predicts_nothing(r["policy"])), key=lambda r: r["decode_tok_s"])
+    for r in rows:
+        r["precision"] = r["precision"] or best["precision"]
+    same = _same_precision(rows, best)  # precision -> tensorbend's fastest row in it
     for r in rows:  # greedy text: every run's stdout against the best cache's first run's
-        if r["policy"] in EXTERNAL:  # its own stdout format (llama.cpp's greedy tokens are
-            continue  # compared with transformers' in tests/test_llama_cpp.py instead)
-        want = runs[best["policy"]][0]["text"]
+        ref = best if r["precision"] == best["precision"] else same.get(r["precision"])
+        if ref is None or ref is r:  # (no tensorbend row computes at this precision)
+            continue
+        want = runs[ref["policy"]][0]["text"]
         if r["policy"] == ACCELERATE and acc_ref is not None:
             want = acc_ref  # (it decoded --accelerate-tokens per prompt)
         r["text_equal_to_best"] = all(x["text"] == want for x in runs[r["policy"]])
+        if r["engine"] != "tensorbend" or r["precision"] != best["precision"]:
+            r["text_reference"] = ref["policy"]
     every = [r for rs in runs.values() for r in rs if r.get("memory_plan")]
     first = every[0]
     plan = _split(first)
     grown = [r["memory_plan"]["measured"] for r in every if "measured" in r["memory_plan"]]
-    peer = max((r for r in rows if not is_ours(r["policy"])), key=lambda r: r["decode_tok_s"])
+    peer = max((r for r in rows if not is_ours(r["policy"]) and r["precision"] == best["precision"]),
+               key=lambda r: r["decode_tok_s"])  # (at ours' precision)  # fmt: skip
     for r in rows:  # per repeat: this row's tok/s over the best cache's (peer's) in the repeat
-        for key, ref in (("vs_best_cache", best), ("vs_best_peer", peer)):
+        refs = [("vs_best_cache", best), ("vs_best_peer", peer)]
+        if r["engine"] == "llama.cpp" and same.get(r["precision"]):
+            r["same_precision_row"] = same[r["precision"]]["policy"]
+            refs.append(("vs_same_precision", same[r["precision"]]))
+        for key, ref in refs:
             ratios = [x / b for x, b in zip(r["decode_tok_s_repeats"], ref["decode_tok_s_repeats"],
                                             strict=True)]  # fmt: skip
             r[key] = statistics.median(ratios)
@@ -284,6 +318,24 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None 
         "measured_model_bytes_range": [min(grown), max(grown)] if grown else None,
         "results": rows,
     }
+
+
+def _precision(run: dict) -> str:
+    """The bytes-per-weight kind a row's experts are computed from: llama.cpp's GGUF kind, or
+    tensorbend's stored dtype (float32 -> f32, bfloat16 -> bf16)."""
+    kind = run.get("expert_dtype")  # (None: accelerate, at the checkpoint's own precision)
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(kind, kind)
+
+
+def _same_precision(rows: list[dict], best: dict) -> dict[str, dict]:
+    """Precision -> tensorbend's fastest row computing at it (the best cache at the checkpoint's
+    own precision): what a llama.cpp row of that precision is set beside."""
+    out = {best["precision"]: best}
+    for r in rows:
+        if r["engine"] == "tensorbend" and r["precision"] != best["precision"]:
+            if r["decode_tok_s"] > out.get(r["precision"], {"decode_tok_s": 0})["decode_tok_s"]:
+                out[r["precision"]] = r
+    return out
 
 
 def _median(rs: list[dict], key: str):

@@ -36,7 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import memory_cap
+from bench import llama_cpp_serve, memory_cap
 from bench.inflate import inflate
 from bench.pages.serve_precision import markdown
 from bench.serve_memory import _import_rss, _rotated, _run, _test_prompts
@@ -56,7 +56,6 @@ LRU = ["--policy", "lru", "--admission", "all"]
 PREFETCH = ["--policy", "prefetch", "--admission", "predicted"]
 INT4 = "int4 store, int4 slots"
 LLAMA = "llama.cpp"
-LLAMA_KINDS = ("bf16", "Q8_0", "Q4_0", "Q4_K_M")
 SAME_PRECISION = {"bf16": "bf16 store"}  # llama.cpp kind -> the store whose text it should give
 TAGS = {"bf16 store": "bfloat16", "int4 store, bf16 slots": "int4", INT4: "int4-cpu"}
 
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
         "--llama-cpp",
         nargs="*",
         default=(),
-        choices=LLAMA_KINDS,
+        choices=llama_cpp_serve.KINDS,
         help="add llama.cpp rows (bench.llama_cpp_serve: a warm process per row, "
         "the GGUF of the same checkpoint in these precisions; needs `make "
         "llama-cpp`)",
@@ -137,11 +136,10 @@ def main(argv=None) -> int:
         str(store),
     ]
     table = rows(args.predictor, args.horizon)
-    ggufs = _ggufs(ckpt, args.llama_cpp)
+    ggufs = llama_cpp_serve.ggufs(ckpt, args.llama_cpp)
     for kind, (_, repack) in ggufs.items():  # (each at the same cap, and at its own baseline
         for cap_kind in ("same cap", "own baseline + budget"):  # + the budget: see the page)
-            flag = "" if repack else ", --no-repack"
-            table[f"llama.cpp {kind} (mmap, warm{flag}; {cap_kind})"] = (LLAMA, [kind, cap_kind])
+            table[llama_cpp_serve.row_name(kind, repack, cap_kind)] = (LLAMA, [kind, cap_kind])
     for s in STORES:  # every store built before any timed run
         _run(base + STORES[s] + ["--prompts", str(prompts), "--max-new-tokens", "1"])
     cap = None
@@ -151,9 +149,7 @@ def main(argv=None) -> int:
         cap = _import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
     own_cap = None
     if cap is not None and ggufs:
-        from bench.llama_cpp_serve import import_rss
-
-        own_cap = import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
+        own_cap = llama_cpp_serve.import_rss() + parse_bytes(args.max_memory) + parse_bytes("64MB")
     decode = ["--prompts", str(prompts), "--max-new-tokens", str(args.max_new_tokens)]
     first = ["--prompts", str(long), "--max-new-tokens", "1"]
     ctx = {
@@ -166,11 +162,9 @@ def main(argv=None) -> int:
     def one(name: str, ttft: bool) -> dict:
         store_name, flags = table[name]
         if store_name == LLAMA:
-            from bench.llama_cpp_serve import warm_row
-
             path, repack = ggufs[flags[0]]
             own = flags[1] != "same cap"
-            got = warm_row(
+            got = llama_cpp_serve.warm_row(
                 path,
                 {**ctx, "memory_cap_bytes": own_cap if own else cap},
                 prefill=ttft,
@@ -298,27 +292,6 @@ def _aggregate(runs: dict, table: dict, args, ckpt: Path, store: Path) -> dict:
 def _median(rs: list[dict], key: str):
     vals = [r.get(key) for r in rs]
     return None if None in vals else statistics.median(vals)
-
-
-def _ggufs(ckpt: Path, kinds) -> dict[str, tuple[Path, bool]]:
-    """The checkpoint as GGUFs of `kinds` (bf16 by the converter, the rest by llama-quantize
-    from the converter's own-precision file), each with whether llama.cpp's weight repacking
-    (its default) runs it here (`llama_cpp_serve.repack_runs`; else the row runs without)."""
-    if not kinds:
-        return {}
-    from bench import llama_cpp
-    from bench.llama_cpp_serve import install, quantize, repack_runs
-
-    install()
-    own = llama_cpp.convert(ckpt, ckpt.with_name(ckpt.name + "-own.gguf"))
-    out = {}
-    for kind in kinds:
-        path = ckpt.with_name(f"{ckpt.name}-{kind}.gguf")
-        path = (
-            llama_cpp.convert(ckpt, path, "bf16") if kind == "bf16" else quantize(own, path, kind)
-        )
-        out[kind] = (path, repack_runs(path))
-    return out
 
 
 def _ttft(rs: list[dict]) -> dict:

@@ -93,3 +93,49 @@ def test_every_row_runs_the_admission_its_name_says():
     from tensorbend.serving.offloaded import ServeConfig
 
     assert ServeConfig().offload is SERVING  # load_offloaded's default is generate's
+
+
+def _run(tok_s: float, text: str, dtype: str | None = "float32", engine="tensorbend") -> dict:
+    """One run's summary as the aggregate reads it (a tensorbend row's `generate --json`, or
+    llama_cpp_serve.warm_row's dict, whose expert_dtype is the GGUF kind)."""
+    plan = {"budget": 1, "non_expert": 1, "model": 1, "staging": 1, "reserve": 1, "cache": 1}
+    run = {"engine": engine, "decode_tok_s": tok_s, "bytes_read_per_token": 1.0,
+           "disk_read_bytes_per_token": 1.0, "demand_hit_rate": None, "stall_s_per_token": None,
+           "ttft_s": 1.0, "predict_s_per_token": None, "peak_rss_bytes": 1, "cache_slots": None,
+           "decode_tokens": 9, "expert_dtype": dtype, "text": text, "expert_bytes": 8}  # fmt: skip
+    return run | ({"memory_plan": plan} if engine == "tensorbend" else {})
+
+
+def test_rows_at_another_precision_meet_tensorbend_at_theirs(tmp_path):
+    """Planted runs, 2 repeats: llama.cpp's Q8_0 row is the fastest but is not ours' best peer
+    (ours computes f32); its bf16 row is set beside tensorbend's bf16 cache per repeat (ratios
+    by hand) and its text compared with that row's; Q8_0 has no tensorbend row to meet."""
+    from argparse import Namespace
+
+    from bench.serve_memory import BF16_CACHE, _aggregate
+
+    q8, bf = "llama.cpp Q8_0 (mmap, warm)", "llama.cpp bf16 (mmap, warm)"
+    runs = {
+        "lfru/adm=frequency": [_run(4.0, "a"), _run(5.0, "a")],
+        "spec_gate/adm=predicted": [_run(6.0, "a"), _run(4.0, "a")],
+        "ours: horizon+d1/adm=predicted": [_run(7.0, "a"), _run(6.0, "a")],
+        BF16_CACHE: [_run(8.0, "b", "bfloat16"), _run(10.0, "b", "bfloat16")],
+        bf: [_run(2.0, "b", "bf16", "llama.cpp"), _run(5.0, "c", "bf16", "llama.cpp")],
+        q8: [_run(50.0, "d", "Q8_0", "llama.cpp"), _run(60.0, "d", "Q8_0", "llama.cpp")],
+        "llama.cpp f32 (mmap, warm)": [_run(1.0, "a", "f32", "llama.cpp")] * 2,
+    }
+    args = Namespace(model="zoo:qwen3moe-tiny", factor=184, max_memory="1GB", prompts=1,
+                     max_new_tokens=9, accelerate_tokens=None, repeats=2)  # fmt: skip
+    res = _aggregate(runs, args, tmp_path, baseline=0)
+    by = {r["policy"]: r for r in res["results"]}
+    assert res["best_no_prediction"] == "lfru/adm=frequency"
+    assert res["best_peer"] == "spec_gate/adm=predicted"  # 6, 4 vs the cache's 4, 5: median 5
+    assert by[bf]["same_precision_row"] == BF16_CACHE
+    assert by[bf]["vs_same_precision_range"] == [2.0 / 8.0, 5.0 / 10.0]
+    assert by[bf]["text_equal_to_best"] is False and by[bf]["text_reference"] == BF16_CACHE
+    assert "same_precision_row" not in by[q8] and by[q8]["text_equal_to_best"] is None
+    f32 = by["llama.cpp f32 (mmap, warm)"]
+    assert f32["text_equal_to_best"] is True  # (against the best cache, f32 as it)
+    assert f32["vs_same_precision"] == pytest.approx((1 / 4 + 1 / 5) / 2)  # per-repeat median
+    assert by[BF16_CACHE]["text_equal_to_best"] is None  # (no other bf16 tensorbend row)
+    assert by["ours: horizon+d1/adm=predicted"]["vs_best_peer_range"] == [7.0 / 6.0, 6.0 / 4.0]

@@ -75,7 +75,7 @@ def markdown(res: dict) -> str:
             f"{r['peak_rss_bytes'] / 1e6:.0f} | "
             f"{(r['peak_rss_bytes'] - base) / 1e6:.0f} | {budget / 1e6:.0f} |"
             + (f" {_mb(r.get('cap_max_usage_bytes'))} | "
-               f"{_same(r.get('text_equal_to_best'))} |" if capped else "")
+               f"{_same(r)} |" if capped else "")
         )  # fmt: skip
     ours = [r for r in res["results"] if r.get("engine", "tensorbend") == "tensorbend"]
     if peers:
@@ -121,6 +121,7 @@ def markdown(res: dict) -> str:
             + _same_text(res["results"]),
         ]
     lines += _staging_notes(res["results"])
+    lines += _llama_notes(res)
     if stalls:
         best = next(r for r in res["results"] if r["policy"] == res["best_no_prediction"])
         lines += [
@@ -249,7 +250,7 @@ def _peer_notes(res: dict) -> list[str]:
         "",
         f"Regime: real disk: real compute, O_DIRECT reads (or page cache for that row), {cgroup}. "
         f"vs best peer = the median [range] of the per-repeat ratios to the best row that is not "
-        f"ours ({res['best_peer']}): caches, spec_gate (the next layer's router on the current "
+        f"ours ({res['best_peer']}{_precision_said(res)}): caches, spec_gate (the next layer's router on the current "
         f"router input, no training) and seed_mlp prefetchers with ours' cache and admission, the "
         f"page cache (`--policy on_demand --io buffered`: tensorbend keeps no expert, the kernel's "
         f"page cache is the expert cache, the store's pages dropped before each run), accelerate. "
@@ -266,14 +267,43 @@ def _peer_notes(res: dict) -> list[str]:
     ]
 
 
+def _llama_cap(res: dict) -> str:
+    """What the shared cgroup gives llama.cpp: its process needs less than tensorbend's import
+    baseline (torch), and the difference goes to its page cache, on top of the budget."""
+    own, cap = res.get("llama_cpp_import_rss_bytes"), res.get("memory_cap_bytes")
+    if not own or not cap:
+        return ""
+    base = res["import_baseline_rss_bytes"]
+    return (
+        f" The cgroup is tensorbend's ({cap / 1e6:.0f} MB: its {base / 1e6:.0f} MB import "
+        f"baseline + the budget + margin); llama.cpp's process starts at {own / 1e6:.0f} MB, "
+        f"so {(base - own) / 1e6:.0f} MB more than the budget is left to its page cache: a "
+        "setting in llama.cpp's favour."
+    )
+
+
+def _precision_said(res: dict) -> str:
+    """', at ours' precision (f32)' when rows of several precisions ran."""
+    kinds = {r.get("precision") for r in res["results"]} - {None}
+    if len(kinds) < 2:
+        return ""
+    best = next(r for r in res["results"] if r["policy"] == res["best_no_prediction"])
+    return f", among the rows at ours' precision, {best['precision']}"
+
+
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.0f}"
 
 
-def _same(equal: bool | None) -> str:
-    """The same-text cell: None for an engine whose output is compared elsewhere (llama.cpp's
-    greedy tokens against transformers' in tests/test_llama_cpp.py)."""
-    return "n/a (tested apart)" if equal is None else "yes" if equal else "NO"
+def _same(r: dict) -> str:
+    """The same-text cell: against the best cache, or for a row at another precision against
+    tensorbend's row at its precision (`text_reference`); n/a where there is none (older JSON:
+    llama.cpp's greedy tokens were compared with transformers' in tests/test_llama_cpp.py)."""
+    equal = r.get("text_equal_to_best")
+    if equal is None:
+        return "n/a (no row at its precision)" if "precision" in r else "n/a (tested apart)"
+    said = "yes" if equal else "NO"
+    return f"{said} (vs {r['text_reference']})" if r.get("text_reference") else said
 
 
 def _same_text(results: list[dict]) -> str:
@@ -281,21 +311,70 @@ def _same_text(results: list[dict]) -> str:
     differ = [r["policy"] for r in results if r.get("text_equal_to_best") is False]
     apart = [r["policy"] for r in results if r.get("text_equal_to_best") is None]
     said = ("every repeat's greedy text equals the best cache's" if not differ else
-            f"these rows' text differs from the best cache's: {', '.join(differ)}")  # fmt: skip
-    if apart:
+            f"these rows' text differs from their reference's: {', '.join(differ)}")  # fmt: skip
+    if any(r.get("text_reference") for r in results):
+        said += (
+            " (a row at another precision, or another engine's, against tensorbend's row at"
+            " its precision)"
+        )
+    if apart and not all("precision" in r for r in results):
         said += f" ({', '.join(apart)}: own output format, its greedy tokens tested apart)"
+    elif apart:
+        said += f"; no tensorbend row computes at the precision of {', '.join(apart)}"
     return said + "."
+
+
+def _llama_notes(res: dict) -> list[str]:
+    """The llama.cpp rows (bench.llama_cpp_serve: warm) beside tensorbend at their precision."""
+    rows = [r for r in res["results"] if r.get("engine") == "llama.cpp" and "precision" in r]
+    if not rows:
+        return []
+    out = [
+        "",
+        "llama.cpp rows: llama-cpp-python (the same vendored llama.cpp, built with "
+        "`-DGGML_NATIVE=ON`), one warm process per row and repeat serving every prompt in turn, "
+        "the GGUF memory-mapped (its pages dropped once before the row, as tensorbend's rows "
+        "start with an empty cache), 2 threads, greedy, in the same memory cgroup; MB from disk "
+        "per token counts the decode steps' reads only (/proc/self/io), prefill apart (TTFT). "
+        "Each is set beside tensorbend's fastest row computing at its precision (per-repeat "
+        "ratios, median [range]); its text is compared with that row's." + _llama_cap(res),
+        "",
+        "| llama.cpp row | precision | decode tok/s [range] | MB from disk / token | "
+        "tensorbend at its precision | llama.cpp / tensorbend | same text |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["decode_tok_s_range"]
+        disk = r.get("disk_read_bytes_per_token")
+        ref = r.get("same_precision_row")
+        vs = (f"{r['vs_same_precision']:.2f}x [{r['vs_same_precision_range'][0]:.2f}, "
+              f"{r['vs_same_precision_range'][1]:.2f}]" if ref else "-")  # fmt: skip
+        out.append(
+            f"| {r['policy']} | {r['precision']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
+            f"{'-' if disk is None else f'{disk / 1e6:.1f}'} | {ref or 'none (no such store)'} | "
+            f"{vs} | {_same(r)} |"
+        )
+    return out
 
 
 def _host_line(res: dict) -> str:
     """The most CPU other processes took during any timed run (`host_load` per run, in
-    `generate --json`; none in JSON from before it was kept, nor for external engines' rows)."""
+    `generate --json`; none in JSON from before it was kept, nor for external engines' rows),
+    and over the whole bench (`host_load`, every engine's runs)."""
     xs = [
         x for r in res["results"] for x in r.get("host_other_cores_repeats") or () if x is not None
     ]
-    if not xs:
-        return ""
-    return (
+    said = (
         f" Other processes used at most {max(xs):.2f} CPU cores during any tensorbend run "
-        "(`host_other_cores_repeats` in the JSON)."
+        "(`host_other_cores_repeats` in the JSON)"
+        if xs
+        else ""
     )
+    whole = res.get("host_load")
+    if whole:
+        said += (
+            f"{',' if said else ' Other processes used'} {whole['other_cores']:.2f} cores on "
+            f"average over the whole bench ({whole['wall_s'] / 60:.0f} min, every engine's runs; "
+            "`host_load`)"
+        )
+    return said + "." if said else ""
