@@ -273,13 +273,13 @@ def _aggregate(runs: dict, args, ckpt: Path, baseline: int, acc_ref: str | None 
     same = _same_precision(rows, best)  # precision -> tensorbend's fastest row in it
     for r in rows:  # greedy text: every run's stdout against the best cache's first run's
         ref = best if r["precision"] == best["precision"] else same.get(r["precision"])
-        if ref is None or ref is r:  # (no tensorbend row computes at this precision)
+        if ref is None:  # (no tensorbend row computes at this precision)
             continue
-        want = runs[ref["policy"]][0]["text"]
+        want = runs[ref["policy"]][0]["text"]  # (a reference row: its repeats against its first)
         if r["policy"] == ACCELERATE and acc_ref is not None:
             want = acc_ref  # (it decoded --accelerate-tokens per prompt)
         r["text_equal_to_best"] = all(x["text"] == want for x in runs[r["policy"]])
-        if r["engine"] != "tensorbend" or r["precision"] != best["precision"]:
+        if ref is not best and ref is not r or r["engine"] == "llama.cpp":
             r["text_reference"] = ref["policy"]
     every = [r for rs in runs.values() for r in rs if r.get("memory_plan")]
     first = every[0]

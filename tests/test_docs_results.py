@@ -433,7 +433,6 @@ SHORT = {  # cited timed pages not yet rerun to the standard, and why (the list 
     "serve_memory.md": "no host load (run before generate --json kept it)",
     "serve_memory_narrow.md": "3 repeats, no host load",
     "serve_accelerate.md": "3 repeats, no host load",
-    "serve_llama_cpp.md": "no host load; llama.cpp cold per prompt (bench.llama_cpp_serve is warm)",
     "serve_staging.md": "no host load",
 }
 

@@ -137,5 +137,6 @@ def test_rows_at_another_precision_meet_tensorbend_at_theirs(tmp_path):
     f32 = by["llama.cpp f32 (mmap, warm)"]
     assert f32["text_equal_to_best"] is True  # (against the best cache, f32 as it)
     assert f32["vs_same_precision"] == pytest.approx((1 / 4 + 1 / 5) / 2)  # per-repeat median
-    assert by[BF16_CACHE]["text_equal_to_best"] is None  # (no other bf16 tensorbend row)
+    assert by[BF16_CACHE]["text_equal_to_best"] is True  # (its repeats against its first)
+    assert "text_reference" not in by[BF16_CACHE]  # (the reference itself)
     assert by["ours: horizon+d1/adm=predicted"]["vs_best_peer_range"] == [7.0 / 6.0, 6.0 / 4.0]

@@ -13,6 +13,8 @@ from tensorbend.cache.report import ratio_verdict, repeat_ratios
 
 def markdown(res: dict) -> str:
     gb = 1e9
+    refs = {r.get("text_reference") for r in res["results"]} | {res["best_no_prediction"]}
+    res = {**res, "results": [{**r, "referenced": r["policy"] in refs} for r in res["results"]]}
     budget, base = res["max_memory_bytes"], res["import_baseline_rss_bytes"]
     stalls = all("no_stall_ceiling" in r for r in res["results"])  # (runs before it: none)
     peers = all("vs_best_peer" in r for r in res["results"])  # (runs before the peers: none)
@@ -267,6 +269,13 @@ def _peer_notes(res: dict) -> list[str]:
     ]
 
 
+def _disk_cell(disk: float | None) -> str:
+    if disk is None:
+        return "-"
+    said = f"{disk / 1e6:.1f}"
+    return said + " (the whole GGUF stays in its page cache)" if disk < 1e6 else said
+
+
 def _llama_cap(res: dict) -> str:
     """What the shared cgroup gives llama.cpp: its process needs less than tensorbend's import
     baseline (torch), and the difference goes to its page cache, on top of the budget."""
@@ -300,6 +309,8 @@ def _same(r: dict) -> str:
     tensorbend's row at its precision (`text_reference`); n/a where there is none (older JSON:
     llama.cpp's greedy tokens were compared with transformers' in tests/test_llama_cpp.py)."""
     equal = r.get("text_equal_to_best")
+    if equal is None and r.get("referenced"):  # (JSON of 2026-12-07: a reference row unchecked)
+        return "the reference"
     if equal is None:
         return "n/a (no row at its precision)" if "precision" in r else "n/a (tested apart)"
     said = "yes" if equal else "NO"
@@ -309,7 +320,11 @@ def _same(r: dict) -> str:
 def _same_text(results: list[dict]) -> str:
     """What the same-text column says, in one sentence, from the rows' flags."""
     differ = [r["policy"] for r in results if r.get("text_equal_to_best") is False]
-    apart = [r["policy"] for r in results if r.get("text_equal_to_best") is None]
+    apart = [
+        r["policy"]
+        for r in results
+        if r.get("text_equal_to_best") is None and not r.get("referenced")
+    ]
     said = ("every repeat's greedy text equals the best cache's" if not differ else
             f"these rows' text differs from their reference's: {', '.join(differ)}")  # fmt: skip
     if any(r.get("text_reference") for r in results):
@@ -351,7 +366,7 @@ def _llama_notes(res: dict) -> list[str]:
               f"{r['vs_same_precision_range'][1]:.2f}]" if ref else "-")  # fmt: skip
         out.append(
             f"| {r['policy']} | {r['precision']} | {r['decode_tok_s']:.2f} [{lo:.2f}, {hi:.2f}] | "
-            f"{'-' if disk is None else f'{disk / 1e6:.1f}'} | {ref or 'none (no such store)'} | "
+            f"{_disk_cell(disk)} | {ref or 'none (no such store)'} | "
             f"{vs} | {_same(r)} |"
         )
     return out
