@@ -430,7 +430,6 @@ TIMED = ("offload", "serve_memory", "serve_precision", "vllm_offload")  # render
 SHORT = {  # cited timed pages not yet rerun to the standard, and why (the list only shrinks)
     "headline_deep_b4.md": "3 repeats (zoo:dsv3-deep at batch 4, ~60 min at 5)",
     "headline_deep_domain.md": "3 repeats (zoo:dsv3-deep, held-out topics, ~40 min at 5)",
-    "serve_memory.md": "no host load (run before generate --json kept it)",
     "serve_memory_narrow.md": "3 repeats, no host load",
     "serve_accelerate.md": "3 repeats, no host load",
     "serve_staging.md": "no host load",
