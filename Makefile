@@ -253,7 +253,7 @@ bench-headline-domain: bench-accuracy
 # The committed real-disk runs (run alone, needs root for the memory cgroup): every peer beside
 # ours on zoo:default x184 (~35 min), then every peer and llama.cpp (warm, f32, bf16 and Q8_0
 # GGUFs) beside ours on qwen3moe-tiny x184, the checkpoint llama.cpp loads (needs `make
-# llama-cpp`; ~60 min), then llama.cpp resident per precision and thread count (~5 min).
+# llama-cpp`; ~35 min), then llama.cpp resident per precision and thread count (~3 min).
 SERVE_ROWS := '^lfru/adm=frequency$$|^lru$$|page cache|accelerate|^spec_gate/adm=predicted(/extra=-2)?$$|^seed_mlp/adm=predicted/extra=-2$$|^ours: horizon\(evict only\)$$|^ours: horizon\(evict only\)\+d1/adm=predicted/extra=-2$$|^ours: horizon\+d1/adm=predicted$$|^recency\(evict only\)$$|^recency\+d1:spec_gate/adm=predicted/extra=-2$$'
 bench-serve: bench-traces
 	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 4 \
