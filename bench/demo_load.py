@@ -17,6 +17,7 @@ Nothing else should run meanwhile (the spinners are the load).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -29,8 +30,20 @@ from tensorbend.atomic import write_generated
 from tensorbend.host_load import CpuMeter
 from tensorbend.report.demo_summary import WITHHELD
 
-SPIN = "while True:\n    pass\n"
+SPIN = "while True:\n    pass\n"  # another process's work on a core
 LIMIT_S = 600
+
+
+@contextlib.contextmanager
+def busy_cores(n: int):
+    """`n` processes spinning on a core each while the block runs (another user's jobs)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
 
 
 def main(argv=None) -> int:
@@ -38,25 +51,20 @@ def main(argv=None) -> int:
     ap.add_argument("--busy", type=int, default=2, help="spinning processes beside the demo")
     ap.add_argument("--json", type=Path, default=Path("docs/results/bench/demo_load.json"))
     args = ap.parse_args(argv)
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.busy)]
-    try:
-        with tempfile.TemporaryDirectory(prefix="demo-load-") as tmp:
-            out = Path(tmp) / "demo"
-            meter = CpuMeter()
-            t0 = time.perf_counter()
-            p = subprocess.run(
-                [sys.executable, "-m", "tensorbend", "demo", "--out", str(out), "--quiet"],
-                capture_output=True,
-                text=True,
-            )
-            wall = time.perf_counter() - t0
-            load = meter.stop().to_json()
-            if p.returncode != 0:
-                raise SystemExit(f"tensorbend demo failed:\n{p.stderr[-3000:]}")
-            summary = json.loads((out / "report" / "summary.json").read_text())
-    finally:
-        for s in spinners:
-            s.kill()
+    with busy_cores(args.busy), tempfile.TemporaryDirectory(prefix="demo-load-") as tmp:
+        out = Path(tmp) / "demo"
+        meter = CpuMeter()
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            [sys.executable, "-m", "tensorbend", "demo", "--out", str(out), "--quiet"],
+            capture_output=True,
+            text=True,
+        )
+        wall = time.perf_counter() - t0
+        load = meter.stop().to_json()
+        if p.returncode != 0:
+            raise SystemExit(f"tensorbend demo failed:\n{p.stderr[-3000:]}")
+        summary = json.loads((out / "report" / "summary.json").read_text())
     result = {
         "bench": "demo_load",
         "busy_processes": args.busy,

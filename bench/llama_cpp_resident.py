@@ -31,13 +31,12 @@ import sys
 from pathlib import Path
 
 from bench import llama_cpp_serve
+from bench.demo_load import busy_cores
 from bench.inflate import inflate
 from bench.serve_memory import _rotated, _test_prompts
 from tensorbend.atomic import write_generated
 from tensorbend.host_load import CpuMeter
 from tensorbend.zoo import resolve_model
-
-SPIN = "while True:\n    pass\n"  # another process's work on a core
 
 
 def main(argv=None) -> int:
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="zoo:qwen3moe-tiny")
     ap.add_argument("--factor", type=int, default=184)
     ap.add_argument("--kinds", nargs="+", default=["f32", "bf16", "Q8_0"],
-                    choices=llama_cpp_serve.KINDS)  # fmt: skip
+                    choices=[k for k, b in llama_cpp_serve.BYTES_PER_WEIGHT.items() if b])  # fmt: skip
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1],
                     help="processes spinning on a core each beside a run (0: alone)")  # fmt: skip
@@ -69,21 +68,18 @@ def main(argv=None) -> int:
         for kind, threads, busy in _rotated(rows, r):
             path, repack = files[kind]
             _warm(path)
-            spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
-            try:
+            with busy_cores(busy):
                 got = _serve(path, texts, args.max_new_tokens, threads, repack)
-            finally:
-                for x in spinners:
-                    x.kill()
             runs[(kind, threads, busy)].append(got)
             print(f"repeat {r}: {kind} x{threads}, {busy} busy: {got['decode_tok_s']:.2f} tok/s",
                   file=sys.stderr)  # fmt: skip
     memory = {t: _memory_read_rate(t, args.repeats) for t in args.threads}
     config = json.loads((ckpt / "config.json").read_text())
+    weights = _weights_per_token(config, ckpt)
     out = []
     for (kind, threads, busy), rs in runs.items():
         tok_s = [x["decode_tok_s"] for x in rs]
-        touched = _bytes_per_token(config, kind, ckpt)
+        touched = weights * llama_cpp_serve.BYTES_PER_WEIGHT[kind]
         out.append({
             "kind": kind,
             "threads": threads,
@@ -149,14 +145,12 @@ def _serve(path: Path, texts: list[str], n: int, threads: int, repack: bool) -> 
     }
 
 
-def _bytes_per_token(config: dict, kind: str, ckpt: Path) -> float:
+def _weights_per_token(config: dict, ckpt: Path) -> float:
     """Weights one decode token reads: every layer's K routed experts (3 matrices of hidden x
-    intermediate) at the kind's bytes per weight, plus every weight that is not a routed
-    expert (attention, norms, routers, the embedding row and the output head) at the same."""
+    intermediate) plus every weight that is not a routed expert (attention, norms, routers,
+    the output head; of an untied embedding, one row). Times a kind's bytes per weight: bytes."""
     from safetensors import safe_open
 
-    per_weight = llama_cpp_serve.BYTES_PER_WEIGHT[kind]
-    assert per_weight is not None, f"{kind}: mixed bytes per weight"
     numel = {"expert": 0, "other": 0}
     for f in sorted(ckpt.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -169,7 +163,7 @@ def _bytes_per_token(config: dict, kind: str, ckpt: Path) -> float:
     routed = config["num_experts_per_tok"] * numel["expert"] / experts  # (every layer's K)
     embed = config["vocab_size"] * config["hidden_size"]  # an untied embedding: one row a token
     unread = 0 if config.get("tie_word_embeddings") else embed - config["hidden_size"]
-    return (routed + numel["other"] - unread) * per_weight
+    return routed + numel["other"] - unread
 
 
 def _memory_read_rate(threads: int, repeats: int) -> float:

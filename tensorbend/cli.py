@@ -17,7 +17,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from tensorbend.command_line import UsageError, quick_check
+from tensorbend.command_line import UsageError, check_json_path, quick_check
 from tensorbend.errors import TensorbendError, TensorbendWarning
 from tensorbend.flags import config_from_args
 from tensorbend.parser import build_parser
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        _check_json_path(getattr(args, "json", None))
+        check_json_path(getattr(args, "json", None))
         with warnings.catch_warnings():  # (restores showwarning on the way out)
             warnings.showwarning = _warning_line(warnings.showwarning)
             return args.func(args) or 0
@@ -334,26 +334,6 @@ def _cmd_store_rm(args) -> int:
 
 
 # ---------------------------------------------------------------- parser
-
-
-def _check_json_path(path) -> None:
-    """Refuse a `--json` path that cannot be written before any work (a directory, a missing
-    or read-only folder), so a run's summary is never lost at its end."""
-    if not isinstance(path, str) or not path:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise TensorbendError(
-            f"--json {path}: expected a file path, found a directory; pass a file name such "
-            f"as {p / 'summary.json'}"
-        )
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise TensorbendError(
-            f"--json {path}: expected an existing folder, found no {folder}; create it first"
-        )
-    if not os.access(folder, os.W_OK):
-        raise TensorbendError(f"--json {path}: the folder {folder} is not writable by this user")
 
 
 def _write_json(path: str | None, obj: dict) -> None:

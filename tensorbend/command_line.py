@@ -1,16 +1,22 @@
 """The command line's words before argparse reads them: every verb's flags (the table
 `tools/cli_reference.py` writes to tensorbend/data/cli_flags.json), the check of a command line
-against it that needs no import of torch or transformers, and sizes that start with '-'.
+against it that needs no import of torch or transformers, sizes that start with '-', and a
+`--json` path that could not be written.
 
 Usage:
     quick_check(["generate", "--bogus"], table)     # UsageError: unrecognized arguments: --bogus
     joined_sizes(["--max-memory", "-1GB"])          # ["--max-memory=-1GB"]
     flag_table(build_parser(funcs))                 # {"generate": ["--chat", ...], ...}
+    check_json_path("out/")                         # TensorbendError: expected a file path
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+from tensorbend.errors import TensorbendError
 
 
 class UsageError(Exception):
@@ -87,3 +93,23 @@ def quick_check(argv: list[str], table: dict[str, list[str]]) -> None:
 def _under(key: str, path: tuple[str, ...]) -> bool:
     words = key.split(" ") if key else []
     return len(words) == len(path) + 1 and tuple(words[: len(path)]) == path
+
+
+def check_json_path(path) -> None:
+    """Refuse a `--json` path that cannot be written before any work (a directory, a missing
+    or read-only folder), so a run's summary is never lost at its end."""
+    if not isinstance(path, str) or not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise TensorbendError(
+            f"--json {path}: expected a file path, found a directory; pass a file name such "
+            f"as {p / 'summary.json'}"
+        )
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise TensorbendError(
+            f"--json {path}: expected an existing folder, found no {folder}; create it first"
+        )
+    if not os.access(folder, os.W_OK):
+        raise TensorbendError(f"--json {path}: the folder {folder} is not writable by this user")
