@@ -284,7 +284,7 @@ bench-serve-staging: bench-traces
 # tensorbend beside transformers + accelerate offloading (the baseline without tensorbend), every
 # run in a memory cgroup of import baseline + budget (needs root; run alone, ~30 min).
 bench-serve-accelerate: setup
-	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 3 --prompts 3 \
+	$(PY) -m bench.serve_memory --factor 184 --max-memory 1GB --repeats 5 --prompts 3 \
 		--max-new-tokens 48 --accelerate --memory-cap \
 		--only 'lru$$|lfru/adm=frequency$$|lru/per_layer$$|accelerate' \
 		--json docs/results/bench/serve_accelerate.json --doc docs/results/serve_accelerate.md > /dev/null

@@ -288,7 +288,7 @@ _SERVES = sorted(p.stem for p in (DOCS / "bench").glob("serve_*.json"))
 @pytest.mark.parametrize("name", _SERVES)
 def test_a_serving_page_says_when_ours_met_no_peer_that_predicts(name):
     """A real-disk serving page warns that ours met only caches exactly when its JSON has rows
-    of ours and none of spec_gate or the seed's MLP (serve_memory_narrow predates them)."""
+    of ours and none of spec_gate or the seed's MLP."""
     res = json.loads((DOCS / "bench" / f"{name}.json").read_text())
     # (serve_precision's rows are named "STORE: POLICY")
     names = [r.get("policy") or r["row"].split(": ", 1)[-1] for r in res["results"]]
@@ -429,10 +429,7 @@ def test_architecture_module_map_is_what_the_modules_say():
 TIMED = ("offload", "serve_memory", "serve_precision", "vllm_offload")  # renderers with tok/s
 SHORT = {  # cited timed pages not yet rerun to the standard, and why (the list only shrinks)
     "headline_deep_b4.md": "3 repeats (zoo:dsv3-deep at batch 4, ~60 min at 5)",
-    "headline_deep_domain.md": "3 repeats (zoo:dsv3-deep, held-out topics, ~40 min at 5)",
-    "serve_memory_narrow.md": "3 repeats, no host load",
     "serve_accelerate.md": "3 repeats, no host load",
-    "serve_staging.md": "no host load",
 }
 
 

@@ -36,7 +36,7 @@ PAGES = (
     ("bench.pages.zoo_card", "zoo_card.json", "zoo_card.md"),
     ("bench.pages.zoo_card", "zoo_probe.json", "zoo_probe.md"),
     *[("bench.pages.serve_memory", f"bench/{n}.json", f"{n}.md")
-      for n in ("serve_memory", "serve_memory_narrow", "serve_accelerate", "serve_llama_cpp",
+      for n in ("serve_memory", "serve_accelerate", "serve_llama_cpp",
                 "serve_staging")],
     *[("bench.pages.serve_precision", f"bench/{n}.json", f"{n}.md")
       for n in ("serve_precision", "serve_precision_qwen")],

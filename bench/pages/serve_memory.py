@@ -36,8 +36,7 @@ def markdown(res: dict) -> str:
         f": median decode "
         f"tok/s [range]. vs best = the median [range] of the per-repeat ratios to the best "
         f"policy without prediction ({res['best_no_prediction']}); a range that holds 1.00 is "
-        f"no gain. Rows ending /jit=0 run with `TENSORBEND_JIT=0` (numpy paths instead of "
-        f"numba's compiled kernels, whose memory then goes to the cache)." + _host_line(res),
+        "no gain." + _host_line(res),
         "",
         "| policy | decode tok/s [range] | vs best | "
         + (
