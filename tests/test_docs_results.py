@@ -429,7 +429,6 @@ def test_architecture_module_map_is_what_the_modules_say():
 TIMED = ("offload", "serve_memory", "serve_precision", "vllm_offload")  # renderers with tok/s
 SHORT = {  # cited timed pages not yet rerun to the standard, and why (the list only shrinks)
     "headline_deep_b4.md": "3 repeats (zoo:dsv3-deep at batch 4, ~60 min at 5)",
-    "serve_accelerate.md": "3 repeats, no host load",
 }
 
 
