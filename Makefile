@@ -195,7 +195,7 @@ bench-headline: bench-traces
 		--doc docs/results/headline_default_b4.md > /dev/null
 
 # zoo:dsv3-deep (routing like a real MoE's): the same comparison at the x1 link, 25% cache,
-# 5 repeats (4 prompts x 24 tokens: the model decodes ~4x slower; ~40 min); then batch 4.
+# 5 repeats (4 prompts x 24 tokens: the model decodes ~4x slower; 32 min measured); then batch 4.
 bench-headline-deep: bench-traces
 	$(PY) -m bench.offload_sweep --model zoo:dsv3-deep --trace $(BENCH)/deep/trace \
 		--predictor $(BENCH)/deep/ours_d1.safetensors \
