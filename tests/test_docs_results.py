@@ -429,9 +429,9 @@ def test_architecture_module_map_is_what_the_modules_say():
 
 
 TIMED = ("offload", "serve_memory", "serve_precision", "vllm_offload")  # renderers with tok/s
-SHORT = {  # cited timed pages not yet rerun to the standard, and why (the list only shrinks)
-    "headline_deep_b4.md": "3 repeats (zoo:dsv3-deep at batch 4, ~60 min at 5)",
-}
+SHORT: dict[
+    str, str
+] = {}  # cited timed pages not yet rerun to the standard, and why (only shrinks)
 
 
 def _standard(rep: dict) -> list[str]:
@@ -458,3 +458,14 @@ def test_every_cited_timed_page_has_five_repeats_and_its_host_load():
         assert bool(lacks) == (name in SHORT), (name, lacks)
         checked.append(name)
     assert len(checked) >= 10 and set(SHORT) <= set(checked)
+
+
+def test_every_foresight_emulated_and_real_disk_page_has_the_cross_token_peer():
+    """The training-free cross-token peer (`recency`) runs beside ours' horizon wherever ours
+    does: the replay (foresight pages), every emulated-link headline and the real-disk bench."""
+    names = [f"{h}.md" for h in pages._HEADLINES] + ["serve_memory.md"]
+    names += [p.name for p in DOCS.glob("foresight_*.md")]
+    assert len(names) >= 11
+    for name in names:
+        rows = [line for line in (DOCS / name).read_text().splitlines() if line.startswith("|")]
+        assert any("recency" in " ".join(line.split("|")[1:3]) for line in rows), name
