@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-staging bench-serve-accelerate llama-cpp test-llama-cpp clean
+.PHONY: setup vllm-env test-vllm demo test lint docs gpu-check bench bench-traces bench-accuracy bench-timing bench-headline bench-headline-deep bench-headline-deep-domain bench-headline-deep-x4 bench-headline-domain bench-serve bench-serve-staging bench-serve-accelerate bench-onednn-memory llama-cpp test-llama-cpp clean
 
 $(VENV)/.setup-done: pyproject.toml requirements-ci.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -288,6 +288,18 @@ bench-serve-accelerate: setup
 		--max-new-tokens 48 --accelerate --memory-cap \
 		--only 'lru$$|lfru/adm=frequency$$|lru/per_layer$$|accelerate' \
 		--json docs/results/bench/serve_accelerate.json --doc docs/results/serve_accelerate.md > /dev/null
+
+# What oneDNN holds when experts compute in bf16 on CPU (peak RSS with oneDNN off, on without
+# its reserve, on as served; 3 runs each, ~15 min): decoding qwen3moe-tiny x184 at 1 GB, then a
+# 552-token prefill on zoo:default x184 at 360 MB (checkpoints from `make bench-serve`, the
+# prompt from bench.serve_precision's workdir).
+bench-onednn-memory:
+	$(PY) -m bench.onednn_memory --model $(BENCH)/serve/qwen3moe-tiny-x184 \
+		--store-dir $(BENCH)/serve/store-qwen3moe-tiny --max-memory 1GB \
+		--prompts $(BENCH)/serve/prompts.jsonl --runs 3 --json docs/results/bench/onednn_memory.json > /dev/null
+	$(PY) -m bench.onednn_memory --model $(BENCH)/serve/ckpt-x184 --store-dir $(BENCH)/serve/store \
+		--max-memory 360MB --prompts $(BENCH)/serve/prefill.jsonl --max-new-tokens 1 --runs 3 \
+		--json docs/results/bench/onednn_memory_prefill.json > /dev/null
 
 # Optional extra: llama.cpp (the sources llama-cpp-python's sdist vendors) built into
 # runs/llama.cpp/ as a serving peer (bench/llama_cpp.py, docs/guide/peers.md), and

@@ -20,6 +20,7 @@ from tensorbend.offload.layer import OFFLOAD_FAMILIES
 from tensorbend.offload.layout import ExpertLayout
 from tensorbend.offload.shards import Checkpoint
 from tensorbend.offload.store import ExpertStore
+from tensorbend.serving.budget import ONEDNN_RESERVE, RESERVE_FIXED
 from tensorbend.serving.model_build import build_without_experts
 
 
@@ -216,17 +217,19 @@ def test_layout_and_dtype_refused(tmp_path):
         OffloadHandle(lm, spec, small, path, PolicyConfig("lru", cache_frac=0.5))
 
 
-def _wide_checkpoint(path):
-    """A Qwen3-MoE checkpoint of 302 MB of routed experts (4 layers x 32 experts of 2.4 MB)."""
+def _wide_checkpoint(path, moe_intermediate: int = 1536, dtype=torch.float32):
+    """A Qwen3-MoE checkpoint of 302 MB of routed experts (4 layers x 32 experts of 2.4 MB;
+    float32, moe_intermediate 1536), or of other widths and dtypes."""
     import transformers
     from tiny_models import COMMON
 
     config = transformers.Qwen3MoeConfig(**{**COMMON, "hidden_size": 128, "head_dim": 32},
-                                         intermediate_size=256, moe_intermediate_size=1536,
+                                         intermediate_size=256,
+                                         moe_intermediate_size=moe_intermediate,
                                          num_hidden_layers=4, num_experts=32,
                                          num_experts_per_tok=2, eos_token_id=1)  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return model
@@ -239,27 +242,36 @@ def _import_baseline() -> int:
                               check=True).stdout)  # fmt: skip
 
 
-def test_generate_cli_streams_and_stays_within_budget(tmp_path):
-    """A checkpoint whose experts are 3x the memory budget: `tensorbend generate` in its own
-    process streams text, reads every expert from the store on disk, and its peak RSS (mapped
-    file pages included) stays within the import baseline + the budget."""
-    _wide_checkpoint(tmp_path / "ckpt")
-    expert_bytes = 3 * 128 * 1536 * 4
-    total = 4 * 32 * expert_bytes  # 302 MB of routed experts
-    budget = 96 * 10**6
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_generate_cli_streams_and_stays_within_budget(tmp_path, dtype):
+    """A checkpoint whose experts are over twice the memory budget: `tensorbend generate` in
+    its own process streams text, reads every expert from the store on disk, and its peak RSS
+    (mapped file pages included) stays within the import baseline + the budget; in bf16 too
+    (a bf16 checkpoint of 3x wider experts, 453 MB), where the experts' matmuls run through
+    oneDNN on CPU (its kernels and scratch memory charged in the reserve:
+    `budget.ONEDNN_RESERVE`)."""
+    width = 1536 if dtype == "float32" else 3 * 1536
+    _wide_checkpoint(tmp_path / "ckpt", width, getattr(torch, dtype.replace("bf", "bfloat")))
+    expert_bytes = 3 * 128 * width * (4 if dtype == "float32" else 2)
+    total = 4 * 32 * expert_bytes  # 302 MB (453 MB bf16) of routed experts
+    budget = (96 if dtype == "float32" else 200) * 10**6
     base = _import_baseline()
     out = subprocess.run(
         [sys.executable, "-m", "tensorbend", "generate", "--model", str(tmp_path / "ckpt"),
          "--prompt", "alpha beta", "--max-new-tokens", "12", "--max-memory", f"{budget}B",
-         "--store-dir", str(tmp_path / "store"), "--quiet", "--json", str(tmp_path / "s.json")],
+         "--store-dir", str(tmp_path / "store"), "--quiet", "--json", str(tmp_path / "s.json"),
+         "--dtype", dtype],
         capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("alpha beta") and "[tensorbend]" in out.stderr
     s = json.loads((tmp_path / "s.json").read_text())
-    assert total > 3 * budget and s["cache_slots"] * expert_bytes < budget
+    assert total > 2 * budget and s["cache_slots"] * expert_bytes < budget
     assert s["bytes_read_per_token"] > 0 and s["decode_tokens"] > 0
-    (store,) = (tmp_path / "store").glob("ckpt-*/experts-float32.safetensors")
+    onednn = dtype == "bf16" and torch.backends.mkldnn.is_available()
+    assert s["memory_plan"]["onednn"] == (ONEDNN_RESERVE if onednn else 0)
+    name = "float32" if dtype == "float32" else "bfloat16"
+    (store,) = (tmp_path / "store").glob(f"ckpt-*/experts-{name}.safetensors")
     assert store.stat().st_size > total
     assert s["peak_rss_bytes"] <= base + budget, (s["peak_rss_bytes"], base)
 
@@ -369,6 +381,12 @@ def test_memory_plan_charges_the_measured_model_part():
     one = ServeConfig(max_memory="100MB", reserve="10MB", offload=PolicyConfig(staging_slots=1))
     plan = memory_plan(one, 5 * mb, spec, mb, 0)
     assert (plan["staging"], plan["cache"]) == (1 * mb, 84 * mb)
+    # --reserve auto (no KV cache, no heads: the fixed part) and oneDNN's part beside it
+    auto = ServeConfig(max_memory="300MB")
+    plain, dnn = (memory_plan(auto, 5 * mb, spec, mb, 0, onednn=o) for o in (False, True))
+    assert plain["reserve"] == RESERVE_FIXED and plain["onednn"] == 0
+    assert dnn["reserve"] == RESERVE_FIXED + ONEDNN_RESERVE == dnn["onednn"] + RESERVE_FIXED
+    assert dnn["cache"] == plain["cache"] - ONEDNN_RESERVE
     with pytest.raises(tensorbend.TensorbendError) as e:
         memory_plan(cfg, 5 * mb, spec, mb, 0, loaded_bytes=90 * mb)
     assert str(e.value) == (

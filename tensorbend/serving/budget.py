@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import replace
 
+import torch
+
 from tensorbend.cache.config import PolicyConfig, min_slots
 from tensorbend.errors import TensorbendError
 from tensorbend.memory import kv_bytes_per_token, parse_bytes, rss_bytes
@@ -38,6 +40,15 @@ RESERVE_FIXED = 64 * 10**6
 allocator's retained heap and the I/O threads' arenas (what the serving bench's runs use of
 the reserve: docs/results/serve_memory.md)."""
 
+ONEDNN_RESERVE = 64 * 10**6
+"""--reserve auto's part for oneDNN where experts compute in bf16 or fp16 on CPU: torch runs
+those matmuls through oneDNN, which keeps a primitive (kernel and scratch memory) per shape
+for the life of the process, none of it in the import baseline. Decoding zoo:qwen3moe-tiny x184
+at 1 GB it held 52-54 MB (`python -m bench.onednn_memory`, docs/results/bench/onednn_memory.json).
+Not bounded yet: a long prefill on wide experts creates a primitive per token count and holds
+far more (about 183 MB for a 552-token prompt on zoo:default x184:
+docs/results/bench/onednn_memory_prefill.json)."""
+
 CONTEXT_TOKENS = 2048
 """Tokens per sequence (prompt + new) --reserve auto keeps room for unless told
 (`ServeConfig.context_tokens`; `tensorbend generate` sets it from its prompts)."""
@@ -62,6 +73,7 @@ def memory_plan(
     kv_bytes: int,
     loaded_bytes: int | None = None,
     attn_heads: int = 0,
+    onednn: bool = False,
 ) -> dict:
     """Where --max-memory goes (`cfg`: a ServeConfig), in bytes: {budget, non_expert, model, staging, reserve, cache};
     `cache` (what is left) becomes slots only at the slot table (`PolicyConfig.slots`). Raises
@@ -74,7 +86,8 @@ def memory_plan(
     on CPU, how much the process's resident set grew while the model was built without its
     experts and the predictors loaded (the model's modeling code and Python objects, the
     predictors' weights, beside its tensors): charged as the model's part when it exceeds the
-    non-expert tensors' bytes."""
+    non-expert tensors' bytes. onednn: the experts' matmuls run through oneDNN (`uses_onednn`),
+    whose memory --reserve auto adds (ONEDNN_RESERVE)."""
     budget = parse_bytes(cfg.max_memory)
     model = max(non_expert_bytes, loaded_bytes or 0)
     what = f"non-expert weights {_mb(non_expert_bytes)}"
@@ -82,6 +95,7 @@ def memory_plan(
         what = f"the model without its experts {_mb(model)} (measured; its tensors "
         what += f"{_mb(non_expert_bytes)})"
     auto = reserve_auto(kv_bytes, cfg.context_tokens, attn_heads)
+    auto += ONEDNN_RESERVE if onednn else 0
     reserve = auto if cfg.reserve == "auto" else parse_bytes(cfg.reserve, "--reserve")
     staging = cfg.offload.staging(spec.top_k) * expert_bytes
     need = min_slots(spec.top_k, spec.num_moe_layers, cfg.offload.pool)
@@ -89,7 +103,8 @@ def memory_plan(
     if budget < minimum:
         whose = "--reserve"
         if cfg.reserve == "auto":
-            whose = f"the reserve for {cfg.context_tokens:,} tokens (KV cache, attention)"
+            parts = "KV cache, attention" + (", oneDNN" if onednn else "")
+            whose = f"the reserve for {cfg.context_tokens:,} tokens ({parts})"
         raise TensorbendError(
             f"--max-memory {cfg.max_memory}: expected at least {_mb(minimum)} = {what} + "
             f"staging {_mb(staging)} + {whose} {_mb(reserve)} + {need} cached experts "
@@ -104,6 +119,7 @@ def memory_plan(
         "reserve": reserve,
         "cache": budget - model - staging - reserve,
         "context_tokens": cfg.context_tokens if cfg.reserve == "auto" else None,
+        "onednn": ONEDNN_RESERVE if onednn and cfg.reserve == "auto" else 0,
     }
 
 
@@ -112,6 +128,14 @@ def reserve_auto(kv_bytes: int, context: int, attn_heads: int) -> int:
     scores of one prefill chunk against them (PREFILL_CHUNK) and RESERVE_FIXED."""
     scores = min(PREFILL_CHUNK, context) * context * attn_heads * 4
     return context * kv_bytes + scores + RESERVE_FIXED
+
+
+def uses_onednn(device: str, layout: ExpertLayout) -> bool:
+    """Whether the experts' matmuls run through oneDNN: dense bf16 or fp16 slots on CPU with
+    torch's oneDNN path available and enabled (float32 matmuls and the int4 kernel do not)."""
+    dense_half = not layout.int4_slots and layout.dtype in (torch.bfloat16, torch.float16)
+    mkldnn = torch.backends.mkldnn
+    return device == "cpu" and dense_half and mkldnn.is_available() and mkldnn.enabled
 
 
 def prefill_chunk(prompt_tokens: int) -> int:
@@ -134,7 +158,8 @@ def size_cache(
     non_expert += sum(b.numel() * b.element_size() for b in lm.buffers())
     kv = kv_bytes_per_token(lm.config, layout.dtype)
     heads = getattr(lm.config.get_text_config(), "num_attention_heads", 0) or 0
-    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded, heads)
+    onednn = uses_onednn(cfg.device, layout)
+    plan = memory_plan(cfg, non_expert, spec, layout.nbytes, kv, loaded, heads, onednn)
     return replace(cfg.offload, cache_bytes=plan["cache"]), plan
 
 

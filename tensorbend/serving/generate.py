@@ -249,10 +249,11 @@ def _plan_line(plan: dict | None) -> str:
     """Where --max-memory went (serving.memory_plan), as a second summary line."""
     if not plan:
         return ""
-    mb = {k: f"{v / 1e6:.1f}" for k, v in plan.items()}
+    mb = {k: f"{v / 1e6:.1f}" for k, v in plan.items() if isinstance(v, int)}
+    onednn = f" (oneDNN {mb['onednn']})" if plan.get("onednn") else ""
     return (
         f"\n[tensorbend] --max-memory {mb['budget']} MB = model without experts {mb['model']} "
-        f"+ staging {mb['staging']} + reserve {mb['reserve']} + cache {mb['cache']} MB "
+        f"+ staging {mb['staging']} + reserve {mb['reserve']}{onednn} + cache {mb['cache']} MB "
         f"(+ {plan['budget'] - sum(plan[k] for k in ('model', 'staging', 'reserve', 'cache')):,} "
         f"bytes unused); peak RSS counts the import baseline (~400 MB on CPU) on top"
     )

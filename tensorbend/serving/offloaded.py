@@ -85,7 +85,8 @@ class ServeConfig:
     reserve: str = "auto"
     """Part of --max-memory kept for the KV cache and activations: a size, or auto (for
     --context-tokens at batch 1: their KV cache from config.json, the attention scores of one
-    512-token prefill chunk against them, + 64 MB)."""
+    512-token prefill chunk against them, + 64 MB; + 64 MB more for oneDNN where experts
+    compute in bf16 or fp16 on CPU)."""
     context_tokens: int = CONTEXT_TOKENS
     """Tokens per sequence (prompt + new) that --reserve auto keeps room for; a longer
     sequence is refused. `generate` sets it from its longest prompt + --max-new-tokens."""
