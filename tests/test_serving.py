@@ -571,3 +571,17 @@ def test_the_serving_guides_zoo_budget_fits(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "policy lfru, admission frequency" in done.stderr  # generate's default cache
+
+
+def test_generate_prints_the_plan_of_an_explicit_reserve(tmp_path, capsys):
+    """`--reserve 80MB` (no context to size for: the plan's context_tokens is None) prints the
+    plan's line with that reserve; it used to fail formatting None. In bf16 on a CPU with
+    oneDNN, --reserve auto names oneDNN's part."""
+    argv = ["generate", "--model", "zoo:qwen3moe-tiny", "--prompt", "hello", "--max-new-tokens",
+            "2", "--max-memory", "200MB", "--store-dir", str(tmp_path / "store")]  # fmt: skip
+    assert main(argv + ["--reserve", "80MB"]) == 0
+    assert "+ reserve 80.0 + cache " in capsys.readouterr().err
+    assert main(argv + ["--dtype", "bf16"]) == 0
+    err = capsys.readouterr().err
+    onednn = f"+ reserve {(RESERVE_FIXED + ONEDNN_RESERVE) / 1e6:.1f} (oneDNN 64.0)"
+    assert (onednn in err) == torch.backends.mkldnn.is_available(), err[-600:]
