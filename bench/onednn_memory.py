@@ -32,9 +32,10 @@ import tempfile
 from pathlib import Path
 
 from bench.record import command, emit
+from bench.serve_memory import _import_rss
 from tensorbend.host_load import CpuMeter
 from tensorbend.memory import parse_bytes
-from tensorbend.serving.budget import IMPORT_BASELINE, ONEDNN_RESERVE
+from tensorbend.serving.budget import ONEDNN_RESERVE
 
 RUN = (
     "import runpy, sys, torch; {pre}; sys.argv = ['tensorbend'] + sys.argv[1:]; "
@@ -63,8 +64,7 @@ def main(argv=None) -> int:
                     help="also run oneDNN with these primitive cache capacities (its default: 1024)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    base = int(subprocess.run([sys.executable, "-c", IMPORT_BASELINE], capture_output=True,
-                              text=True, check=True).stdout)  # fmt: skip
+    base = _import_rss()
     budget = parse_bytes(args.max_memory)
     flags = ["generate", "--model", args.model, "--store-dir", args.store_dir, "--max-memory",
              args.max_memory, "--prompts", args.prompts, "--max-new-tokens",
@@ -85,8 +85,9 @@ def main(argv=None) -> int:
             meter = CpuMeter()  # (this process and the run, against the machine)
             s = _run(flags + extra, pre, env)
             load = meter.stop().to_json()
-            reserve = reserve or s["memory_plan"]["reserve"]  # (onednn off's, run first)
             plan = s["memory_plan"]
+            if name == "onednn off":  # (first: its reserve is the uncharged one)
+                reserve = plan["reserve"]
             rows.append({"variant": name, "run": r, "peak_rss_bytes": s["peak_rss_bytes"],
                          "over_budget_bytes": s["peak_rss_bytes"] - base - budget,
                          "reserve_bytes": plan["reserve"], "cache_bytes": plan["cache"],

@@ -429,9 +429,8 @@ def test_architecture_module_map_is_what_the_modules_say():
 
 
 TIMED = ("offload", "serve_memory", "serve_precision", "vllm_offload")  # renderers with tok/s
-SHORT: dict[
-    str, str
-] = {}  # cited timed pages not yet rerun to the standard, and why (only shrinks)
+# cited timed pages not yet rerun to the standard, and why (the list only shrinks)
+SHORT: dict[str, str] = {}
 
 
 def _standard(rep: dict) -> list[str]:
